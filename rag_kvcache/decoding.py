@@ -1,0 +1,60 @@
+"""Prefill (the baseline every speed-up is measured against) and the decode loop.
+
+`prefill -> decode` as plain functions, gpt-fast style: the linker replaces only the prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from rag_kvcache.config import GenerationConfig
+from rag_kvcache.errors import ContextTooLongError
+from rag_kvcache.model import Cache, LoadedModel, forward
+
+
+def prefill(lm: LoadedModel, token_ids: list[int]) -> tuple[Cache, torch.Tensor]:
+    """Plain causal prefill of token_ids: (cache, next-token logits [vocab])."""
+    if len(token_ids) > lm.max_context:
+        raise ContextTooLongError(
+            f"{len(token_ids)} prompt tokens exceed the model's window of {lm.max_context}"
+        )
+    ids = torch.tensor([token_ids], device=lm.device)  # [1, T]
+    logits, cache = forward(lm, ids, logits_to_keep=1)
+    return cache, logits[0, -1]
+
+
+def next_token(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
+    """Greedy when temperature is 0, else temperature + nucleus (top_p) sampling."""
+    if config.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / config.temperature, dim=-1)
+    if config.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < config.top_p  # always keeps the top one
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def decode(
+    lm: LoadedModel,
+    cache: Cache,
+    logits: torch.Tensor,
+    position: int,
+    config: GenerationConfig,
+) -> Iterator[int]:
+    """Yield up to max_new_tokens tokens; the first comes from `logits` (computed by the
+    prefill or the linker), each next one from a one-token forward at `position`, `position+1`...
+    Stops after an end-of-sequence token (yielded) or at the model's window."""
+    generator = torch.Generator().manual_seed(config.seed)
+    for step in range(config.max_new_tokens):
+        token = next_token(logits, config, generator)
+        yield token
+        last = step == config.max_new_tokens - 1
+        if token in lm.eos_ids or last or position >= lm.max_context:
+            return
+        ids = torch.tensor([[token]], device=lm.device)
+        pos = torch.tensor([[position]], device=lm.device)
+        out, cache = forward(lm, ids, positions=pos, cache=cache, logits_to_keep=1)
+        logits, position = out[0, -1], position + 1

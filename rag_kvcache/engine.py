@@ -1,0 +1,168 @@
+"""RagKVCache: encode document chunks once, then answer questions over their cached KV."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, replace
+
+from rag_kvcache.config import EngineConfig, GenerationConfig
+from rag_kvcache.decoding import decode, prefill
+from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.errors import EmptyChunkError
+from rag_kvcache.kv import EncodeSettings, make_cache_id
+from rag_kvcache.linker import link
+from rag_kvcache.model import LoadedModel, load_model
+from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.strategy import LinkStrategy, parse_strategy
+
+PREFILL = "prefill"  # not a link strategy: the plain full-prompt baseline, no cached KV used
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A generated answer and what it cost."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    strategy: str
+    prompt_tokens: int  # context + question
+    context_tokens: int
+    recomputed_tokens: int  # context tokens recomputed while linking
+    ttft_s: float  # request start -> first token chosen (store fetch + link + first forward)
+    decode_tokens_per_s: float
+    total_s: float
+
+
+class AnswerStream:
+    """Iterates over text pieces as they are generated; `.answer` is set once exhausted."""
+
+    def __init__(self, steps: Generator[str, None, Answer]):
+        self._steps = steps
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.answer = yield from self._steps
+
+
+class RagKVCache:
+    """The engine. `generate_context_cache(texts) -> cache_ids`, `generate(query, cache_ids)`."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        lm: LoadedModel | None = None,
+        store: MemoryStore | None = None,
+    ):
+        self.config = config or EngineConfig()
+        self.lm = lm or load_model(self.config.model)
+        self.store = store if store is not None else MemoryStore()
+        self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
+        prefix = self.template.prefix_ids(self.lm.tokenizer)
+        self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
+        self.prefix_id = self._cache([prefix], EncodeSettings())[0]
+
+    # ------------------------------------------------------------------ ingestion
+
+    def generate_context_cache(self, texts: list[str]) -> list[str]:
+        """Encode each text as one chunk (skipping any already cached); return their cache IDs."""
+        for i, text in enumerate(texts):
+            if not text.strip():
+                raise EmptyChunkError(f"text {i} is empty or whitespace; nothing to cache")
+        chunks = [self.template.chunk_ids(self.lm.tokenizer, t) for t in texts]
+        return self._cache(chunks, self.doc_settings)
+
+    def _cache(self, chunks: list[list[int]], settings: EncodeSettings) -> list[str]:
+        ids = [make_cache_id(self.lm.fingerprint, settings, c) for c in chunks]
+        todo = {cid: c for cid, c in zip(ids, chunks) if not self.store.contains(cid)}
+        batch = self.config.encode.batch_size
+        for kv in encode_chunks(self.lm, list(todo.values()), settings, batch):
+            self.store.put(kv)
+        return ids
+
+    def expire_cache(self, cache_id: str) -> bool:
+        """Forget a chunk's KV; later requests naming it get UnknownCacheIdError."""
+        return self.store.remove(cache_id)
+
+    # ------------------------------------------------------------------ answering
+
+    def prompt_ids(self, query: str, cache_ids: list[str]) -> list[int]:
+        """The full prompt, token for token, that linking reproduces (for the baseline)."""
+        chunks = self.store.get([self.prefix_id, *cache_ids])
+        context = [t for c in chunks for t in c.token_ids]
+        return context + self.template.question_ids(self.lm.tokenizer, query)
+
+    def generate(
+        self,
+        query: str,
+        cache_ids: list[str],
+        *,
+        strategy: str | LinkStrategy | None = None,
+        max_new_tokens: int | None = None,
+        stream: bool = False,
+    ) -> Answer | AnswerStream:
+        """Answer `query` over the cached chunks, in order, after the system prompt.
+
+        strategy: a link strategy (default: the config's) or "prefill" for the plain baseline.
+        """
+        name = str(strategy or self.config.strategy)
+        if name != PREFILL:
+            name = str(parse_strategy(name))
+        gen = self.config.generation
+        if max_new_tokens is not None:
+            gen = replace(gen, max_new_tokens=max_new_tokens)
+        steps = self._steps(query, cache_ids, name, gen)
+        if stream:
+            return AnswerStream(steps)
+        answer_stream = AnswerStream(steps)
+        for _ in answer_stream:
+            pass
+        assert answer_stream.answer is not None
+        return answer_stream.answer
+
+    def _steps(
+        self, query: str, cache_ids: list[str], strategy: str, gen: GenerationConfig
+    ) -> Generator[str, None, Answer]:
+        tok = self.lm.tokenizer
+        start = time.perf_counter()
+        question = self.template.question_ids(tok, query)
+        chunks = self.store.get([self.prefix_id, *cache_ids])
+        context_tokens = sum(c.num_tokens for c in chunks)
+        if strategy == PREFILL:
+            cache, logits = prefill(self.lm, [t for c in chunks for t in c.token_ids] + question)
+            recomputed = context_tokens
+        else:
+            linked = link(self.lm, chunks, question, strategy)
+            cache, logits, recomputed = linked.cache, linked.next_logits, linked.recomputed
+        position = context_tokens + len(question)
+        tokens: list[int] = []
+        text, ttft = "", 0.0
+        for token in decode(self.lm, cache, logits, position, gen):
+            if not tokens:
+                ttft = time.perf_counter() - start
+            tokens.append(token)
+            if token in self.lm.eos_ids:
+                break
+            full = tok.decode(tokens, skip_special_tokens=True)
+            if not full.endswith("\ufffd"):  # hold back half a UTF-8 character
+                yield full[len(text) :]
+                text = full
+        total = time.perf_counter() - start
+        answer_tokens = [t for t in tokens if t not in self.lm.eos_ids]
+        final = tok.decode(answer_tokens, skip_special_tokens=True)
+        if final != text:
+            yield final[len(text) :]
+        decode_s = total - ttft
+        return Answer(
+            text=final.strip(),
+            token_ids=tuple(answer_tokens),
+            strategy=strategy,
+            prompt_tokens=context_tokens + len(question),
+            context_tokens=context_tokens,
+            recomputed_tokens=recomputed,
+            ttft_s=ttft,
+            decode_tokens_per_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+            total_s=total,
+        )

