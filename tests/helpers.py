@@ -1,0 +1,41 @@
+"""Test helpers: a tiny random-weight Llama built here (no download), random chunks."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rag_kvcache.model import LoadedModel, describe
+
+TINY_VOCAB = 49152  # SmolLM2's vocabulary, so the tiny model can share its tokenizer
+
+
+def tiny_config(**overrides: object) -> LlamaConfig:
+    settings: dict = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.3,  # peaky attention, so a wrong mask shows in the logits
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def build_tiny(dtype: torch.dtype, seed: int = 0, tokenizer: object = None) -> LoadedModel:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM._from_config(tiny_config(), attn_implementation="sdpa")
+    model = model.to(dtype).eval().requires_grad_(False)
+    return describe(model, tokenizer, name=f"tiny-llama-{seed}")
+
+
+def random_chunks(lengths: list[int], seed: int = 0, vocab: int = 1000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

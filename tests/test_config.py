@@ -1,0 +1,28 @@
+import pytest
+
+from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, ModelConfig
+from rag_kvcache.errors import ConfigError, StrategyError
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: ModelConfig(dtype="float8"), "dtype 'float8' is not one of"),
+        (lambda: ModelConfig(quantization="3bit"), "quantization '3bit'"),
+        (lambda: ModelConfig(quantization="4bit"), "needs a CUDA device"),
+        (lambda: ModelConfig(threads=0), "threads must be >= 1"),
+        (lambda: EncodeConfig(batch_size=0), "batch_size must be >= 1"),
+        (lambda: EncodeConfig(sink_tokens=-1), "sink_tokens must be in 0..64"),
+        (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (lambda: GenerationConfig(temperature=-1), "temperature must be >= 0"),
+        (lambda: GenerationConfig(top_p=0), "top_p must be in"),
+    ],
+)
+def test_bad_values_are_named(build, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_bad_default_strategy_is_refused() -> None:
+    with pytest.raises(StrategyError, match="unknown link strategy 'fast'"):
+        EngineConfig(strategy="fast")

@@ -1,0 +1,28 @@
+import torch
+
+from rag_kvcache.config import GenerationConfig
+from rag_kvcache.decoding import next_token
+
+
+def test_greedy_takes_the_argmax() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert next_token(logits, GenerationConfig(), torch.Generator()) == 1
+
+
+def test_tiny_top_p_keeps_only_the_most_likely_token() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    config = GenerationConfig(temperature=5.0, top_p=1e-6)
+    picks = {next_token(logits, config, torch.Generator().manual_seed(s)) for s in range(20)}
+    assert picks == {1}
+
+
+def test_sampling_is_seeded_and_spreads() -> None:
+    logits = torch.zeros(50)
+    config = GenerationConfig(temperature=1.0)
+
+    def draw(seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return [next_token(logits, config, generator) for _ in range(30)]
+
+    assert draw(3) == draw(3)
+    assert len(set(draw(3))) > 5

@@ -1,0 +1,125 @@
+"""The engine end to end: on the tiny model (shares SmolLM2's tokenizer) and on real SmolLM2."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rag_kvcache import (
+    ContextTooLongError,
+    EmptyChunkError,
+    EncodeConfig,
+    EngineConfig,
+    FingerprintMismatchError,
+    GenerationConfig,
+    RagKVCache,
+    UnknownCacheIdError,
+)
+from rag_kvcache.decoding import prefill
+from rag_kvcache.linker import link, link_reference
+
+DATA = Path(__file__).resolve().parents[1] / "demos" / "data"
+DOCS = ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three harbor basins."]
+
+
+@pytest.fixture
+def tiny_engine(tiny64):
+    return RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=8)), lm=tiny64)
+
+
+def test_full_link_answers_exactly_like_plain_prefill(tiny_engine) -> None:
+    ids = tiny_engine.generate_context_cache(DOCS)
+    full = tiny_engine.generate("When was it built?", ids, strategy="full")
+    plain = tiny_engine.generate("When was it built?", ids, strategy="prefill")
+    assert full.token_ids == plain.token_ids and len(full.token_ids) == 8
+    assert full.prompt_tokens == len(tiny_engine.prompt_ids("When was it built?", ids))
+    assert full.recomputed_tokens == full.context_tokens
+
+
+def test_streaming_yields_the_same_text(tiny_engine) -> None:
+    ids = tiny_engine.generate_context_cache(DOCS)
+    stream = tiny_engine.generate("How many basins?", ids, stream=True)
+    pieces = list(stream)
+    answer = stream.answer
+    assert answer is not None and len(pieces) >= 2
+    assert "".join(pieces).strip() == answer.text
+    assert answer.text == tiny_engine.generate("How many basins?", ids).text
+    assert answer.ttft_s > 0 and answer.total_s >= answer.ttft_s
+
+
+def test_caching_is_idempotent_and_expiry_is_final(tiny_engine) -> None:
+    first = tiny_engine.generate_context_cache(DOCS)
+    size = len(tiny_engine.store)
+    assert tiny_engine.generate_context_cache(DOCS[::-1]) == first[::-1]
+    assert len(tiny_engine.store) == size  # nothing re-encoded
+    assert tiny_engine.expire_cache(first[0])
+    with pytest.raises(UnknownCacheIdError, match=first[0]):
+        tiny_engine.generate("q", first)
+    with pytest.raises(UnknownCacheIdError, match="deadbeef"):
+        tiny_engine.generate("q", ["deadbeef"])
+
+
+def test_bad_input(tiny_engine, tiny32) -> None:
+    with pytest.raises(EmptyChunkError, match="text 1 is empty"):
+        tiny_engine.generate_context_cache(["fine", "  \n"])
+    long_doc = " ".join(["harbor"] * 300)  # ~300 tokens each; the tiny window is 512
+    with pytest.raises(ContextTooLongError, match="exceed the model's window of 512"):
+        tiny_engine.generate("q", tiny_engine.generate_context_cache([long_doc, long_doc + " x"]))
+    with pytest.raises(ContextTooLongError, match="window is 512"):
+        tiny_engine.generate_context_cache([long_doc * 2])
+    other = RagKVCache(lm=tiny32, store=tiny_engine.store)  # a second model sharing the store
+    stranger = tiny_engine.generate_context_cache(["only the float64 model encoded this"])
+    with pytest.raises(FingerprintMismatchError, match="re-encode"):
+        other.generate("q", stranger)
+
+
+def test_sampling_is_reproducible(tiny_engine) -> None:
+    ids = tiny_engine.generate_context_cache(DOCS)
+    sampled = EngineConfig(generation=GenerationConfig(max_new_tokens=8, temperature=1.0, seed=7))
+    engine = RagKVCache(sampled, lm=tiny_engine.lm, store=tiny_engine.store)
+    assert engine.generate("q", ids).token_ids == engine.generate("q", ids).token_ids
+
+
+def test_sink_encoded_chunks_link_with_legolink0(tiny64) -> None:
+    engine = RagKVCache(EngineConfig(encode=EncodeConfig(sink_tokens=3)), lm=tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    assert all(c.start == 3 for c in engine.store.get(ids))
+    full = engine.generate("q", ids, strategy="full", max_new_tokens=6)
+    plain = engine.generate("q", ids, strategy="prefill", max_new_tokens=6)
+    assert full.token_ids == plain.token_ids
+    assert engine.generate("q", ids, strategy="legolink0", max_new_tokens=6).recomputed_tokens == 0
+
+
+# ----------------------------------------------------------------------------- real SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smol):
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=24)), lm=smol)
+    texts = [p.read_text() for p in sorted(DATA.glob("0*.md"))[:3]]
+    return engine, engine.generate_context_cache(texts)
+
+
+def test_smollm2_full_link_equals_prefill(smol_engine) -> None:
+    engine, ids = smol_engine
+    question = "Who is the current Harbor Reeve of Velmora?"
+    chunks = engine.store.get([engine.prefix_id, *ids])
+    query = engine.template.question_ids(engine.lm.tokenizer, question)
+    _, logits = prefill(engine.lm, engine.prompt_ids(question, ids))
+    linked = link(engine.lm, chunks, query, "full")
+    torch.testing.assert_close(linked.next_logits, logits, rtol=1e-4, atol=2e-4)
+    full = engine.generate(question, ids, strategy="full")
+    plain = engine.generate(question, ids, strategy="prefill")
+    assert full.token_ids == plain.token_ids
+    assert "Morrow-Kade" in plain.text  # the real model reads the cached document
+    lego_all = engine.generate(question, ids, strategy="legolink:100000")
+    assert lego_all.token_ids == plain.token_ids
+
+
+def test_smollm2_mask_matches_reference(smol_engine) -> None:
+    engine, ids = smol_engine
+    chunks = engine.store.get([engine.prefix_id, *ids[:2]])
+    query = engine.template.question_ids(engine.lm.tokenizer, "What year was the light built?")
+    fast = link(engine.lm, chunks, query, "legolink:3")
+    slow = link_reference(engine.lm, chunks, query, "legolink:3")
+    torch.testing.assert_close(fast.next_logits, slow.next_logits, rtol=1e-4, atol=2e-4)

@@ -1,0 +1,128 @@
+"""Linking equivalences: full == plain prefill, batched mask == one-token-at-a-time reference."""
+
+import pytest
+import torch
+from helpers import random_chunks
+
+from rag_kvcache.config import GenerationConfig
+from rag_kvcache.decoding import decode, prefill
+from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.errors import (
+    ContextTooLongError,
+    DtypeMismatchError,
+    FingerprintMismatchError,
+    StrategyError,
+)
+from rag_kvcache.kv import EncodeSettings
+from rag_kvcache.linker import link, link_mask, link_reference
+from rag_kvcache.model import unpack_cache
+from rag_kvcache.rope import apply_rope
+
+LENGTHS = [6, 11, 4, 9]  # prefix, then three document chunks
+QUERY = [7, 8, 9, 10, 11]
+
+
+def _setup(lm, lengths=LENGTHS, settings=EncodeSettings()):
+    ids = random_chunks(lengths, seed=5)
+    prefix = encode_chunks(lm, ids[:1])
+    docs = encode_chunks(lm, ids[1:], settings)
+    return prefix + docs, [t for c in ids for t in c]
+
+
+def _context_kv(linked, layer=0):
+    k, v = unpack_cache(linked.cache)[layer]
+    return k[0], v[0]
+
+
+@pytest.mark.parametrize("model", ["tiny64", "tiny32"])
+def test_full_equals_plain_prefill(model, request) -> None:
+    lm = request.getfixturevalue(model)
+    chunks, tokens = _setup(lm)
+    linked = link(lm, chunks, QUERY, "full")
+    cache, logits = prefill(lm, tokens + QUERY)
+    tol = 1e-10 if lm.dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(linked.next_logits, logits, rtol=tol, atol=tol)
+    for (k1, v1), (k2, v2) in zip(unpack_cache(linked.cache), unpack_cache(cache)):
+        torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
+        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+    assert linked.recomputed == sum(LENGTHS) and linked.length == sum(LENGTHS) + len(QUERY)
+    config = GenerationConfig(max_new_tokens=12)
+    position = len(tokens) + len(QUERY)
+    assert list(decode(lm, linked.cache, linked.next_logits, position, config)) == list(
+        decode(lm, cache, logits, position, config)
+    )
+
+
+@pytest.mark.parametrize("k", [11, 50])
+def test_legolink_with_k_past_chunk_length_equals_full(tiny64, k: int) -> None:
+    chunks, _ = _setup(tiny64)
+    lego = link(tiny64, chunks, QUERY, f"legolink:{k}")
+    full = link(tiny64, chunks, QUERY, "full")
+    torch.testing.assert_close(lego.next_logits, full.next_logits, rtol=1e-10, atol=1e-10)
+    assert lego.recomputed == sum(LENGTHS[1:])  # the exact prefix is kept
+
+
+def test_naive_is_plain_concatenation_of_rotated_chunks(tiny64) -> None:
+    chunks, _ = _setup(tiny64)
+    linked = link(tiny64, chunks, QUERY, "naive")
+    offsets = torch.tensor([0, 6, 17, 21])
+    for layer in range(tiny64.num_layers):
+        k, v = _context_kv(linked, layer)
+        expected_k = torch.cat(
+            [
+                apply_rope(c.keys[layer], torch.full((c.num_tokens,), int(o)), tiny64.inv_freq)
+                for c, o in zip(chunks, offsets)
+            ],
+            dim=1,
+        )
+        assert torch.equal(v[:, :30], torch.cat([c.values[layer] for c in chunks], dim=1))
+        torch.testing.assert_close(k[:, :30], expected_k, rtol=0, atol=1e-12)
+    assert linked.recomputed == 0
+
+
+@pytest.mark.parametrize(
+    "strategy", ["full", "naive", "legolink:1", "legolink:3", "cacheblend:0.3", "legolink0"]
+)
+def test_one_forward_with_custom_mask_equals_token_by_token_reference(tiny64, strategy) -> None:
+    settings = EncodeSettings((1, 2)) if strategy == "legolink0" else EncodeSettings()
+    chunks, _ = _setup(tiny64, settings=settings)
+    fast = link(tiny64, chunks, QUERY, strategy)
+    slow = link_reference(tiny64, chunks, QUERY, strategy)
+    assert fast.recomputed == slow.recomputed
+    torch.testing.assert_close(fast.next_logits, slow.next_logits, rtol=1e-10, atol=1e-10)
+    for (k1, v1), (k2, v2) in zip(unpack_cache(fast.cache), unpack_cache(slow.cache)):
+        torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+
+
+def test_recompute_changes_the_context(tiny64) -> None:
+    """Guards the tests above against a no-op: recomputed tokens really differ from naive."""
+    chunks, _ = _setup(tiny64)
+    naive, lego = link(tiny64, chunks, QUERY, "naive"), link(tiny64, chunks, QUERY, "legolink:2")
+    assert (naive.next_logits - lego.next_logits).abs().max() > 1e-3
+
+
+def test_link_mask_small_case() -> None:
+    # context of 4 tokens, recompute position 2, query at 4 and 5
+    mask = link_mask(torch.tensor([2, 4, 5]), torch.tensor([2]), 4)
+    assert mask.int().tolist() == [
+        [1, 1, 0, 0, 1, 0, 0],  # recomputed token 2 sees cached 0, 1 and itself
+        [1, 1, 0, 1, 1, 1, 0],  # query 4 sees all cached but the stale 2, fresh 2, itself
+        [1, 1, 0, 1, 1, 1, 1],
+    ]
+
+
+def test_bad_chunks_give_clear_errors(tiny64, tiny32) -> None:
+    chunks, _ = _setup(tiny64)
+    with pytest.raises(FingerprintMismatchError, match="re-encode it with this model"):
+        link(tiny32, chunks, QUERY, "naive")
+    other, _ = _setup(tiny32)
+    forged = [type(c)(c.cache_id, tiny64.fingerprint, c.token_ids, c.keys, c.values) for c in other]
+    with pytest.raises(DtypeMismatchError, match="torch.float32"):
+        link(tiny64, forged, QUERY, "naive")
+    with pytest.raises(ContextTooLongError, match="window of 512"):
+        link(tiny64, chunks * 20, QUERY, "naive")
+    with pytest.raises(StrategyError, match="sink tokens"):
+        link(tiny64, chunks, QUERY, "legolink0")
+    with pytest.raises(StrategyError, match="at least one token"):
+        link(tiny64, chunks, [], "naive")

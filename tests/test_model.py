@@ -1,0 +1,77 @@
+import pytest
+import torch
+from helpers import build_tiny, tiny_config
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+from rag_kvcache.config import ModelConfig
+from rag_kvcache.errors import UnsupportedModelError
+from rag_kvcache.model import check_supported, convert_gguf, default_model_path, model_fingerprint
+
+
+def _refusal(model) -> str:
+    with pytest.raises(UnsupportedModelError) as info:
+        check_supported(model.config, model)
+    return str(info.value)
+
+
+def test_length_dependent_rope_is_refused() -> None:
+    config = tiny_config(
+        vocab_size=64,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
+    assert "'dynamic' depends on sequence length" in _refusal(LlamaForCausalLM(config))
+
+
+def test_sliding_window_is_refused() -> None:
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=16,
+    )
+    assert "sliding-window" in _refusal(MistralForCausalLM(config))
+
+
+def test_model_without_rope_is_refused() -> None:
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
+    assert "only RoPE models" in _refusal(GPT2LMHeadModel(config))
+
+
+def test_static_rope_variants_are_accepted() -> None:
+    for rope in ({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, None):
+        config = tiny_config(vocab_size=64, **({"rope_parameters": rope} if rope else {}))
+        check_supported(config, LlamaForCausalLM(config))
+
+
+def test_fingerprint_tells_weights_and_dtype_apart(tiny64) -> None:
+    same = build_tiny(torch.float64)
+    assert same.fingerprint == tiny64.fingerprint
+    assert build_tiny(torch.float32).fingerprint != tiny64.fingerprint
+    assert build_tiny(torch.float64, seed=1).fingerprint != tiny64.fingerprint
+    nudged = build_tiny(torch.float64)
+    nudged.model.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
+    assert model_fingerprint(nudged.model, torch.float64) != tiny64.fingerprint
+
+
+def test_default_model_facts(smol) -> None:
+    assert smol.num_layers == 30 and smol.num_kv_heads == 3 and smol.head_dim == 64
+    assert smol.max_context == 8192 and smol.dtype == torch.float32
+    assert smol.tokenizer.convert_ids_to_tokens(list(smol.eos_ids)) == ["<|im_end|>"]
+
+
+def test_gguf_is_converted_once_and_reused() -> None:
+    cache_dir = ModelConfig().cache_dir
+    folder = convert_gguf(default_model_path(), cache_dir)  # converted by the smol fixture
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert convert_gguf(default_model_path(), cache_dir) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not list(folder.parent.glob(".converting-*"))  # no half-written folder left
