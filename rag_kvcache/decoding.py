@@ -11,17 +11,23 @@ import torch
 
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import ContextTooLongError
-from rag_kvcache.model import Cache, LoadedModel, forward
+from rag_kvcache.model import Cache, LoadedModel, buffered_cache, forward, new_buffers
 
 
-def prefill(lm: LoadedModel, token_ids: list[int]) -> tuple[Cache, torch.Tensor]:
-    """Plain causal prefill of token_ids: (cache, next-token logits [vocab])."""
+def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Cache, torch.Tensor]:
+    """Plain causal prefill of token_ids: (cache, next-token logits [vocab]).
+
+    The cache is the same preallocated kind the linker makes (with `reserve` free slots), so
+    baseline and linked answers decode at the same speed.
+    """
     if len(token_ids) > lm.max_context:
         raise ContextTooLongError(
             f"{len(token_ids)} prompt tokens exceed the model's window of {lm.max_context}"
         )
     ids = torch.tensor([token_ids], device=lm.device)  # [1, T]
-    logits, cache = forward(lm, ids, logits_to_keep=1)
+    keys, values = new_buffers(lm, len(token_ids) + reserve)
+    cache = buffered_cache(lm, keys, values, 0)
+    logits, cache = forward(lm, ids, cache=cache, logits_to_keep=1)
     return cache, logits[0, -1]
 
 

@@ -131,10 +131,11 @@ class RagKVCache:
         chunks = self.store.get([self.prefix_id, *cache_ids])
         context_tokens = sum(c.num_tokens for c in chunks)
         if strategy == PREFILL:
-            cache, logits = prefill(self.lm, [t for c in chunks for t in c.token_ids] + question)
+            ids = [t for c in chunks for t in c.token_ids] + question
+            cache, logits = prefill(self.lm, ids, reserve=gen.max_new_tokens)
             recomputed = context_tokens
         else:
-            linked = link(self.lm, chunks, question, strategy)
+            linked = link(self.lm, chunks, question, strategy, reserve=gen.max_new_tokens)
             cache, logits, recomputed = linked.cache, linked.next_logits, linked.recomputed
         position = context_tokens + len(question)
         tokens: list[int] = []

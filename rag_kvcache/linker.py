@@ -3,8 +3,9 @@
 `link` is the hot path: place the chunks back to back (chunk 0, the system prefix, at position
 0), rotate each chunk's keys from where it was encoded to where it now sits, then run ONE
 forward over the strategy's recomputed tokens plus the query with a custom mask, and write the
-recomputed tokens' fresh K/V over their stale copies. `link_reference` computes the same thing
-one token at a time with plain causal attention: it is the oracle for the mask.
+recomputed tokens' fresh K/V over their stale copies. All of it happens in one preallocated
+buffer per request, which decoding then appends to in place. `link_reference` computes the
+same thing one token at a time with plain causal attention: it is the oracle for the mask.
 
 The mask, for a new token at position p (recomputed or query) over [cached L | new tokens]:
 - a cached position j is visible iff j < p and j is not being recomputed (its stale copy);
@@ -28,12 +29,15 @@ from rag_kvcache.model import (
     Cache,
     LoadedModel,
     additive_mask,
+    buffered_cache,
     build_cache,
     forward,
     layer_values,
+    new_buffers,
+    set_cache_length,
     unpack_cache,
 )
-from rag_kvcache.rope import apply_rope
+from rag_kvcache.rope import apply_rope, rotate_into
 from rag_kvcache.strategy import LinkStrategy, parse_strategy, select_positions
 
 
@@ -48,49 +52,42 @@ class LinkedContext:
     recomputed: int  # context tokens recomputed (the query not counted)
 
 
-@dataclass
-class PlacedChunks:
-    """Chunks concatenated and rotated to their linked positions."""
-
-    token_ids: torch.Tensor  # [L]
-    keys: torch.Tensor  # [layers, kv_heads, L, head_dim]
-    values: torch.Tensor  # [layers, kv_heads, L, head_dim]
-    lengths: list[int]
-
-
 def link(
-    lm: LoadedModel, chunks: list[ChunkKV], query_ids: list[int], strategy: str | LinkStrategy
+    lm: LoadedModel,
+    chunks: list[ChunkKV],
+    query_ids: list[int],
+    strategy: str | LinkStrategy,
+    reserve: int = 0,
 ) -> LinkedContext:
-    """Link chunks (chunk 0 = system prefix) and prefill the query over them."""
+    """Link chunks (chunk 0 = system prefix) and prefill the query over them.
+
+    `reserve` extra cache slots are allocated for the tokens to be generated.
+    """
     strategy = parse_strategy(strategy)
-    placed = place(lm, chunks, strategy, len(query_ids))
-    recompute = choose_recomputed(lm, placed, strategy)
-    L, q, r = len(placed.token_ids), len(query_ids), len(recompute)
+    check_chunks(lm, chunks, strategy, len(query_ids))
+    token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=lm.device)  # [L]
+    recompute = choose_recomputed(lm, chunks, token_ids, strategy)  # [r] positions
+    L, r, q = len(token_ids), len(recompute), len(query_ids)
+    # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
+    keys, values = new_buffers(lm, L + r + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
+    place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq)
+    # 2. one forward over the recomputed tokens and the query, appended after the context
     query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
-    new_positions = torch.cat((recompute, torch.arange(L, L + q, device=lm.device)))  # [r + q]
-    new_ids = torch.cat((placed.token_ids[recompute], query))  # [r + q]
-    mask = additive_mask(link_mask(new_positions, recompute, L), lm.dtype)  # [1, 1, r+q, L+r+q]
-    cache = build_cache(
-        [(k[None], v[None]) for k, v in zip(placed.keys, placed.values)], lm
-    )  # per layer [1, kv_heads, L, head_dim]
-    logits, cache = forward(
+    new_positions = torch.cat((recompute, torch.arange(L, L + q, device=lm.device)))  # [r+q]
+    new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
+    mask = additive_mask(link_mask(new_positions, recompute, L), lm.dtype)  # [1,1,r+q,L+r+q]
+    cache = buffered_cache(lm, keys, values, L)
+    logits, _ = forward(
         lm, new_ids[None], positions=new_positions[None], cache=cache, mask=mask, logits_to_keep=1
     )
+    # 3. fresh KV over the stale copies; the query's KV moves up to follow the context
     if r:
-        cache = build_cache([_commit(k, v, recompute, L) for k, v in unpack_cache(cache)], lm)
+        keys[:, :, :, recompute] = keys[:, :, :, L : L + r]
+        values[:, :, :, recompute] = values[:, :, :, L : L + r]
+        keys[:, :, :, L : L + q] = keys[:, :, :, L + r : L + r + q].clone()
+        values[:, :, :, L : L + q] = values[:, :, :, L + r : L + r + q].clone()
+    set_cache_length(cache, L + q)
     return LinkedContext(cache, logits[0, -1], L + q, L, r)
-
-
-def _commit(
-    k: torch.Tensor, v: torch.Tensor, recompute: torch.Tensor, L: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [1, h, L + r + q, d]: move the r fresh rows over their stale copies, drop them."""
-    r = len(recompute)
-    k[:, :, recompute] = k[:, :, L : L + r]
-    v[:, :, recompute] = v[:, :, L : L + r]
-    return torch.cat((k[:, :, :L], k[:, :, L + r :]), 2), torch.cat(
-        (v[:, :, :L], v[:, :, L + r :]), 2
-    )
 
 
 def link_mask(new_positions: torch.Tensor, recompute: torch.Tensor, L: int) -> torch.Tensor:
@@ -103,32 +100,31 @@ def link_mask(new_positions: torch.Tensor, recompute: torch.Tensor, L: int) -> t
     return torch.cat((see_cached, see_new), dim=1)
 
 
-def place(
-    lm: LoadedModel, chunks: list[ChunkKV], strategy: LinkStrategy, query_tokens: int
-) -> PlacedChunks:
-    """Check the chunks, concatenate them and rotate each to its offset in the linked context."""
-    check_chunks(lm, chunks, strategy, query_tokens)
-    lengths = [c.num_tokens for c in chunks]
-    offsets = [sum(lengths[:i]) for i in range(len(chunks))]
-    delta = torch.cat(
-        [torch.full((c.num_tokens,), off - c.start) for c, off in zip(chunks, offsets)]
-    )  # [L]: how far each token moves
-    keys = torch.cat([c.keys.to(lm.device) for c in chunks], dim=2)
-    values = torch.cat([c.values.to(lm.device) for c in chunks], dim=2)
-    token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=lm.device)
-    return PlacedChunks(token_ids, apply_rope(keys, delta, lm.inv_freq), values, lengths)
+def place_into(
+    keys: torch.Tensor, values: torch.Tensor, chunks: list[ChunkKV], inv_freq: torch.Tensor
+) -> None:
+    """Write chunks back to back into keys/values [layers, kv_heads, >= L, head_dim], each
+    chunk's keys rotated from the position it was encoded at to its offset."""
+    offset = 0
+    for c in chunks:
+        span = slice(offset, offset + c.num_tokens)
+        rotate_into(keys[:, :, span], c.keys.to(keys.device), offset - c.start, inv_freq)
+        values[:, :, span] = c.values
+        offset += c.num_tokens
 
 
 def choose_recomputed(
-    lm: LoadedModel, placed: PlacedChunks, strategy: LinkStrategy
+    lm: LoadedModel, chunks: list[ChunkKV], token_ids: torch.Tensor, strategy: LinkStrategy
 ) -> torch.Tensor:
     """Positions [R] to recompute; cacheblend measures layer-1 value deviation first."""
     deviation = None
     if strategy.kind == "cacheblend":
         layer = min(1, lm.num_layers - 1)
-        fresh = layer_values(lm, placed.token_ids[None], layer)  # [h, L, d]
-        deviation = (fresh.float() - placed.values[layer].float()).norm(dim=(0, 2))  # [L]
-    return select_positions(strategy, placed.lengths, deviation).to(lm.device)
+        fresh = layer_values(lm, token_ids[None], layer)  # [h, L, d]
+        cached = torch.cat([c.values[layer].to(lm.device) for c in chunks], dim=1)  # [h, L, d]
+        deviation = (fresh.float() - cached.float()).norm(dim=(0, 2))  # [L]
+    lengths = [c.num_tokens for c in chunks]
+    return select_positions(strategy, lengths, deviation).to(lm.device)
 
 
 def check_chunks(
@@ -172,34 +168,34 @@ def link_reference(
 ) -> LinkedContext:
     """Oracle for `link`: the same tokens recomputed one at a time, in position order.
 
-    Each token is a single-token forward over exactly the KV it may see (all earlier positions,
-    recomputed ones already fresh), so no custom mask is involved.
+    Chunks are placed with `apply_rope` (the reference rotation) and each token is a
+    single-token forward over exactly the KV it may see (all earlier positions, recomputed
+    ones already fresh), so no custom mask and no buffer bookkeeping is involved.
     """
     strategy = parse_strategy(strategy)
-    placed = place(lm, chunks, strategy, len(query_ids))
-    recompute = choose_recomputed(lm, placed, strategy)
-    L, q = len(placed.token_ids), len(query_ids)
-    pad = torch.zeros(
-        *placed.keys.shape[:2], q, placed.keys.shape[3], dtype=lm.dtype, device=lm.device
-    )
-    keys = torch.cat((placed.keys, pad), dim=2)  # [layers, h, L + q, d]
-    values = torch.cat((placed.values, pad.clone()), dim=2)
+    check_chunks(lm, chunks, strategy, len(query_ids))
+    token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=lm.device)
+    recompute = choose_recomputed(lm, chunks, token_ids, strategy)
+    L, q = len(token_ids), len(query_ids)
+    offsets = [sum(c.num_tokens for c in chunks[:i]) for i in range(len(chunks))]
+    delta = torch.cat([torch.full((c.num_tokens,), o - c.start) for c, o in zip(chunks, offsets)])
+    placed_keys = apply_rope(torch.cat([c.keys for c in chunks], dim=2), delta, lm.inv_freq)
+    pad = torch.zeros(*placed_keys.shape[:2], q, lm.head_dim, dtype=lm.dtype, device=lm.device)
+    keys = torch.cat((placed_keys, pad), dim=2)  # [layers, h, L + q, d]
+    values = torch.cat((torch.cat([c.values for c in chunks], dim=2), pad), dim=2)
     order = [*recompute.tolist(), *range(L, L + q)]
-    ids = [*placed.token_ids[recompute].tolist(), *query_ids]
+    ids = [*token_ids[recompute].tolist(), *query_ids]
     logits = torch.empty(0)
     for position, token in zip(order, ids):
-        cache = build_cache(
-            [
-                (k[None, :, :position].clone(), v[None, :, :position].clone())
-                for k, v in zip(keys, values)
-            ],
-            lm,
-        )
+        past = [
+            (k[None, :, :position].clone(), v[None, :, :position].clone())
+            for k, v in zip(keys, values)
+        ]
         logits, cache = forward(
             lm,
             torch.tensor([[token]], device=lm.device),
             positions=torch.tensor([[position]], device=lm.device),
-            cache=cache,
+            cache=build_cache(past, lm),
         )
         for layer, (k, v) in enumerate(unpack_cache(cache)):
             keys[layer, :, position] = k[0, :, -1]

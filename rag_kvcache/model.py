@@ -20,7 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+import torch.nn.functional as F
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+)
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.errors import ConfigError, UnsupportedModelError
@@ -167,7 +177,7 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
     if path.suffix == ".gguf":
         path = convert_gguf(path, config.cache_dir)
     dtype = TORCH_DTYPES[config.dtype]
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION}
     if config.quantization:
         from transformers import BitsAndBytesConfig  # needs the bitsandbytes package
 
@@ -189,6 +199,8 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
 def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
     """Wrap an already loaded HF model (e.g. a tiny test model) as a LoadedModel."""
     check_supported(model.config, model)
+    if model.config._attn_implementation in ("sdpa", ATTENTION):
+        model.set_attn_implementation(ATTENTION)
     text = model.config.get_text_config(decoder=True)
     dtype = next(model.parameters()).dtype
     eos = text.eos_token_id if isinstance(text.eos_token_id, list) else [text.eos_token_id]
@@ -211,7 +223,102 @@ def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
     )
 
 
+# ----------------------------------------------------------------------------- attention
+
+ATTENTION = "rag_kvcache_sdpa"
+
+
+def gqa_sdpa_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's sdpa, except that on CPU grouped KV heads are never copied per query head.
+
+    HF repeats K/V for every query head whenever a mask is given (the linker always gives
+    one); torch's CPU kernel takes `enable_gqa` with a mask, which reads the cache once.
+    """
+    if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = F.scaled_dot_product_attention(
+        query,  # [B, heads, Q, d]
+        key,  # [B, kv_heads, K, d]
+        value,
+        attn_mask=attention_mask,  # [B, 1, Q, K] additive, or None
+        scale=kwargs.get("scaling"),
+        is_causal=query.shape[2] > 1 and attention_mask is None,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
+
+
+AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # same masks as sdpa, or multi-token
+# queries would get no causal mask at all
+
+
 # ----------------------------------------------------------------------------- caches
+
+
+class BufferedLayer(DynamicLayer):
+    """A cache layer over a preallocated buffer `[B, kv_heads, capacity, head_dim]`.
+
+    Appends write in place and `keys`/`values` are views of the filled part, so neither
+    linking nor decoding copies the whole cache per step (DynamicLayer concatenates).
+    """
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
+        super().__init__()
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer
+        self.dtype, self.device = key_buffer.dtype, key_buffer.device
+        self.is_initialized = True
+        self.set_length(length)
+
+    def set_length(self, length: int) -> None:
+        self.keys = self.key_buffer[:, :, :length]
+        self.values = self.value_buffer[:, :, :length]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start, added = self.keys.shape[-2], key_states.shape[-2]
+        if start + added > self.key_buffer.shape[-2]:  # out of room: grow by doubling
+            grow = max(start + added, 2 * self.key_buffer.shape[-2]) - self.key_buffer.shape[-2]
+            pad = (0, 0, 0, grow)
+            self.key_buffer = F.pad(self.key_buffer, pad)
+            self.value_buffer = F.pad(self.value_buffer, pad)
+        self.key_buffer[:, :, start : start + added] = key_states
+        self.value_buffer[:, :, start : start + added] = value_states
+        self.set_length(start + added)
+        return self.keys, self.values
+
+
+def new_buffers(
+    lm: LoadedModel, capacity: int, batch: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty K and V buffers `[layers, batch, kv_heads, capacity, head_dim]` for one request."""
+    shape = (lm.num_layers, batch, lm.num_kv_heads, capacity, lm.head_dim)
+    return (
+        torch.empty(shape, dtype=lm.dtype, device=lm.device),
+        torch.empty(shape, dtype=lm.dtype, device=lm.device),
+    )
+
+
+def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, length: int) -> Cache:
+    """An HF cache whose layer i appends into keys[i], values[i] (filled up to `length`)."""
+    cache = DynamicCache(config=lm.model.config)
+    cache.layers = [BufferedLayer(k, v, length) for k, v in zip(keys, values, strict=True)]
+    return cache
+
+
+def set_cache_length(cache: Cache, length: int) -> None:
+    """Forget everything past `length` in a buffered cache (its buffers keep their room)."""
+    for layer in cache.layers:
+        assert isinstance(layer, BufferedLayer)
+        layer.set_length(length)
 
 
 def build_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], lm: LoadedModel) -> Cache:

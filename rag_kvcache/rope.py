@@ -38,3 +38,22 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     rotated = x_rot * cos + rotate_half(x_rot) * sin
     return rotated if x_pass.shape[-1] == 0 else torch.cat((rotated, x_pass), dim=-1)
+
+
+def rotate_into(out: torch.Tensor, x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> None:
+    """out[...] = apply_rope(x, delta for every token): the linker's fused fast path.
+
+    One constant angle per frequency, written straight into `out` (a slice of the linked KV
+    buffer) with no temporaries the size of x. `apply_rope` is its reference.
+    """
+    half = inv_freq.shape[-1]
+    cos, sin = rope_cos_sin(torch.tensor([delta]), inv_freq, x.dtype)
+    c, s = cos[0, :half].to(x.device), sin[0, :half].to(x.device)  # [F]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    o1, o2 = out[..., :half], out[..., half : 2 * half]
+    torch.mul(x1, c, out=o1)
+    o1.addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, c, out=o2)
+    o2.addcmul_(x1, s)  # x2 cos + x1 sin
+    if x.shape[-1] > 2 * half:
+        out[..., 2 * half :] = x[..., 2 * half :]

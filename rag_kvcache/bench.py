@@ -1,0 +1,192 @@
+"""`rag-kvcache bench ttft`: time to first token, full prefill vs each link strategy, one run.
+
+Contexts are built from 256-token chunks of the sample corpus after the system prefix, with a
+32-token question. Everything is measured side by side in one process, so the speedups are
+ratios on the same machine at the same moment. Writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, ModelConfig
+from rag_kvcache.decoding import prefill
+from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.engine import PREFILL
+from rag_kvcache.kv import ChunkKV
+from rag_kvcache.linker import link
+from rag_kvcache.model import LoadedModel, load_model
+from rag_kvcache.prompt import PromptTemplate
+
+DEFAULT_STRATEGIES = ("naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15")
+SAMPLE_DATA = Path(__file__).resolve().parents[1] / "demos" / "data"
+
+
+@dataclass(frozen=True)
+class TTFTRow:
+    dtype: str
+    context_tokens: int
+    strategy: str
+    ttft_s: float  # median over repeats
+    ttft_runs: list[float]
+    recomputed_tokens: int
+    speedup: float  # prefill ttft / this ttft, same dtype and context
+
+
+def machine_facts() -> dict[str, object]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cores": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def corpus_tokens(lm: LoadedModel, needed: int) -> list[int]:
+    """Token ids of the sample corpus, repeated until `needed` long."""
+    text = "\n\n".join(p.read_text() for p in sorted(SAMPLE_DATA.glob("*.md")))
+    ids = list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return (ids * (needed // len(ids) + 1))[:needed]
+
+
+def first_token_seconds(run: object) -> float:
+    """Wall time of `run()` (which ends with the first token chosen)."""
+    assert callable(run)
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def bench_dtype(
+    lm: LoadedModel,
+    contexts: list[int],
+    strategies: list[str],
+    chunk_tokens: int,
+    question_tokens: int,
+    repeats: int,
+    progress: Progress,
+) -> list[TTFTRow]:
+    template = PromptTemplate.from_tokenizer(lm.tokenizer, DEFAULT_SYSTEM_PROMPT)
+    prefix_ids = template.prefix_ids(lm.tokenizer)
+    pool = corpus_tokens(lm, max(contexts) + question_tokens)
+    n_chunks = max(contexts) // chunk_tokens
+    chunk_ids = [pool[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n_chunks)]
+    suffix = template.tokenize(lm.tokenizer, template.suffix)
+    question = pool[-question_tokens + len(suffix) :] + suffix  # exactly question_tokens
+    from rag_kvcache.kv import EncodeSettings
+
+    prefix = encode_chunks(lm, [prefix_ids])[0]
+    plain = encode_chunks(lm, chunk_ids)
+    sinks = encode_chunks(lm, chunk_ids, EncodeSettings(tuple(prefix_ids[:4])))
+    rows: list[TTFTRow] = []
+    task = progress.add_task(f"{lm.dtype}", total=len(contexts) * (len(strategies) + 1))
+    for context in contexts:
+        n = context // chunk_tokens
+        ids = prefix_ids + [t for c in chunk_ids[:n] for t in c] + question
+
+        def run_prefill(ids: list[int] = ids) -> None:
+            int(prefill(lm, ids)[1].argmax())
+
+        runs = [first_token_seconds(run_prefill) for _ in range(repeats)]
+        base = statistics.median(runs)
+        rows.append(TTFTRow(str(lm.dtype)[6:], len(ids), PREFILL, base, runs, len(ids), 1.0))
+        progress.advance(task)
+        for strategy in strategies:
+            chunks: list[ChunkKV] = [prefix, *(sinks if strategy == "legolink0" else plain)[:n]]
+            recomputed = link(lm, chunks, question, strategy).recomputed  # also a warm-up
+
+            def run_link(chunks: list[ChunkKV] = chunks, strategy: str = strategy) -> None:
+                int(link(lm, chunks, question, strategy).next_logits.argmax())
+
+            runs = [first_token_seconds(run_link) for _ in range(repeats)]
+            ttft = statistics.median(runs)
+            rows.append(
+                TTFTRow(str(lm.dtype)[6:], len(ids), strategy, ttft, runs, recomputed, base / ttft)
+            )
+            progress.advance(task)
+    return rows
+
+
+def run_ttft_bench(
+    out_dir: Path,
+    dtypes: list[str],
+    contexts: list[int],
+    strategies: list[str],
+    chunk_tokens: int = 256,
+    question_tokens: int = 32,
+    repeats: int = 3,
+    model_path: str | None = None,
+) -> dict[str, object]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[TTFTRow] = []
+    models = {}
+    with Progress() as progress:
+        for dtype in dtypes:
+            lm = load_model(ModelConfig(path=model_path, dtype=dtype))
+            models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
+            lm_rows = bench_dtype(
+                lm, contexts, strategies, chunk_tokens, question_tokens, repeats, progress
+            )
+            rows.extend(lm_rows)
+    report = {
+        "benchmark": "ttft",
+        "models": models,
+        "chunk_tokens": chunk_tokens,
+        "question_tokens": question_tokens,
+        "repeats": repeats,
+        "machine": machine_facts(),
+        "rows": [asdict(r) for r in rows],
+    }
+    (out_dir / "ttft.json").write_text(json.dumps(report, indent=2))
+    plot_ttft(rows, out_dir / "ttft.png")
+    return report
+
+
+def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r.dtype for r in rows})
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 8), squeeze=False)
+    for col, dtype in enumerate(dtypes):
+        mine = [r for r in rows if r.dtype == dtype]
+        ax = axes[0][col]
+        for strategy in dict.fromkeys(r.strategy for r in mine):
+            pts = [(r.context_tokens, r.ttft_s) for r in mine if r.strategy == strategy]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
+        ax.set(yscale="log", xlabel="context tokens", ylabel="TTFT (s)", title=f"TTFT, {dtype}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        largest = max(r.context_tokens for r in mine)
+        top = [r for r in mine if r.context_tokens == largest and r.strategy != PREFILL]
+        ax = axes[1][col]
+        bars = ax.bar([r.strategy for r in top], [r.speedup for r in top], color="tab:green")
+        ax.bar_label(bars, fmt="%.1fx", fontsize=8)
+        ax.set(ylabel="speedup vs full prefill", title=f"speedup at {largest} tokens, {dtype}")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
