@@ -8,7 +8,7 @@ dropped and the chunk's keys stay RoPE'd at positions `len(sinks)..`, recorded a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -22,8 +22,12 @@ def encode_chunks(
     chunks: list[list[int]],
     settings: EncodeSettings = EncodeSettings(),
     batch_size: int = 8,
+    on_encoded: Callable[[int], None] | None = None,
 ) -> list[ChunkKV]:
-    """Token id lists -> one ChunkKV each, in input order."""
+    """Token id lists -> one ChunkKV each, in input order.
+
+    `on_encoded(n)` is called after each batch with the number of chunks it encoded (progress).
+    """
     for i, ids in enumerate(chunks):
         if not ids:
             raise EmptyChunkError(f"chunk {i} has no tokens; drop empty chunks before encoding")
@@ -35,6 +39,8 @@ def encode_chunks(
     for batch in _batches_by_length(chunks, batch_size):
         for index, kv in zip(batch, _encode_batch(lm, [chunks[i] for i in batch], settings)):
             out[index] = kv
+        if on_encoded:
+            on_encoded(len(batch))
     return [out[i] for i in range(len(chunks))]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 
 from rag_kvcache.config import EngineConfig, GenerationConfig
@@ -66,19 +66,31 @@ class RagKVCache:
 
     # ------------------------------------------------------------------ ingestion
 
-    def generate_context_cache(self, texts: list[str]) -> list[str]:
-        """Encode each text as one chunk (skipping any already cached); return their cache IDs."""
+    def generate_context_cache(
+        self, texts: list[str], on_encoded: Callable[[int], None] | None = None
+    ) -> list[str]:
+        """Encode each text as one chunk (skipping any already cached); return their cache IDs.
+
+        `on_encoded(n)` reports progress: n more chunks encoded.
+        """
         for i, text in enumerate(texts):
             if not text.strip():
                 raise EmptyChunkError(f"text {i} is empty or whitespace; nothing to cache")
         chunks = [self.template.chunk_ids(self.lm.tokenizer, t) for t in texts]
-        return self._cache(chunks, self.doc_settings)
+        return self._cache(chunks, self.doc_settings, on_encoded)
 
-    def _cache(self, chunks: list[list[int]], settings: EncodeSettings) -> list[str]:
+    def _cache(
+        self,
+        chunks: list[list[int]],
+        settings: EncodeSettings,
+        on_encoded: Callable[[int], None] | None = None,
+    ) -> list[str]:
         ids = [make_cache_id(self.lm.fingerprint, settings, c) for c in chunks]
         todo = {cid: c for cid, c in zip(ids, chunks) if not self.store.contains(cid)}
         batch = self.config.encode.batch_size
-        for kv in encode_chunks(self.lm, list(todo.values()), settings, batch):
+        if on_encoded and len(todo) < len(ids):
+            on_encoded(len(ids) - len(todo))  # already cached: done at once
+        for kv in encode_chunks(self.lm, list(todo.values()), settings, batch, on_encoded):
             self.store.put(kv)
         return ids
 

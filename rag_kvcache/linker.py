@@ -7,9 +7,9 @@ recomputed tokens' fresh K/V over their stale copies. All of it happens in one p
 buffer per request, which decoding then appends to in place. `link_reference` computes the
 same thing one token at a time with plain causal attention: it is the oracle for the mask.
 
-The mask, for a new token at position p (recomputed or query) over [cached L | new tokens]:
-- a cached position j is visible iff j < p and j is not being recomputed (its stale copy);
-- a new token at position p' is visible iff p' <= p.
+The recomputed tokens and the query write their fresh K/V at their own positions of the
+buffer inside the forward (over the stale copies), so the mask is causal by position: a new
+token at position p sees positions <= p, recomputed ones already fresh.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from rag_kvcache.model import (
     forward,
     layer_values,
     new_buffers,
-    set_cache_length,
     unpack_cache,
+    write_at,
 )
 from rag_kvcache.rope import apply_rope, rotate_into
 from rag_kvcache.strategy import LinkStrategy, parse_strategy, select_positions
@@ -69,35 +69,30 @@ def link(
     recompute = choose_recomputed(lm, chunks, token_ids, strategy)  # [r] positions
     L, r, q = len(token_ids), len(recompute), len(query_ids)
     # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
-    keys, values = new_buffers(lm, L + r + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
+    keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
     place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq)
-    # 2. one forward over the recomputed tokens and the query, appended after the context
+    # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
+    # its own position (over the stale copy) and attends causally by position
     query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
     new_positions = torch.cat((recompute, torch.arange(L, L + q, device=lm.device)))  # [r+q]
     new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
-    mask = additive_mask(link_mask(new_positions, recompute, L), lm.dtype)  # [1,1,r+q,L+r+q]
+    mask = additive_mask(link_mask(new_positions, L + q), lm.dtype)  # [1, 1, r+q, L+q]
     cache = buffered_cache(lm, keys, values, L)
+    write_at(cache, new_positions)
     logits, _ = forward(
         lm, new_ids[None], positions=new_positions[None], cache=cache, mask=mask, logits_to_keep=1
     )
-    # 3. fresh KV over the stale copies; the query's KV moves up to follow the context
-    if r:
-        keys[:, :, :, recompute] = keys[:, :, :, L : L + r]
-        values[:, :, :, recompute] = values[:, :, :, L : L + r]
-        keys[:, :, :, L : L + q] = keys[:, :, :, L + r : L + r + q].clone()
-        values[:, :, :, L : L + q] = values[:, :, :, L + r : L + r + q].clone()
-    set_cache_length(cache, L + q)
+    write_at(cache, None)  # decoding appends after the query
     return LinkedContext(cache, logits[0, -1], L + q, L, r)
 
 
-def link_mask(new_positions: torch.Tensor, recompute: torch.Tensor, L: int) -> torch.Tensor:
-    """Boolean [N, L + N]: what each new token (at new_positions [N]) may attend to."""
-    stale = torch.zeros(L, dtype=torch.bool, device=new_positions.device)
-    stale[recompute] = True
-    cached = torch.arange(L, device=new_positions.device)
-    see_cached = (cached[None, :] < new_positions[:, None]) & ~stale[None, :]  # [N, L]
-    see_new = new_positions[None, :] <= new_positions[:, None]  # [N, N]
-    return torch.cat((see_cached, see_new), dim=1)
+def link_mask(new_positions: torch.Tensor, length: int) -> torch.Tensor:
+    """Boolean [N, length]: a new token at position p sees every position <= p.
+
+    Causal by position is enough because the new tokens' fresh K/V are written over their
+    stale copies before attention: a recomputed position holds fresh K/V when it is read.
+    """
+    return torch.arange(length, device=new_positions.device)[None, :] <= new_positions[:, None]
 
 
 def place_into(

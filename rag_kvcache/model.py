@@ -228,6 +228,9 @@ def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
 ATTENTION = "rag_kvcache_sdpa"
 
 
+QUERY_BLOCK = 32  # masked queries are attended in blocks this tall (see gqa_sdpa_attention)
+
+
 def gqa_sdpa_attention(
     module: Any,
     query: torch.Tensor,
@@ -236,23 +239,64 @@ def gqa_sdpa_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF's sdpa, except that on CPU grouped KV heads are never copied per query head.
+    """HF's sdpa, made cheaper on CPU for the linker's masked forward.
 
-    HF repeats K/V for every query head whenever a mask is given (the linker always gives
-    one); torch's CPU kernel takes `enable_gqa` with a mask, which reads the cache once.
+    - grouped KV heads are read as they are (`enable_gqa`); HF repeats K/V for every query
+      head whenever a mask is given, and the linker always gives one;
+    - a tall masked query is attended in blocks of QUERY_BLOCK rows, each over the keys up
+      to the last one any of its rows may see: recomputed tokens early in the context skip
+      the keys after them, which a mask alone would still multiply. Exact, since the keys
+      skipped are masked for every row of the block.
+    `reference_attention` is the plain version it is tested against.
     """
     if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out = F.scaled_dot_product_attention(
-        query,  # [B, heads, Q, d]
-        key,  # [B, kv_heads, K, d]
+    scale = kwargs.get("scaling")
+    q_len = query.shape[2]
+    if attention_mask is None or attention_mask.shape[0] != 1 or q_len <= QUERY_BLOCK:
+        out = _sdpa(query, key, value, attention_mask, scale)
+    else:
+        visible = attention_mask[0, 0] > torch.finfo(attention_mask.dtype).min / 2  # [Q, K]
+        steps = torch.arange(1, visible.shape[1] + 1, device=visible.device)
+        extent = (visible * steps).amax(dim=1)  # [Q]: keys each row needs
+        blocks = []
+        for a in range(0, q_len, QUERY_BLOCK):
+            b = min(a + QUERY_BLOCK, q_len)
+            end = int(extent[a:b].max())
+            mask = attention_mask[:, :, a:b, :end]
+            blocks.append(_sdpa(query[:, :, a:b], key[:, :, :end], value[:, :, :end], mask, scale))
+        out = torch.cat(blocks, dim=2)
+    return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
+
+
+def _sdpa(
+    query: torch.Tensor,  # [B, heads, Q, d]
+    key: torch.Tensor,  # [B, kv_heads, K, d]
+    value: torch.Tensor,
+    mask: torch.Tensor | None,  # [B, 1, Q, K] additive or boolean, or None (causal)
+    scale: float | None,
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        query,
+        key,
         value,
-        attn_mask=attention_mask,  # [B, 1, Q, K] additive, or None
-        scale=kwargs.get("scaling"),
-        is_causal=query.shape[2] > 1 and attention_mask is None,
+        attn_mask=mask,
+        scale=scale,
+        is_causal=query.shape[2] > 1 and mask is None,
         enable_gqa=True,
     )
-    return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
+
+
+def reference_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' own sdpa attention: the oracle for gqa_sdpa_attention."""
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
@@ -272,28 +316,33 @@ class BufferedLayer(DynamicLayer):
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
+        self.write_at: torch.Tensor | None = None  # positions for the next update, else append
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self.is_initialized = True
         self.set_length(length)
 
     def set_length(self, length: int) -> None:
+        self.length = length
         self.keys = self.key_buffer[:, :, :length]
         self.values = self.value_buffer[:, :, :length]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        start, added = self.keys.shape[-2], key_states.shape[-2]
-        if start + added > self.key_buffer.shape[-2]:  # out of room: grow by doubling
-            grow = max(start + added, 2 * self.key_buffer.shape[-2]) - self.key_buffer.shape[-2]
-            pad = (0, 0, 0, grow)
-            self.key_buffer = F.pad(self.key_buffer, pad)
-            self.value_buffer = F.pad(self.value_buffer, pad)
-        self.key_buffer[:, :, start : start + added] = key_states
-        self.value_buffer[:, :, start : start + added] = value_states
-        self.set_length(start + added)
-        return self.keys, self.values
+        if self.write_at is None:
+            where: slice | torch.Tensor = slice(self.length, self.length + key_states.shape[-2])
+            end = self.length + key_states.shape[-2]
+        else:
+            where, end = self.write_at, max(self.length, int(self.write_at.max()) + 1)
+        if end > self.key_buffer.shape[-2]:  # out of room: grow by doubling
+            grow = max(end, 2 * self.key_buffer.shape[-2]) - self.key_buffer.shape[-2]
+            self.key_buffer = F.pad(self.key_buffer, (0, 0, 0, grow))
+            self.value_buffer = F.pad(self.value_buffer, (0, 0, 0, grow))
+        self.key_buffer[:, :, where] = key_states
+        self.value_buffer[:, :, where] = value_states
+        self.set_length(end)
+        return self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
 
 
 def new_buffers(
@@ -314,11 +363,12 @@ def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, le
     return cache
 
 
-def set_cache_length(cache: Cache, length: int) -> None:
-    """Forget everything past `length` in a buffered cache (its buffers keep their room)."""
+def write_at(cache: Cache, positions: torch.Tensor | None) -> None:
+    """Make the next forward write its K/V at `positions` [T] of a buffered cache (overwriting
+    what is there) instead of appending; None goes back to appending."""
     for layer in cache.layers:
         assert isinstance(layer, BufferedLayer)
-        layer.set_length(length)
+        layer.write_at = positions
 
 
 def build_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], lm: LoadedModel) -> Cache:

@@ -103,12 +103,12 @@ def test_recompute_changes_the_context(tiny64) -> None:
 
 
 def test_link_mask_small_case() -> None:
-    # context of 4 tokens, recompute position 2, query at 4 and 5
-    mask = link_mask(torch.tensor([2, 4, 5]), torch.tensor([2]), 4)
+    # context of 4 tokens, position 2 recomputed, query at 4 and 5: causal by position
+    mask = link_mask(torch.tensor([2, 4, 5]), 6)
     assert mask.int().tolist() == [
-        [1, 1, 0, 0, 1, 0, 0],  # recomputed token 2 sees cached 0, 1 and itself
-        [1, 1, 0, 1, 1, 1, 0],  # query 4 sees all cached but the stale 2, fresh 2, itself
-        [1, 1, 0, 1, 1, 1, 1],
+        [1, 1, 1, 0, 0, 0],  # recomputed token 2 sees 0, 1 and its own fresh K/V
+        [1, 1, 1, 1, 1, 0],  # query 4 sees the context (2 fresh by then) and itself
+        [1, 1, 1, 1, 1, 1],
     ]
 
 

@@ -1,0 +1,1 @@
+"""Alembic migrations of the KV store catalog (applied by Catalog on open)."""

@@ -1,0 +1,497 @@
+"""The SQL catalog of the KV store, against a real SQLite file and a real PostgreSQL.
+
+Every test runs on both backends. PostgreSQL tests each get a fresh schema (dropped afterwards)
+and are skipped, with the reason shown, when no server answers; set RAG_KVCACHE_TEST_PG_URL to
+point them at another server.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import random
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, inspect
+from sqlalchemy import text as sql_text
+from sqlalchemy.pool import NullPool
+
+from rag_kvcache.errors import UnknownCacheIdError
+from rag_kvcache.storage import catalog as catalog_module
+from rag_kvcache.storage.catalog import (
+    Base,
+    Catalog,
+    CatalogError,
+    CatalogStats,
+    alembic_config,
+    head_revision,
+)
+
+PG_URL_ENV = "RAG_KVCACHE_TEST_PG_URL"
+PG_CANDIDATES = (
+    "postgresql+psycopg://postgres@127.0.0.1:5432/test",
+    "postgresql+psycopg://root@127.0.0.1:5432/test",
+)
+TABLES = {"models", "documents", "chunks", "placements", "counters"}
+FP = "ab" * 12  # a model fingerprint
+SUM = "0123456789abcdef" * 4  # a sha256 hex checksum
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+@functools.cache
+def postgres_url() -> tuple[str | None, str]:
+    """A reachable PostgreSQL URL, or None and why not."""
+    candidates = [os.environ[PG_URL_ENV]] if os.environ.get(PG_URL_ENV) else list(PG_CANDIDATES)
+    errors = []
+    for url in candidates:
+        engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 3})
+        try:
+            with engine.connect() as conn:
+                conn.execute(sql_text("SELECT 1"))
+            return url, ""
+        except Exception as e:  # any failure means "not usable here"
+            errors.append(f"{url}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        finally:
+            engine.dispose()
+    return None, "PostgreSQL not reachable (" + "; ".join(errors) + ")"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One database a test runs against; `open()` gives a new Catalog on it."""
+
+    kind: str
+    url: str | None
+    path: Path | None
+    schema: str | None
+
+    def open(self) -> Catalog:
+        return Catalog(self.url, path=self.path, schema=self.schema)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    if request.param == "sqlite":
+        yield Target("sqlite", None, tmp_path / "catalog.db", None)
+        return
+    url, reason = postgres_url()
+    if url is None:
+        pytest.skip(reason)
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(url, poolclass=NullPool)
+    try:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        yield Target("postgresql", url, None, schema)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        admin.dispose()
+
+
+@pytest.fixture
+def cat(target: Target) -> Iterator[Catalog]:
+    with target.open() as catalog:
+        catalog.register_model(FP, "tiny", "float32", 3, 2, 16)
+        yield catalog
+
+
+def begin(cat: Catalog, cache_id: str, **overrides: Any) -> bool:
+    fields: dict[str, Any] = dict(
+        fingerprint=FP, text=f"text of {cache_id}", token_ids=[1, 2, 3], encode_settings="sinks="
+    )
+    fields.update(overrides)
+    return cat.begin_chunk(cache_id, **fields)
+
+
+def stored(cat: Catalog, cache_id: str, nbytes: int = 100, tier: str = "disk", **kw: Any) -> None:
+    begin(cat, cache_id, **kw)
+    cat.commit_chunk(cache_id, nbytes, SUM, tier)
+
+
+def table_names(cat: Catalog) -> set[str]:
+    return set(inspect(cat.engine).get_table_names())
+
+
+def version_rows(cat: Catalog) -> list[str]:
+    with cat.engine.connect() as conn:
+        return list(conn.scalars(sql_text("SELECT version_num FROM alembic_version")))
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def test_fresh_open_creates_the_tables_with_the_connection_settings(target: Target) -> None:
+    with target.open() as cat:
+        assert table_names(cat) == TABLES | {"alembic_version"}
+        assert version_rows(cat) == [head_revision()]
+        with cat.engine.connect() as conn:
+            if target.kind == "sqlite":
+                assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+                assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+                assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+                assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+            else:  # the tables are in the test's own schema, not in public
+                assert conn.scalar(sql_text("SELECT current_schema()")) == target.schema
+                assert not TABLES & set(inspect(conn).get_table_names(schema="public"))
+                assert set(inspect(conn).get_table_names(schema=target.schema)) >= TABLES
+
+
+def test_reopen_is_a_no_op_and_keeps_the_data(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with target.open() as cat:
+        cat.register_model(FP, "tiny", "float32", 3, 2, 16)
+        cat.count("hits:disk", 3)
+
+    def no_upgrade(*args: object, **kwargs: object) -> None:
+        raise AssertionError("reopening an up-to-date catalog ran a migration")
+
+    monkeypatch.setattr(catalog_module.command, "upgrade", no_upgrade)
+    with target.open() as again:
+        assert version_rows(again) == [head_revision()]
+        assert again.stats().models == 1
+        assert again.counters() == {"hits:disk": 3}
+
+
+def test_models_and_migrations_agree(target: Target) -> None:
+    with target.open() as cat, cat.engine.connect() as conn:
+        context = MigrationContext.configure(
+            conn, opts={"compare_type": True, "compare_server_default": True}
+        )
+        assert compare_metadata(context, Base.metadata) == []
+
+
+def test_downgrade_removes_everything_and_reopen_restores_it(target: Target) -> None:
+    with target.open() as cat:
+        with cat.engine.begin() as conn:
+            command.downgrade(alembic_config(conn), "base")
+        assert table_names(cat) == {"alembic_version"}
+        assert version_rows(cat) == []
+    with target.open() as cat:
+        assert table_names(cat) == TABLES | {"alembic_version"}
+        assert version_rows(cat) == [head_revision()]
+
+
+def test_bad_arguments_are_refused(tmp_path: Path, target: Target) -> None:
+    with pytest.raises(CatalogError, match="URL or an SQLite file path"):
+        Catalog()
+    with pytest.raises(CatalogError, match="not supported"):
+        Catalog("mysql://x@localhost/db")
+    if target.kind == "sqlite":
+        with pytest.raises(CatalogError, match="only for PostgreSQL"):
+            Catalog(path=tmp_path / "x.db", schema="s")
+    else:
+        with pytest.raises(CatalogError, match="not allowed"):
+            Catalog(target.url, schema='x"; DROP TABLE models; --')
+
+
+# ----------------------------------------------------------------------------- models, chunks
+
+
+def test_register_model_is_idempotent(cat: Catalog) -> None:
+    cat.register_model(FP, "renamed", "bfloat16", 3, 2, 16)  # same fingerprint: ignored
+    cat.register_model("cd" * 12, "other", "float16", 30, 3, 64)
+    assert cat.stats().models == 2
+    with pytest.raises(CatalogError, match="num_layers"):
+        cat.register_model("ef" * 12, "bad", "float32", 0, 2, 16)
+
+
+def test_begin_chunk_claims_once_and_fills_missing_document(cat: Catalog) -> None:
+    doc = cat.upsert_document("a.txt", "1" * 64)
+    other = cat.upsert_document("b.txt", "2" * 64)
+    assert begin(cat, "c1", token_ids=[5, 6, 7, 8], start=2) is True
+    assert begin(cat, "c1") is False
+    row = cat.chunk("c1")
+    assert row is not None
+    assert (row.state, row.nbytes, row.checksum, row.hit_count, row.pinned) == (
+        "pending",
+        0,
+        None,
+        0,
+        False,
+    )
+    assert (row.token_ids, row.token_count, row.start) == ((5, 6, 7, 8), 4, 2)
+    assert (row.document_id, row.ordinal) == (None, None)
+    assert row.created_at.tzinfo is UTC and row.last_used_at == row.created_at
+
+    assert begin(cat, "c1", document_id=doc.id, ordinal=3) is False  # fills the NULLs
+    assert begin(cat, "c1", document_id=other.id, ordinal=9) is False  # keeps them
+    row = cat.chunk("c1")
+    assert row is not None and (row.document_id, row.ordinal) == (doc.id, 3)
+    assert row.token_ids == (5, 6, 7, 8)  # the first writer's row is kept
+
+    with pytest.raises(CatalogError, match="register_model"):
+        begin(cat, "c2", fingerprint="99" * 12)
+    assert cat.chunk("c2") is None
+
+
+def test_commit_chunk_stores_and_places(cat: Catalog) -> None:
+    begin(cat, "c1")
+    begin(cat, "c2")
+    cat.commit_chunk("c1", 4096, SUM, "disk")
+    row = cat.chunk("c1")
+    assert row is not None and (row.state, row.nbytes, row.checksum) == ("stored", 4096, SUM)
+    assert cat.placements("c1") == {"disk"}
+    assert cat.placements("c2") == set()
+    assert [r.cache_id for r in cat.all_chunks(state="stored")] == ["c1"]
+    assert [r.cache_id for r in cat.all_chunks(state="pending")] == ["c2"]
+    assert {r.cache_id for r in cat.all_chunks()} == {"c1", "c2"}
+    with pytest.raises(UnknownCacheIdError):
+        cat.commit_chunk("nope", 1, SUM, "disk")
+    with pytest.raises(CatalogError, match="checksum"):
+        cat.commit_chunk("c2", 1, "not-hex", "disk")
+    with pytest.raises(CatalogError, match="state"):
+        cat.all_chunks(state="lost")
+
+
+def test_chunks_returns_only_known_ids(cat: Catalog) -> None:
+    for cid in ("a", "b", "c"):
+        begin(cat, cid)
+    found = cat.chunks(["a", "c", "missing", "a"])
+    assert set(found) == {"a", "c"}
+    assert found["c"].text == "text of c"
+    assert cat.chunk("missing") is None
+    assert cat.chunks([]) == {}
+
+
+def test_touch_counts_hits_and_moves_last_used(cat: Catalog) -> None:
+    for cid in ("a", "b", "c"):
+        begin(cat, cid)
+    before = cat.chunks(["a", "b", "c"])
+    time.sleep(0.01)
+    cat.touch(["a", "b", "a"])  # a repeated id in one call is one use
+    cat.touch(["a"])
+    cat.touch([])
+    after = cat.chunks(["a", "b", "c"])
+    assert [after[c].hit_count for c in "abc"] == [2, 1, 0]
+    assert after["a"].last_used_at > before["a"].last_used_at
+    assert after["b"].last_used_at > before["b"].last_used_at
+    assert after["a"].last_used_at >= after["b"].last_used_at
+    assert after["c"].last_used_at == before["c"].last_used_at
+
+
+def test_pins(cat: Catalog) -> None:
+    begin(cat, "a")
+    begin(cat, "b", pinned=True)
+    cat.set_pinned("a", True)
+    cat.set_pinned("b", False)
+    rows = cat.chunks(["a", "b"])
+    assert (rows["a"].pinned, rows["b"].pinned) == (True, False)
+    with pytest.raises(UnknownCacheIdError):
+        cat.set_pinned("nope", True)
+
+
+def test_expiry(cat: Catalog) -> None:
+    now = datetime.now(UTC)
+    for cid in ("old", "older", "later", "never"):
+        begin(cat, cid)
+    cat.set_expiry("old", now - timedelta(minutes=1))
+    # Another offset, same instant rules: stored and compared as UTC.
+    cat.set_expiry("older", (now - timedelta(hours=1)).astimezone(timezone(timedelta(hours=5))))
+    cat.set_expiry("later", now + timedelta(hours=1))
+    row = cat.chunk("older")
+    assert row is not None and row.expires_at == now - timedelta(hours=1)
+    assert row.expires_at.tzinfo is UTC
+    assert cat.expired(now) == ["older", "old"]
+    assert cat.expired() == ["older", "old"]
+    assert cat.expired(now + timedelta(hours=2)) == ["older", "old", "later"]
+    assert cat.expired(now - timedelta(hours=2)) == []
+    cat.set_expiry("old", None)
+    assert cat.expired(now) == ["older"]
+    with pytest.raises(CatalogError, match="timezone-aware"):
+        cat.set_expiry("later", datetime(2030, 1, 1))
+    with pytest.raises(CatalogError, match="timezone-aware"):
+        cat.expired(datetime(2030, 1, 1))
+    with pytest.raises(UnknownCacheIdError):
+        cat.set_expiry("nope", now)
+
+
+def test_pending_older_than(cat: Catalog) -> None:
+    begin(cat, "dead")
+    stored(cat, "done")
+    time.sleep(0.01)
+    assert cat.pending_older_than(0) == ["dead"]
+    assert cat.pending_older_than(3600) == []
+
+
+# ----------------------------------------------------------------------------- documents, cascades
+
+
+def test_upsert_document_inserts_then_updates(cat: Catalog) -> None:
+    first = cat.upsert_document("a.txt", "1" * 64)
+    cat.upsert_document("b.txt", "2" * 64)
+    again = cat.upsert_document("a.txt", "3" * 64)
+    assert again.id == first.id
+    assert again.content_hash == "3" * 64
+    assert again.ingested_at >= first.ingested_at
+    assert cat.document("a.txt") == again
+    assert cat.document("missing.txt") is None
+    assert [(d.source, d.content_hash) for d in cat.documents()] == [
+        ("a.txt", "3" * 64),
+        ("b.txt", "2" * 64),
+    ]
+
+
+def test_remove_document_cascades_to_chunks_and_placements(cat: Catalog) -> None:
+    doc = cat.upsert_document("a.txt", "1" * 64)
+    keep = cat.upsert_document("b.txt", "2" * 64)
+    stored(cat, "a0", document_id=doc.id, ordinal=0)
+    stored(cat, "a1", document_id=doc.id, ordinal=1)
+    cat.add_placement("a1", "cpu", 100)
+    stored(cat, "b0", document_id=keep.id, ordinal=0)
+    begin(cat, "loose")
+
+    assert cat.remove_document("a.txt") == ["a0", "a1"]
+    assert cat.document("a.txt") is None
+    assert set(cat.chunks(["a0", "a1", "b0", "loose"])) == {"b0", "loose"}
+    assert cat.placements("a0") == cat.placements("a1") == set()
+    assert cat.placed_on("cpu") == []
+    assert cat.placed_on("disk") == ["b0"]
+    assert cat.remove_document("a.txt") == []
+
+
+def test_placements_and_remove_chunk_cascade(cat: Catalog) -> None:
+    stored(cat, "a", nbytes=100)
+    stored(cat, "b", nbytes=200)
+    cat.add_placement("a", "cpu", 100)
+    cat.add_placement("a", "gpu", 100)
+    cat.add_placement("b", "cpu", 200)
+    cat.add_placement("b", "cpu", 250)  # upsert: refreshed, not duplicated
+    assert cat.placements("a") == {"disk", "cpu", "gpu"}
+    assert sorted(cat.placed_on("cpu")) == ["a", "b"]
+    assert cat.stats().bytes_per_tier == {"disk": 300, "cpu": 350, "gpu": 100}
+    assert cat.remove_placement("a", "gpu") is True
+    assert cat.remove_placement("a", "gpu") is False
+    assert cat.placements("a") == {"disk", "cpu"}
+    with pytest.raises(UnknownCacheIdError):
+        cat.add_placement("nope", "cpu", 1)
+
+    assert cat.remove_chunk("a") is True
+    assert cat.remove_chunk("a") is False
+    assert cat.placements("a") == set()
+    assert cat.placed_on("cpu") == ["b"]
+    assert cat.placed_on("disk") == ["b"]
+
+
+# ----------------------------------------------------------------------------- counters, stats
+
+
+def test_counters(cat: Catalog) -> None:
+    cat.count("re-encoded")
+    cat.count("hits:cpu", 5)
+    cat.count("re-encoded")
+    cat.count("hits:cpu", -2)
+    assert cat.counters() == {"hits:cpu": 3, "re-encoded": 2}
+
+
+def test_counters_from_four_threads_each_with_its_own_catalog(target: Target, cat: Catalog) -> None:
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def work() -> None:
+        try:
+            with target.open() as mine:
+                start.wait(timeout=30)
+                for _ in range(50):
+                    mine.count("hits:disk")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert cat.counters() == {"hits:disk": 200}
+
+
+def test_stats(cat: Catalog) -> None:
+    assert cat.stats() == CatalogStats(
+        models=1, documents=0, chunks=0, bytes_per_tier={}, chunks_per_state={}, counters={}
+    )
+    doc = cat.upsert_document("a.txt", "1" * 64)
+    cat.upsert_document("b.txt", "2" * 64)
+    stored(cat, "a", nbytes=1000, document_id=doc.id, ordinal=0)
+    stored(cat, "b", nbytes=500, tier="redis")
+    begin(cat, "c")
+    cat.add_placement("a", "cpu", 1000)
+    cat.count("checksum-failures", 2)
+    assert cat.stats() == CatalogStats(
+        models=1,
+        documents=2,
+        chunks=3,
+        bytes_per_tier={"disk": 1000, "redis": 500, "cpu": 1000},
+        chunks_per_state={"stored": 2, "pending": 1},
+        counters={"checksum-failures": 2},
+    )
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _claim_in_process(
+    url: str | None,
+    path: Path | None,
+    schema: str | None,
+    ids: list[str],
+    barrier: Any,
+    results: Any,
+) -> None:
+    """Child process: open the (fresh) catalog at the same moment as the others, claim ids."""
+    try:
+        barrier.wait(timeout=60)
+        with Catalog(url, path=path, schema=schema) as cat:
+            cat.register_model(FP, "tiny", "float32", 3, 2, 16)
+            won = [cid for cid in ids if begin(cat, cid)]
+        results.put(("ok", won))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def test_begin_chunk_across_processes_claims_each_id_once(target: Target) -> None:
+    ids = [f"chunk-{i:02d}" for i in range(50)]
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    results = ctx.Queue()
+    rng = random.Random(0)
+    procs = []
+    for k in range(4):
+        # Overlapping sets: each process tries 40 of the 50 ids, in its own order.
+        mine = [cid for i, cid in enumerate(ids) if i % 5 != k]
+        rng.shuffle(mine)
+        procs.append(
+            ctx.Process(
+                target=_claim_in_process,
+                args=(target.url, target.path, target.schema, mine, barrier, results),
+            )
+        )
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    errors = [detail for status, detail in outcomes if status == "error"]
+    assert errors == []
+    won = [cid for _, claimed in outcomes for cid in claimed]
+    assert sorted(won) == ids  # every id claimed, and exactly once
+    with target.open() as cat:
+        assert sorted(r.cache_id for r in cat.all_chunks()) == ids
+        assert cat.stats().chunks == 50 and cat.stats().models == 1
+        assert version_rows(cat) == [head_revision()]
