@@ -80,6 +80,26 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where chunk KV lives. `root` None keeps it in process memory only; otherwise a tiered
+    store under root (SQLite catalog there unless `catalog_url`, e.g. postgresql+psycopg://)."""
+
+    root: Path | None = None
+    catalog_url: str | None = None
+    cpu_bytes: int = 2 << 30
+    gpu_bytes: int = 0
+    policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes < 0 or self.gpu_bytes < 0:
+            raise ConfigError("tier budgets must be >= 0 bytes")
+        if self.policy not in ("lru", "lfu"):
+            raise ConfigError(f"policy {self.policy!r} is not one of ('lru', 'lfu')")
+        if self.catalog_url and self.root is None:
+            raise ConfigError("a catalog_url needs a root folder for the blobs")
+
+
 DEFAULT_SYSTEM_PROMPT = (
     "You answer questions using only the documents given by the user. "
     "Answer briefly, with the exact name, number or date."
@@ -93,6 +113,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     encode: EncodeConfig = field(default_factory=EncodeConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     strategy: str = "legolink:2"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 

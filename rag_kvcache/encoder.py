@@ -74,6 +74,7 @@ def _encode_batch(
             keys=keys[:, b, :, s : s + len(ids)].clone(),
             values=values[:, b, :, s : s + len(ids)].clone(),
             start=s,
+            sink_ids=settings.sink_ids,
         )
         for b, ids in enumerate(chunks)
     ]

@@ -6,15 +6,17 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 
-from rag_kvcache.config import EngineConfig, GenerationConfig
+from rag_kvcache.config import EngineConfig, GenerationConfig, StoreConfig
 from rag_kvcache.decoding import decode, prefill
 from rag_kvcache.encoder import encode_chunks
-from rag_kvcache.errors import EmptyChunkError
-from rag_kvcache.kv import EncodeSettings, make_cache_id
+from rag_kvcache.errors import EmptyChunkError, FingerprintMismatchError
+from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
 from rag_kvcache.linker import link
 from rag_kvcache.model import LoadedModel, load_model
 from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.storage.catalog import ChunkRow
 from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.strategy import LinkStrategy, parse_strategy
 
 PREFILL = "prefill"  # not a link strategy: the plain full-prompt baseline, no cached KV used
@@ -46,6 +48,19 @@ class AnswerStream:
         self.answer = yield from self._steps
 
 
+def open_store(config: StoreConfig) -> KVStore:
+    """The store a StoreConfig describes: in memory, or tiered under config.root."""
+    if config.root is None:
+        return MemoryStore()
+    return TieredStore(
+        config.root,
+        catalog_url=config.catalog_url,
+        cpu_bytes=config.cpu_bytes,
+        gpu_bytes=config.gpu_bytes,
+        policy=config.policy,
+    )
+
+
 class RagKVCache:
     """The engine. `generate_context_cache(texts) -> cache_ids`, `generate(query, cache_ids)`."""
 
@@ -54,15 +69,26 @@ class RagKVCache:
         config: EngineConfig | None = None,
         *,
         lm: LoadedModel | None = None,
-        store: MemoryStore | None = None,
+        store: KVStore | None = None,
     ):
         self.config = config or EngineConfig()
         self.lm = lm or load_model(self.config.model)
-        self.store = store if store is not None else MemoryStore()
+        self.store = store if store is not None else open_store(self.config.store)
+        if isinstance(self.store, TieredStore):
+            self.store.reencode = self._reencode
+        lm_ = self.lm
+        self.store.register_model(
+            lm_.fingerprint,
+            lm_.name,
+            str(lm_.dtype),
+            lm_.num_layers,
+            lm_.num_kv_heads,
+            lm_.head_dim,
+        )
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
-        self.prefix_id = self._cache([prefix], EncodeSettings())[0]
+        self.prefix_id = self._cache([prefix], EncodeSettings(), [self.template.prefix])[0]
 
     # ------------------------------------------------------------------ ingestion
 
@@ -77,22 +103,36 @@ class RagKVCache:
             if not text.strip():
                 raise EmptyChunkError(f"text {i} is empty or whitespace; nothing to cache")
         chunks = [self.template.chunk_ids(self.lm.tokenizer, t) for t in texts]
-        return self._cache(chunks, self.doc_settings, on_encoded)
+        return self._cache(chunks, self.doc_settings, texts, on_encoded)
 
     def _cache(
         self,
         chunks: list[list[int]],
         settings: EncodeSettings,
+        texts: list[str],
         on_encoded: Callable[[int], None] | None = None,
     ) -> list[str]:
         ids = [make_cache_id(self.lm.fingerprint, settings, c) for c in chunks]
-        todo = {cid: c for cid, c in zip(ids, chunks) if not self.store.contains(cid)}
+        todo = {
+            cid: (c, t) for cid, c, t in zip(ids, chunks, texts) if not self.store.contains(cid)
+        }
         batch = self.config.encode.batch_size
         if on_encoded and len(todo) < len(ids):
             on_encoded(len(ids) - len(todo))  # already cached: done at once
-        for kv in encode_chunks(self.lm, list(todo.values()), settings, batch, on_encoded):
-            self.store.put(kv)
+        encoded = encode_chunks(self.lm, [c for c, _ in todo.values()], settings, batch, on_encoded)
+        for kv, (_, text) in zip(encoded, todo.values()):
+            self.store.put(kv, text)
         return ids
+
+    def _reencode(self, row: ChunkRow) -> ChunkKV:
+        """Rebuild a lost or corrupt blob from the token ids the catalog keeps."""
+        if row.fingerprint != self.lm.fingerprint:
+            raise FingerprintMismatchError(
+                f"chunk {row.cache_id} belongs to model {row.fingerprint}; only that model "
+                f"can re-encode it (loaded: {self.lm.fingerprint})"
+            )
+        settings = EncodeSettings.from_key(row.encode_settings)
+        return encode_chunks(self.lm, [list(row.token_ids)], settings)[0]
 
     def expire_cache(self, cache_id: str) -> bool:
         """Forget a chunk's KV; later requests naming it get UnknownCacheIdError."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,12 @@ class EncodeSettings:
 
     def key(self) -> str:
         return "sinks=" + ",".join(map(str, self.sink_ids))
+
+    @classmethod
+    def from_key(cls, key: str) -> EncodeSettings:
+        """Inverse of key(): the catalog keeps settings as this string."""
+        sinks = key.removeprefix("sinks=")
+        return cls(tuple(int(t) for t in sinks.split(",") if t))
 
 
 def make_cache_id(fingerprint: str, settings: EncodeSettings, token_ids: list[int]) -> str:
@@ -43,6 +50,11 @@ class ChunkKV:
     keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim], RoPE'd at start + i
     values: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
     start: int = 0
+    sink_ids: tuple[int, ...] = ()  # the sinks it was encoded after (start == len(sink_ids))
+
+    @property
+    def settings(self) -> EncodeSettings:
+        return EncodeSettings(self.sink_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -62,4 +74,19 @@ class ChunkKV:
             self.keys.to(device, non_blocking=True),
             self.values.to(device, non_blocking=True),
             self.start,
+            self.sink_ids,
         )
+
+
+class KVStore(Protocol):
+    """What the engine needs of a store (MemoryStore, TieredStore)."""
+
+    def register_model(
+        self, fingerprint: str, name: str, dtype: str, layers: int, kv_heads: int, head_dim: int
+    ) -> None: ...
+    def put(self, kv: ChunkKV, text: str = "") -> None: ...
+    def get(self, cache_ids: list[str]) -> list[ChunkKV]: ...
+    def contains(self, cache_id: str) -> bool: ...
+    def remove(self, cache_id: str) -> bool: ...
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...

@@ -10,7 +10,12 @@ class MemoryStore:
     def __init__(self) -> None:
         self._chunks: dict[str, ChunkKV] = {}
 
-    def put(self, kv: ChunkKV) -> None:
+    def register_model(
+        self, fingerprint: str, name: str, dtype: str, layers: int, kv_heads: int, head_dim: int
+    ) -> None:
+        """Nothing to record: the fingerprint travels with each ChunkKV."""
+
+    def put(self, kv: ChunkKV, text: str = "") -> None:
         self._chunks[kv.cache_id] = kv
 
     def get(self, cache_ids: list[str]) -> list[ChunkKV]:

@@ -1,0 +1,54 @@
+"""A chunk's KV as bytes: safetensors (never pickle), with a sha256 checksum.
+
+The blob holds `keys` and `values` ([layers, kv_heads, tokens, head_dim]) and, as metadata,
+the cache ID, model fingerprint and start position, so a blob describes itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from safetensors import SafetensorError
+from safetensors.torch import load, save
+
+from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.kv import ChunkKV
+
+
+class CorruptBlobError(RagKVCacheError):
+    """A blob's bytes do not match its checksum or do not parse as a chunk's KV."""
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def to_blob(kv: ChunkKV) -> bytes:
+    tensors = {"keys": kv.keys.contiguous().cpu(), "values": kv.values.contiguous().cpu()}
+    meta = {"cache_id": kv.cache_id, "fingerprint": kv.fingerprint, "start": str(kv.start)}
+    return save(tensors, metadata=meta)
+
+
+def from_blob(
+    data: bytes,
+    expected_checksum: str,
+    cache_id: str,
+    fingerprint: str,
+    token_ids: tuple[int, ...],
+    sink_ids: tuple[int, ...],
+) -> ChunkKV:
+    """Parse a blob after checking its checksum; any mismatch is a CorruptBlobError."""
+    if checksum(data) != expected_checksum:
+        raise CorruptBlobError(f"blob of chunk {cache_id} fails its sha256 checksum")
+    try:
+        tensors = load(data)
+    except SafetensorError as err:
+        raise CorruptBlobError(f"blob of chunk {cache_id} is not valid safetensors: {err}") from err
+    keys, values = tensors.get("keys"), tensors.get("values")
+    if keys is None or values is None or keys.shape != values.shape:
+        raise CorruptBlobError(f"blob of chunk {cache_id} lacks keys/values of one shape")
+    if keys.shape[2] != len(token_ids):
+        raise CorruptBlobError(
+            f"blob of chunk {cache_id} holds {keys.shape[2]} tokens, the catalog {len(token_ids)}"
+        )
+    return ChunkKV(cache_id, fingerprint, token_ids, keys, values, len(sink_ids), sink_ids)

@@ -1,0 +1,88 @@
+"""The durable disk tier: one safetensors file per chunk, written atomically.
+
+A blob is written to a temporary name in the same folder, flushed, fsynced and renamed, and
+the folder fsynced, so a killed writer leaves either no file or a whole one (stray
+temporaries are removed by gc). Paths come only from validated hex cache IDs, so nothing in
+the catalog can point outside the store's folder.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from rag_kvcache.errors import RagKVCacheError
+
+CACHE_ID = re.compile(r"[0-9a-f]{16,64}")
+
+
+class StoreFullError(RagKVCacheError, OSError):
+    """The disk is full: nothing was written (and the catalog did not record the chunk)."""
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, cache_id: str) -> Path:
+        if not CACHE_ID.fullmatch(cache_id):
+            raise ValueError(f"not a cache ID: {cache_id!r} (expected 16-64 lowercase hex)")
+        return self.root / cache_id[:2] / f"{cache_id}.safetensors"
+
+    def put(self, cache_id: str, data: bytes) -> None:
+        target = self.path(cache_id)
+        target.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as err:
+            Path(tmp).unlink(missing_ok=True)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(
+                    f"disk full while writing chunk {cache_id} under {self.root}; "
+                    "free space or run `rag-kvcache gc`"
+                ) from err
+            raise
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def get(self, cache_id: str) -> bytes | None:
+        try:
+            return self.path(cache_id).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def contains(self, cache_id: str) -> bool:
+        return self.path(cache_id).exists()
+
+    def remove(self, cache_id: str) -> bool:
+        try:
+            self.path(cache_id).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def ids(self) -> Iterator[str]:
+        for file in self.root.glob("*/*.safetensors"):
+            if CACHE_ID.fullmatch(file.stem):
+                yield file.stem
+
+    def temporaries(self) -> list[Path]:
+        return list(self.root.glob("*/.tmp-*"))
+
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.root.glob("*/*.safetensors"))

@@ -1,0 +1,250 @@
+"""TieredStore: the SQL catalog plus a durable blob tier plus hot memory tiers.
+
+    get(ids) --> GPU tier --> CPU tier --> durable tier (disk) --> re-encode from catalog text
+                 (hot copies, byte budgets, LRU/LFU, pins)   (every blob, checksummed)
+
+The catalog row is claimed before the blob is written and marked stored after, so a writer
+killed in between leaves a `pending` row (removed by gc) and never a row pointing at nothing.
+A blob that is missing or fails its checksum is re-encoded from the token ids in the catalog
+(and counted), never used silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from rag_kvcache.errors import UnknownCacheIdError
+from rag_kvcache.kv import ChunkKV
+from rag_kvcache.storage.blob import CorruptBlobError, checksum, from_blob, to_blob
+from rag_kvcache.storage.catalog import Catalog, ChunkRow
+from rag_kvcache.storage.disk import DiskTier, StoreFullError
+from rag_kvcache.storage.hot import MemoryTier
+
+Reencode = Callable[[ChunkRow], ChunkKV]
+
+
+@dataclass(frozen=True)
+class GcReport:
+    expired: int
+    pending: int  # rows of writers that died between claiming and storing
+    orphan_blobs: int  # blob files no stored row accounts for
+    temporaries: int  # half-written files of killed writers
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    checked: int
+    corrupt: list[str]
+    missing: list[str]
+    repaired: int
+
+
+class TieredStore:
+    """Durable, shared KV store. `root` holds the blobs (and the SQLite catalog by default)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        catalog_url: str | None = None,
+        cpu_bytes: int = 2 << 30,
+        gpu_bytes: int = 0,
+        policy: str = "lru",
+        reencode: Reencode | None = None,
+    ):
+        root = Path(root)
+        self.catalog = (
+            Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
+        )
+        self.durable = DiskTier(root / "blobs")
+        self.hot = [MemoryTier("cpu", cpu_bytes, "cpu", policy)]
+        if gpu_bytes:
+            self.hot.insert(0, MemoryTier("gpu", gpu_bytes, "cuda", policy))
+        self.reencode = reencode
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    # ------------------------------------------------------------------ writing
+
+    def register_model(
+        self, fingerprint: str, name: str, dtype: str, layers: int, kv_heads: int, head_dim: int
+    ) -> None:
+        self.catalog.register_model(fingerprint, name, dtype, layers, kv_heads, head_dim)
+
+    def put(
+        self,
+        kv: ChunkKV,
+        text: str = "",
+        *,
+        document_id: int | None = None,
+        ordinal: int | None = None,
+        pinned: bool = False,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Store kv durably (once, whoever else stores the same chunk) and keep it hot."""
+        expires = datetime.now(UTC) + timedelta(seconds=ttl_s) if ttl_s else None
+        claimed = self.catalog.begin_chunk(
+            kv.cache_id,
+            fingerprint=kv.fingerprint,
+            text=text,
+            token_ids=kv.token_ids,
+            encode_settings=kv.settings.key(),
+            start=kv.start,
+            document_id=document_id,
+            ordinal=ordinal,
+            pinned=pinned,
+            expires_at=expires,
+        )
+        row = self.catalog.chunk(kv.cache_id)
+        assert row is not None
+        if not claimed and (row.expires_at != expires or row.pinned != pinned):
+            self.catalog.set_expiry(kv.cache_id, expires)  # re-ingesting refreshes the TTL
+            self.catalog.set_pinned(kv.cache_id, pinned or row.pinned)
+        if claimed or row.state != "stored":  # ours, or its writer died: blobs are idempotent
+            self._write(kv)
+        self._keep_hot(kv, pinned or row.pinned)
+
+    def _write(self, kv: ChunkKV) -> None:
+        data = to_blob(kv)
+        try:
+            self.durable.put(kv.cache_id, data)
+        except StoreFullError:
+            self.catalog.remove_chunk(kv.cache_id)  # nothing half-recorded
+            raise
+        self.catalog.commit_chunk(kv.cache_id, len(data), checksum(data), self.durable.name)
+
+    def _keep_hot(self, kv: ChunkKV, pinned: bool) -> None:
+        for tier in self.hot:
+            tier.put(kv, pinned)
+
+    # ------------------------------------------------------------------ reading
+
+    def get(self, cache_ids: list[str]) -> list[ChunkKV]:
+        """The chunks, in order, from the fastest tier holding each (promoted on a miss)."""
+        rows = self.catalog.chunks(cache_ids)
+        now = datetime.now(UTC)
+        unknown = [
+            c
+            for c in cache_ids
+            if c not in rows
+            or rows[c].state != "stored"
+            or (rows[c].expires_at is not None and rows[c].expires_at <= now)
+        ]
+        if unknown:
+            raise UnknownCacheIdError(unknown)
+        chunks, hits = [], {t.name: 0 for t in [*self.hot, self.durable]}
+        for cid in cache_ids:
+            kv = next((k for t in self.hot if (k := t.get(cid)) is not None), None)
+            tier = next((t.name for t in self.hot if t.contains(cid)), self.durable.name)
+            if kv is None:
+                kv = self._read_durable(rows[cid])
+                self._keep_hot(kv, rows[cid].pinned)
+            hits[tier] += 1
+            chunks.append(kv)
+        self.catalog.touch(cache_ids)
+        for tier, n in hits.items():
+            if n:
+                self.catalog.count(f"hits:{tier}", n)
+        return chunks
+
+    def _read_durable(self, row: ChunkRow) -> ChunkKV:
+        data = self.durable.get(row.cache_id)
+        try:
+            if data is None:
+                raise CorruptBlobError(f"blob of chunk {row.cache_id} is missing")
+            assert row.checksum is not None
+            sinks = _settings(row)
+            return from_blob(
+                data, row.checksum, row.cache_id, row.fingerprint, row.token_ids, sinks
+            )
+        except CorruptBlobError:
+            return self._repair(row, "missing" if data is None else "corrupt")
+
+    def _repair(self, row: ChunkRow, why: str) -> ChunkKV:
+        if self.reencode is None:
+            raise CorruptBlobError(
+                f"blob of chunk {row.cache_id} is {why} and this store has no model to "
+                "re-encode it (open it through RagKVCache)"
+            )
+        self.catalog.count(f"reencoded:{why}")
+        kv = self.reencode(row)
+        self._write(kv)
+        return kv
+
+    def contains(self, cache_id: str) -> bool:
+        row = self.catalog.chunk(cache_id)
+        if row is None or row.state != "stored":
+            return False
+        return row.expires_at is None or row.expires_at > datetime.now(UTC)
+
+    # ------------------------------------------------------------------ upkeep
+
+    def set_pinned(self, cache_id: str, pinned: bool) -> None:
+        self.catalog.set_pinned(cache_id, pinned)
+        for tier in self.hot:
+            tier.set_pinned(cache_id, pinned)
+
+    def remove(self, cache_id: str) -> bool:
+        """Forget a chunk everywhere (expire_cache)."""
+        for tier in self.hot:
+            tier.remove(cache_id)
+        removed = self.catalog.remove_chunk(cache_id)
+        self.durable.remove(cache_id)
+        return removed
+
+    def gc(self, pending_after_s: float = 600.0) -> GcReport:
+        """Remove expired chunks, dead writers' pending rows, orphan blobs and temporaries."""
+        expired = self.catalog.expired()
+        for cid in expired:
+            self.remove(cid)
+        pending = self.catalog.pending_older_than(pending_after_s)
+        for cid in pending:
+            self.remove(cid)
+        stored = {r.cache_id for r in self.catalog.all_chunks()}
+        orphans = [cid for cid in self.durable.ids() if cid not in stored]
+        for cid in orphans:
+            self.durable.remove(cid)
+        temporaries = self.durable.temporaries()
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
+        return GcReport(len(expired), len(pending), len(orphans), len(temporaries))
+
+    def verify(
+        self, repair: bool = True, on_checked: Callable[[], None] | None = None
+    ) -> VerifyReport:
+        """Re-read every stored blob and check it; re-encode bad ones when `repair`."""
+        corrupt, missing, repaired, rows = [], [], 0, self.catalog.all_chunks("stored")
+        for row in rows:
+            data = self.durable.get(row.cache_id)
+            if data is None:
+                missing.append(row.cache_id)
+            elif checksum(data) != row.checksum:
+                corrupt.append(row.cache_id)
+            else:
+                if on_checked:
+                    on_checked()
+                continue
+            if repair and self.reencode is not None:
+                for tier in self.hot:
+                    tier.remove(row.cache_id)
+                self._repair(row, "missing" if data is None else "corrupt")
+                repaired += 1
+            if on_checked:
+                on_checked()
+        return VerifyReport(len(rows), corrupt, missing, repaired)
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.catalog.all_chunks("stored"))
+
+    def __len__(self) -> int:
+        return len(self.catalog.all_chunks("stored"))
+
+
+def _settings(row: ChunkRow) -> tuple[int, ...]:
+    from rag_kvcache.kv import EncodeSettings
+
+    return EncodeSettings.from_key(row.encode_settings).sink_ids
