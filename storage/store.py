@@ -50,15 +50,16 @@ class TieredStore:
         root: Path,
         *,
         catalog_url: str | None = None,
+        catalog: Catalog | None = None,
         cpu_bytes: int = 2 << 30,
         gpu_bytes: int = 0,
         policy: str = "lru",
         reencode: Reencode | None = None,
     ):
         root = Path(root)
-        self.catalog = (
-            Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
-        )
+        if catalog is None:
+            catalog = Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
+        self.catalog = catalog
         self.durable = DiskTier(root / "blobs")
         self.hot = [MemoryTier("cpu", cpu_bytes, "cpu", policy)]
         if gpu_bytes:

@@ -7,16 +7,12 @@ point them at another server.
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
-import os
 import random
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -25,9 +21,9 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from conftest import Target
+from sqlalchemy import inspect
 from sqlalchemy import text as sql_text
-from sqlalchemy.pool import NullPool
 
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.storage import catalog as catalog_module
@@ -40,68 +36,9 @@ from rag_kvcache.storage.catalog import (
     head_revision,
 )
 
-PG_URL_ENV = "RAG_KVCACHE_TEST_PG_URL"
-PG_CANDIDATES = (
-    "postgresql+psycopg://postgres@127.0.0.1:5432/test",
-    "postgresql+psycopg://root@127.0.0.1:5432/test",
-)
 TABLES = {"models", "documents", "chunks", "placements", "counters"}
 FP = "ab" * 12  # a model fingerprint
 SUM = "0123456789abcdef" * 4  # a sha256 hex checksum
-
-
-# ----------------------------------------------------------------------------- backends
-
-
-@functools.cache
-def postgres_url() -> tuple[str | None, str]:
-    """A reachable PostgreSQL URL, or None and why not."""
-    candidates = [os.environ[PG_URL_ENV]] if os.environ.get(PG_URL_ENV) else list(PG_CANDIDATES)
-    errors = []
-    for url in candidates:
-        engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 3})
-        try:
-            with engine.connect() as conn:
-                conn.execute(sql_text("SELECT 1"))
-            return url, ""
-        except Exception as e:  # any failure means "not usable here"
-            errors.append(f"{url}: {type(e).__name__}: {str(e).splitlines()[0]}")
-        finally:
-            engine.dispose()
-    return None, "PostgreSQL not reachable (" + "; ".join(errors) + ")"
-
-
-@dataclass(frozen=True)
-class Target:
-    """One database a test runs against; `open()` gives a new Catalog on it."""
-
-    kind: str
-    url: str | None
-    path: Path | None
-    schema: str | None
-
-    def open(self) -> Catalog:
-        return Catalog(self.url, path=self.path, schema=self.schema)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
-    if request.param == "sqlite":
-        yield Target("sqlite", None, tmp_path / "catalog.db", None)
-        return
-    url, reason = postgres_url()
-    if url is None:
-        pytest.skip(reason)
-    schema = f"t_{uuid.uuid4().hex[:16]}"
-    admin = create_engine(url, poolclass=NullPool)
-    try:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-        yield Target("postgresql", url, None, schema)
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        admin.dispose()
 
 
 @pytest.fixture

@@ -1,0 +1,190 @@
+"""The tiered store, on SQLite and PostgreSQL catalogs: restart, corruption, eviction, gc."""
+
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Target
+from helpers import random_chunks
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache, UnknownCacheIdError
+from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.storage.blob import CorruptBlobError
+from rag_kvcache.storage.disk import DiskTier
+from rag_kvcache.storage.hot import MemoryTier
+from rag_kvcache.storage.store import TieredStore
+
+DOCS = ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three harbor basins."]
+
+
+@pytest.fixture
+def store(target: Target, tmp_path: Path):
+    s = TieredStore(tmp_path / "kv", catalog=target.open())
+    yield s
+    s.close()
+
+
+def _engine(store, lm, tokens=6):
+    return RagKVCache(
+        EngineConfig(generation=GenerationConfig(max_new_tokens=tokens)), lm=lm, store=store
+    )
+
+
+def test_store_round_trip_is_exact_and_counted(store, tiny64) -> None:
+    kvs = encode_chunks(tiny64, random_chunks([5, 9], seed=4))
+    store.register_model(tiny64.fingerprint, "tiny", "float64", 3, 2, 16)
+    for kv in kvs:
+        store.put(kv, "text")
+    for tier in store.hot:
+        tier.remove(kvs[0].cache_id)  # force a read from disk
+    got = store.get([k.cache_id for k in kvs])
+    for a, b in zip(got, kvs, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a.token_ids == b.token_ids and a.cache_id == b.cache_id
+    counters = store.catalog.counters()
+    assert counters["hits:disk"] == 1 and counters["hits:cpu"] == 1
+    assert len(store) == 2 and store.durable.contains(kvs[0].cache_id)
+
+
+def test_answers_survive_a_restart_without_reencoding(target: Target, tmp_path, tiny64) -> None:
+    first = _engine(TieredStore(tmp_path / "kv", catalog=target.open()), tiny64)
+    ids = first.generate_context_cache(DOCS)
+    before = first.generate("When?", ids, strategy="legolink:2")
+    first.store.close()  # type: ignore[attr-defined]
+    reopened = _engine(TieredStore(tmp_path / "kv", catalog=target.open()), tiny64)
+    encoded = []
+    reopened.lm.model.register_forward_hook(lambda *a: encoded.append(1))
+    after = reopened.generate("When?", ids, strategy="legolink:2")
+    assert after.token_ids == before.token_ids
+    assert reopened.store.catalog.counters().get("hits:disk") == 3  # prefix + 2 chunks
+    # only the decode forwards ran: 1 link forward + 5 decode steps, no encoding
+    assert len(encoded) == 6
+    reopened.store.close()  # type: ignore[attr-defined]
+
+
+def test_corrupt_or_missing_blob_is_reencoded_and_the_answer_unchanged(store, tiny64) -> None:
+    engine = _engine(store, tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    before = engine.generate("When?", ids, strategy="full").token_ids
+    path = store.durable.path(ids[0])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    store.durable.remove(ids[1])
+    for tier in store.hot:  # a new process would have nothing hot
+        for cid in ids:
+            tier.remove(cid)
+    assert engine.generate("When?", ids, strategy="full").token_ids == before
+    counters = store.catalog.counters()
+    assert counters["reencoded:corrupt"] == 1 and counters["reencoded:missing"] == 1
+    report = store.verify()
+    assert report.corrupt == [] and report.missing == [] and report.checked == 3
+
+
+def test_corrupt_blob_without_a_model_is_a_clear_error(store, tiny64) -> None:
+    engine = _engine(store, tiny64)
+    ids = engine.generate_context_cache(DOCS[:1])
+    store.reencode = None
+    store.durable.path(ids[0]).write_bytes(b"not safetensors")
+    for tier in store.hot:
+        tier.remove(ids[0])
+    with pytest.raises(CorruptBlobError, match="no model to re-encode"):
+        store.get(ids)
+
+
+def test_expiry_ttl_and_gc(store, tiny64) -> None:
+    engine = _engine(store, tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    assert engine.expire_cache(ids[0])
+    with pytest.raises(UnknownCacheIdError, match=ids[0]):
+        engine.generate("q", ids)
+    assert not store.durable.contains(ids[0])
+    kv = encode_chunks(tiny64, random_chunks([4], seed=9))[0]
+    store.put(kv, "short-lived", ttl_s=1e-6)
+    assert not store.contains(kv.cache_id)  # already past its TTL
+    orphan = encode_chunks(tiny64, random_chunks([3], seed=10))[0]
+    store.durable.put(orphan.cache_id, b"left by a writer killed before its catalog commit")
+    (store.durable.root / "ab").mkdir(exist_ok=True)
+    (store.durable.root / "ab" / ".tmp-dead").write_bytes(b"half")
+    report = store.gc()
+    assert (report.expired, report.orphan_blobs, report.temporaries) == (1, 1, 1)
+    assert not store.durable.contains(orphan.cache_id) and not store.durable.contains(kv.cache_id)
+    assert sorted(store.durable.ids()) == sorted([engine.prefix_id, ids[1]])
+
+
+def test_paths_cannot_escape_the_store(tmp_path) -> None:
+    disk = DiskTier(tmp_path)
+    for bad in ["../../etc/passwd", "ab/../../x", "ABCDEF0123456789", "short"]:
+        with pytest.raises(ValueError, match="not a cache ID"):
+            disk.path(bad)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_hot_tier_budget_and_pins_hold_under_random_traffic(tiny64, policy: str) -> None:
+    kvs = encode_chunks(tiny64, random_chunks([random.Random(i).randint(1, 12) for i in range(30)]))
+    budget = sum(k.nbytes for k in kvs) // 3
+    tier = MemoryTier("cpu", budget, policy=policy)
+    pinned = {kvs[0].cache_id, kvs[1].cache_id}
+    rng = random.Random(policy)
+    placed_pins: set[str] = set()
+    for step in range(600):
+        kv = rng.choice(kvs)
+        if rng.random() < 0.5:
+            tier.put(kv, pinned=kv.cache_id in pinned)
+            if kv.cache_id in pinned:
+                placed_pins.add(kv.cache_id)
+        else:
+            tier.get(kv.cache_id)
+        assert tier.nbytes() <= budget, step
+        assert tier.nbytes() == sum(k.nbytes for k in kvs if tier.contains(k.cache_id))
+        assert all(tier.contains(c) for c in placed_pins), step  # a placed pin never leaves
+    assert placed_pins == pinned
+
+
+def test_lru_and_lfu_choose_different_victims(tiny64) -> None:
+    a, b, c = encode_chunks(tiny64, random_chunks([4, 4, 4], seed=2))
+    for policy, survivor in [("lru", a), ("lfu", b)]:
+        tier = MemoryTier("cpu", 2 * a.nbytes, policy=policy)
+        tier.put(a)
+        tier.put(b)
+        tier.get(b.cache_id)
+        tier.get(b.cache_id)
+        tier.get(a.cache_id)  # a: most recent; b: most frequent
+        tier.put(c)
+        assert tier.contains(survivor.cache_id) and tier.contains(c.cache_id)
+
+
+def test_killed_writer_leaves_a_consistent_store(tmp_path) -> None:
+    """A writer SIGKILLed between claiming a row and storing its blob: the row stays pending,
+    is invisible to readers, and gc removes it; a later writer can store the chunk."""
+    root = tmp_path / "kv"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from helpers import build_tiny, random_chunks
+        import torch
+        from rag_kvcache.encoder import encode_chunks
+        from rag_kvcache.storage.store import TieredStore
+        lm = build_tiny(torch.float64)
+        store = TieredStore({str(root)!r})
+        store.register_model(lm.fingerprint, "tiny", "float64", 3, 2, 16)
+        kv = encode_chunks(lm, random_chunks([6], seed=1))[0]
+        store.catalog.begin_chunk(kv.cache_id, fingerprint=kv.fingerprint, text="t",
+            token_ids=kv.token_ids, encode_settings=kv.settings.key())
+        print(kv.cache_id, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    tests_dir = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tests_dir, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -9, done.stderr
+    cache_id = done.stdout.split()[0]
+    store = TieredStore(root)
+    assert not store.contains(cache_id) and len(store) == 0
+    assert store.gc(pending_after_s=0).pending == 1
+    assert store.catalog.chunk(cache_id) is None
+    store.close()
