@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from rag_kvcache.storage.store import TieredStore
 
 
 def _csv(text: str) -> list[str]:
@@ -30,12 +34,94 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ttft.add_argument("--repeats", type=int, default=3)
     ttft.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+
+    for name, text in [
+        ("stats", "chunks, bytes per tier, hit and re-encode counters"),
+        ("verify", "re-read every blob and check its checksum (--repair re-encodes bad ones)"),
+        ("gc", "remove expired chunks, dead writers' rows, orphan blobs and temporaries"),
+    ]:
+        sub = commands.add_parser(name, help=text)
+        _store_options(sub)
+        if name == "verify":
+            sub.add_argument("--repair", action="store_true", help="loads the model")
+        if name == "gc":
+            sub.add_argument("--pending-after", type=float, default=600.0, metavar="SECONDS")
     return parser
+
+
+def _store_options(parser: argparse.ArgumentParser) -> None:
+    from rag_kvcache.config import default_cache_dir
+
+    parser.add_argument("--store", type=Path, default=default_cache_dir() / "store")
+    parser.add_argument("--catalog-url", default=None, help="e.g. postgresql+psycopg://...")
+    parser.add_argument("--redis-url", default=None, help="durable blobs in Redis")
+
+
+def _open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStore:
+    from rag_kvcache.config import EngineConfig, StoreConfig
+    from rag_kvcache.storage.store import TieredStore
+
+    config = StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url)
+    if with_model:
+        from rag_kvcache.engine import RagKVCache
+
+        store = RagKVCache(EngineConfig(store=config)).store
+        assert isinstance(store, TieredStore)
+        return store
+    return TieredStore(
+        config.root or Path(), catalog_url=config.catalog_url, redis_url=config.redis_url
+    )
+
+
+def store_command(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import Progress
+
+    store = _open_store(args, with_model=getattr(args, "repair", False))
+    if args.command == "stats":
+        stats = store.catalog.stats()
+        table = Table("what", "value", title=f"store {args.store}")
+        table.add_row("catalog", store.catalog.url)
+        table.add_row(
+            "models / documents / chunks", f"{stats.models} / {stats.documents} / {stats.chunks}"
+        )
+        for state, n in sorted(stats.chunks_per_state.items()):
+            table.add_row(f"chunks {state}", str(n))
+        for tier, nbytes in sorted(stats.bytes_per_tier.items()):
+            table.add_row(f"bytes on {tier}", f"{nbytes / 2**20:.1f} MiB")
+        for tier in store.hot:
+            table.add_row(f"bytes hot in {tier.name} (this process)", f"{tier.nbytes()}")
+        counters = stats.counters
+        lookups = sum(v for k, v in counters.items() if k.startswith("hits:"))
+        for name, value in sorted(counters.items()):
+            share = f" ({value / lookups:.0%} of lookups)" if name.startswith("hits:") else ""
+            table.add_row(name, f"{value}{share}")
+        console.print(table)
+        return 0
+    if args.command == "verify":
+        total = len(store)
+        with Progress(console=console) as progress:
+            task = progress.add_task("verifying blobs", total=total)
+            report = store.verify(repair=args.repair, on_checked=lambda: progress.advance(task))
+        console.print(
+            f"checked {report.checked}: {len(report.corrupt)} corrupt, "
+            f"{len(report.missing)} missing, {report.repaired} repaired"
+        )
+        bad = (len(report.corrupt) + len(report.missing)) - report.repaired
+        return 1 if bad else 0
+    report_gc = store.gc(pending_after_s=args.pending_after)
+    console.print(
+        f"gc: {report_gc.expired} expired, {report_gc.pending} dead writers' rows, "
+        f"{report_gc.orphan_blobs} orphan blobs, {report_gc.temporaries} temporaries "
+        "removed"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    if args.command in ("stats", "verify", "gc"):
+        return store_command(args, console)
     if args.command == "bench" and args.kind == "ttft":
         from rag_kvcache.bench import run_ttft_bench
 

@@ -87,6 +87,7 @@ class StoreConfig:
 
     root: Path | None = None
     catalog_url: str | None = None
+    redis_url: str | None = None  # durable blobs in Redis instead of files under root
     cpu_bytes: int = 2 << 30
     gpu_bytes: int = 0
     policy: str = "lru"

@@ -55,6 +55,7 @@ def open_store(config: StoreConfig) -> KVStore:
     return TieredStore(
         config.root,
         catalog_url=config.catalog_url,
+        redis_url=config.redis_url,
         cpu_bytes=config.cpu_bytes,
         gpu_bytes=config.gpu_bytes,
         policy=config.policy,

@@ -81,8 +81,12 @@ class DiskTier:
             if CACHE_ID.fullmatch(file.stem):
                 yield file.stem
 
-    def temporaries(self) -> list[Path]:
-        return list(self.root.glob("*/.tmp-*"))
+    def remove_temporaries(self) -> int:
+        """Delete half-written files of killed writers; returns how many."""
+        stray = list(self.root.glob("*/.tmp-*"))
+        for tmp in stray:
+            tmp.unlink(missing_ok=True)
+        return len(stray)
 
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in self.root.glob("*/*.safetensors"))

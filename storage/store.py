@@ -1,6 +1,6 @@
 """TieredStore: the SQL catalog plus a durable blob tier plus hot memory tiers.
 
-    get(ids) --> GPU tier --> CPU tier --> durable tier (disk) --> re-encode from catalog text
+    get(ids) --> GPU tier --> CPU tier --> durable tier (disk or Redis) --> re-encode from catalog
                  (hot copies, byte budgets, LRU/LFU, pins)   (every blob, checksummed)
 
 The catalog row is claimed before the blob is written and marked stored after, so a writer
@@ -11,10 +11,12 @@ A blob that is missing or fails its checksum is re-encoded from the token ids in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Protocol
 
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.kv import ChunkKV
@@ -22,8 +24,23 @@ from rag_kvcache.storage.blob import CorruptBlobError, checksum, from_blob, to_b
 from rag_kvcache.storage.catalog import Catalog, ChunkRow
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
+from rag_kvcache.storage.redis_tier import RedisTier
 
 Reencode = Callable[[ChunkRow], ChunkKV]
+
+
+class BlobTier(Protocol):
+    """A durable tier: keeps every blob (disk, Redis)."""
+
+    name: str
+
+    def put(self, cache_id: str, data: bytes) -> None: ...
+    def get(self, cache_id: str) -> bytes | None: ...
+    def contains(self, cache_id: str) -> bool: ...
+    def remove(self, cache_id: str) -> bool: ...
+    def ids(self) -> Iterator[str]: ...
+    def remove_temporaries(self) -> int: ...
+    def nbytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,8 @@ class TieredStore:
         *,
         catalog_url: str | None = None,
         catalog: Catalog | None = None,
+        redis_url: str | None = None,
+        durable: BlobTier | None = None,
         cpu_bytes: int = 2 << 30,
         gpu_bytes: int = 0,
         policy: str = "lru",
@@ -60,11 +79,14 @@ class TieredStore:
         if catalog is None:
             catalog = Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
         self.catalog = catalog
-        self.durable = DiskTier(root / "blobs")
+        if durable is None:
+            durable = RedisTier(redis_url) if redis_url else DiskTier(root / "blobs")
+        self.durable = durable
         self.hot = [MemoryTier("cpu", cpu_bytes, "cpu", policy)]
         if gpu_bytes:
             self.hot.insert(0, MemoryTier("gpu", gpu_bytes, "cuda", policy))
         self.reencode = reencode
+        self.takeover_s = 30.0  # a claimed chunk still pending after this: its writer died
 
     def close(self) -> None:
         self.catalog.close()
@@ -105,9 +127,21 @@ class TieredStore:
         if not claimed and (row.expires_at != expires or row.pinned != pinned):
             self.catalog.set_expiry(kv.cache_id, expires)  # re-ingesting refreshes the TTL
             self.catalog.set_pinned(kv.cache_id, pinned or row.pinned)
-        if claimed or row.state != "stored":  # ours, or its writer died: blobs are idempotent
-            self._write(kv)
+        if claimed or not self._wait_stored(kv.cache_id):
+            self._write(kv)  # ours, or its writer died (its row stayed pending)
         self._keep_hot(kv, pinned or row.pinned)
+
+    def _wait_stored(self, cache_id: str) -> bool:
+        """Another writer claimed this chunk: wait for its commit rather than write the blob
+        too (two writers' bytes may differ in the last bit, and the catalog must describe the
+        file on disk). False if it does not commit in `takeover_s`."""
+        deadline = time.monotonic() + self.takeover_s
+        while time.monotonic() < deadline:
+            row = self.catalog.chunk(cache_id)
+            if row is None or row.state == "stored":
+                return row is not None
+            time.sleep(0.05)
+        return False
 
     def _write(self, kv: ChunkKV) -> None:
         data = to_blob(kv)
@@ -209,10 +243,8 @@ class TieredStore:
         orphans = [cid for cid in self.durable.ids() if cid not in stored]
         for cid in orphans:
             self.durable.remove(cid)
-        temporaries = self.durable.temporaries()
-        for tmp in temporaries:
-            tmp.unlink(missing_ok=True)
-        return GcReport(len(expired), len(pending), len(orphans), len(temporaries))
+        temporaries = self.durable.remove_temporaries()
+        return GcReport(len(expired), len(pending), len(orphans), temporaries)
 
     def verify(
         self, repair: bool = True, on_checked: Callable[[], None] | None = None

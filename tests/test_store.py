@@ -1,9 +1,11 @@
 """The tiered store, on SQLite and PostgreSQL catalogs: restart, corruption, eviction, gc."""
 
+import json
 import random
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,14 +18,32 @@ from rag_kvcache.encoder import encode_chunks
 from rag_kvcache.storage.blob import CorruptBlobError
 from rag_kvcache.storage.disk import DiskTier
 from rag_kvcache.storage.hot import MemoryTier
+from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
 
 DOCS = ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three harbor basins."]
 
 
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(params=["disk", "redis"])
+def durable(request: pytest.FixtureRequest, tmp_path: Path):
+    if request.param == "disk":
+        yield DiskTier(tmp_path / "blobs")
+        return
+    try:
+        tier = RedisTier(REDIS_URL, prefix=f"rag-kvcache-test:{uuid.uuid4().hex}:")
+    except StoreUnavailableError as err:
+        pytest.skip(str(err))
+    yield tier
+    for cid in list(tier.ids()):
+        tier.remove(cid)
+
+
 @pytest.fixture
-def store(target: Target, tmp_path: Path):
-    s = TieredStore(tmp_path / "kv", catalog=target.open())
+def store(target: Target, durable, tmp_path: Path):
+    s = TieredStore(tmp_path / "kv", catalog=target.open(), durable=durable)
     yield s
     s.close()
 
@@ -46,7 +66,7 @@ def test_store_round_trip_is_exact_and_counted(store, tiny64) -> None:
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert a.token_ids == b.token_ids and a.cache_id == b.cache_id
     counters = store.catalog.counters()
-    assert counters["hits:disk"] == 1 and counters["hits:cpu"] == 1
+    assert counters[f"hits:{store.durable.name}"] == 1 and counters["hits:cpu"] == 1
     assert len(store) == 2 and store.durable.contains(kvs[0].cache_id)
 
 
@@ -70,10 +90,9 @@ def test_corrupt_or_missing_blob_is_reencoded_and_the_answer_unchanged(store, ti
     engine = _engine(store, tiny64)
     ids = engine.generate_context_cache(DOCS)
     before = engine.generate("When?", ids, strategy="full").token_ids
-    path = store.durable.path(ids[0])
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    data = bytearray(store.durable.get(ids[0]))
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    store.durable.put(ids[0], bytes(data))
     store.durable.remove(ids[1])
     for tier in store.hot:  # a new process would have nothing hot
         for cid in ids:
@@ -89,7 +108,7 @@ def test_corrupt_blob_without_a_model_is_a_clear_error(store, tiny64) -> None:
     engine = _engine(store, tiny64)
     ids = engine.generate_context_cache(DOCS[:1])
     store.reencode = None
-    store.durable.path(ids[0]).write_bytes(b"not safetensors")
+    store.durable.put(ids[0], b"not safetensors")
     for tier in store.hot:
         tier.remove(ids[0])
     with pytest.raises(CorruptBlobError, match="no model to re-encode"):
@@ -108,12 +127,19 @@ def test_expiry_ttl_and_gc(store, tiny64) -> None:
     assert not store.contains(kv.cache_id)  # already past its TTL
     orphan = encode_chunks(tiny64, random_chunks([3], seed=10))[0]
     store.durable.put(orphan.cache_id, b"left by a writer killed before its catalog commit")
-    (store.durable.root / "ab").mkdir(exist_ok=True)
-    (store.durable.root / "ab" / ".tmp-dead").write_bytes(b"half")
+    on_disk = isinstance(store.durable, DiskTier)
+    if on_disk:  # a file half-written by a killed writer (Redis SETs are atomic)
+        (store.durable.root / "ab").mkdir(exist_ok=True)
+        (store.durable.root / "ab" / ".tmp-dead").write_bytes(b"half")
     report = store.gc()
-    assert (report.expired, report.orphan_blobs, report.temporaries) == (1, 1, 1)
+    assert (report.expired, report.orphan_blobs, report.temporaries) == (1, 1, int(on_disk))
     assert not store.durable.contains(orphan.cache_id) and not store.durable.contains(kv.cache_id)
     assert sorted(store.durable.ids()) == sorted([engine.prefix_id, ids[1]])
+
+
+def test_unreachable_redis_is_a_clear_error() -> None:
+    with pytest.raises(StoreUnavailableError, match="redis://127.0.0.1:1/0 is unreachable"):
+        RedisTier("redis://127.0.0.1:1/0")
 
 
 def test_paths_cannot_escape_the_store(tmp_path) -> None:
@@ -187,4 +213,42 @@ def test_killed_writer_leaves_a_consistent_store(tmp_path) -> None:
     assert not store.contains(cache_id) and len(store) == 0
     assert store.gc(pending_after_s=0).pending == 1
     assert store.catalog.chunk(cache_id) is None
+    store.close()
+
+
+def test_four_writers_and_four_readers_at_once(target: Target, tmp_path) -> None:
+    """Overlapping ingest from 4 processes while 4 others read: every chunk stored exactly
+    once, every read equal to a local encoding of the same tokens."""
+    root = tmp_path / "kv"
+    common = {
+        "root": str(root),
+        "url": target.url,
+        "schema": target.schema,
+        "path": str(target.path) if target.path else None,
+        "seconds": 8,
+    }
+    target.open().close()  # create the schema first, so the children only race on data
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "store_worker.py", role, json.dumps({**common, "index": i})],
+            cwd=Path(__file__).parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("writer", "reader")
+        for i in range(4)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert sum(r.get("stored", 0) for r in results) == 72  # 24 chunks x 3 writers each
+    assert sum(r.get("checked", 0) for r in results) > 0
+    store = TieredStore(root, catalog=target.open())
+    rows = store.catalog.all_chunks()
+    assert len(rows) == 24 and {r.state for r in rows} == {"stored"}
+    assert sorted(store.durable.ids()) == sorted(r.cache_id for r in rows)  # one blob each
+    report = store.verify(repair=False)
+    assert report.checked == 24 and report.corrupt == [] and report.missing == []
     store.close()

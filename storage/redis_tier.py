@@ -1,0 +1,69 @@
+"""A durable blob tier in Redis, shared by every worker that reaches the server.
+
+Same contract as the disk tier (bytes in, bytes out, validated cache IDs as keys). A SET is
+atomic, so there are no temporaries to clean. An unreachable server is a clear
+StoreUnavailableError; the catalog is only updated after a blob is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import redis
+
+from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.storage.disk import CACHE_ID
+
+T = TypeVar("T")
+
+
+class StoreUnavailableError(RagKVCacheError, ConnectionError):
+    """The remote tier cannot be reached; nothing was written."""
+
+
+class RedisTier:
+    name = "redis"
+
+    def __init__(self, url: str, prefix: str = "rag-kvcache:blob:"):
+        self.url, self.prefix = url, prefix
+        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=3)
+        self._call(self._redis.ping)
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            raise StoreUnavailableError(
+                f"Redis at {self.url} is unreachable ({err}); start it or use the disk tier"
+            ) from err
+
+    def key(self, cache_id: str) -> str:
+        if not CACHE_ID.fullmatch(cache_id):
+            raise ValueError(f"not a cache ID: {cache_id!r} (expected 16-64 lowercase hex)")
+        return self.prefix + cache_id
+
+    def put(self, cache_id: str, data: bytes) -> None:
+        self._call(self._redis.set, self.key(cache_id), data)
+
+    def get(self, cache_id: str) -> bytes | None:
+        value = self._call(self._redis.get, self.key(cache_id))
+        return bytes(value) if value is not None else None  # type: ignore[arg-type]
+
+    def contains(self, cache_id: str) -> bool:
+        return bool(self._call(self._redis.exists, self.key(cache_id)))
+
+    def remove(self, cache_id: str) -> bool:
+        return bool(self._call(self._redis.delete, self.key(cache_id)))
+
+    def ids(self) -> Iterator[str]:
+        for key in self._call(lambda: list(self._redis.scan_iter(match=self.prefix + "*"))):
+            cid = key.decode()[len(self.prefix) :]
+            if CACHE_ID.fullmatch(cid):
+                yield cid
+
+    def remove_temporaries(self) -> int:
+        return 0
+
+    def nbytes(self) -> int:
+        return sum(int(self._call(self._redis.strlen, self.prefix + c)) for c in self.ids())
