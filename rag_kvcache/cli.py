@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ttft.add_argument("--repeats", type=int, default=3)
     ttft.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
+    store.add_argument("--out", type=Path, default=Path("bench-results"))
+    store.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
+    store.add_argument("--context", type=int, default=4096)
+    store.add_argument("--repeats", type=int, default=3)
+    store.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
 
     for name, text in [
         ("stats", "chunks, bytes per tier, hit and re-encode counters"),
@@ -122,6 +128,37 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.command in ("stats", "verify", "gc"):
         return store_command(args, console)
+    if args.command == "bench" and args.kind == "store":
+        from rag_kvcache.bench_store import run_store_bench
+
+        report = run_store_bench(
+            args.out, args.dtypes, args.context, repeats=args.repeats, redis_url=args.redis_url
+        )
+        table = Table(
+            "dtype",
+            "from",
+            "put ms/chunk",
+            "get ms/chunk",
+            "TTFT s",
+            "vs cpu",
+            "speedup",
+            "bytes/token",
+        )
+        for row in report["rows"]:  # type: ignore[attr-defined]
+            fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+            table.add_row(
+                row["dtype"],
+                row["tier"],
+                fmt(row["put_ms_per_chunk"], ".1f"),
+                fmt(row["get_ms_per_chunk"], ".1f"),
+                f"{row['ttft_s']:.3f}",
+                fmt(row["ttft_vs_cpu"], ".2f"),
+                f"{row['speedup_vs_prefill']:.1f}x",
+                f"{row['bytes_per_token']:.0f}",
+            )
+        console.print(table)
+        console.print(f"wrote {args.out / 'store.json'} and {args.out / 'store.png'}")
+        return 0
     if args.command == "bench" and args.kind == "ttft":
         from rag_kvcache.bench import run_ttft_bench
 

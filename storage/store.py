@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -86,9 +87,11 @@ class TieredStore:
         if gpu_bytes:
             self.hot.insert(0, MemoryTier("gpu", gpu_bytes, "cuda", policy))
         self.reencode = reencode
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-read")
         self.takeover_s = 30.0  # a claimed chunk still pending after this: its writer died
 
     def close(self) -> None:
+        self._readers.shutdown()
         self.catalog.close()
 
     # ------------------------------------------------------------------ writing
@@ -171,33 +174,40 @@ class TieredStore:
         ]
         if unknown:
             raise UnknownCacheIdError(unknown)
-        chunks, hits = [], {t.name: 0 for t in [*self.hot, self.durable]}
-        for cid in cache_ids:
-            kv = next((k for t in self.hot if (k := t.get(cid)) is not None), None)
-            tier = next((t.name for t in self.hot if t.contains(cid)), self.durable.name)
-            if kv is None:
-                kv = self._read_durable(rows[cid])
-                self._keep_hot(kv, rows[cid].pinned)
-            hits[tier] += 1
-            chunks.append(kv)
+        found: dict[str, ChunkKV] = {}
+        hits = {t.name: 0 for t in [*self.hot, self.durable]}
+        for cid in dict.fromkeys(cache_ids):
+            for tier in self.hot:
+                if (kv := tier.get(cid)) is not None:
+                    found[cid] = kv
+                    hits[tier.name] += 1
+                    break
+        misses = [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
+        # reading and checksumming release the GIL: fetch cold chunks side by side
+        for cid, kv in zip(misses, self._readers.map(lambda c: self._load(rows[c]), misses)):
+            if isinstance(kv, str):  # missing or corrupt: re-encode (needs the model)
+                kv = self._repair(rows[cid], kv)
+            self._keep_hot(kv, rows[cid].pinned)
+            found[cid] = kv
+            hits[self.durable.name] += 1
         self.catalog.touch(cache_ids)
-        for tier, n in hits.items():
+        for tier_name, n in hits.items():
             if n:
-                self.catalog.count(f"hits:{tier}", n)
-        return chunks
+                self.catalog.count(f"hits:{tier_name}", n)
+        return [found[cid] for cid in cache_ids]
 
-    def _read_durable(self, row: ChunkRow) -> ChunkKV:
+    def _load(self, row: ChunkRow) -> ChunkKV | str:
+        """The chunk from the durable tier, or why it cannot be used ('missing', 'corrupt')."""
         data = self.durable.get(row.cache_id)
+        if data is None or row.checksum is None:
+            return "missing"
         try:
-            if data is None:
-                raise CorruptBlobError(f"blob of chunk {row.cache_id} is missing")
-            assert row.checksum is not None
             sinks = _settings(row)
             return from_blob(
                 data, row.checksum, row.cache_id, row.fingerprint, row.token_ids, sinks
             )
         except CorruptBlobError:
-            return self._repair(row, "missing" if data is None else "corrupt")
+            return "corrupt"
 
     def _repair(self, row: ChunkRow, why: str) -> ChunkKV:
         if self.reencode is None:

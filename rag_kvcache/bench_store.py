@@ -1,0 +1,223 @@
+"""`rag-kvcache bench store`: store latency per tier and TTFT when chunks come from each tier.
+
+256-token chunks of the sample corpus. Put latency (durable write + catalog), get latency
+from the CPU tier and from the durable tiers (disk with the blob files dropped from the OS
+page cache first, so reads really hit the disk; Redis when reachable), bytes per token, and
+the TTFT of `legolink:2` generation with the chunks fetched from each tier, side by side with
+full prefill of the same prompt. Writes store.json and store.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.progress import Progress
+
+from rag_kvcache.bench import corpus_tokens, machine_facts
+from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, ModelConfig
+from rag_kvcache.decoding import prefill
+from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.linker import link
+from rag_kvcache.model import LoadedModel, load_model
+from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.storage.disk import DiskTier
+from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
+from rag_kvcache.storage.store import TieredStore
+
+
+@dataclass(frozen=True)
+class TierRow:
+    dtype: str
+    tier: str  # memory (no store), cpu, disk, redis, or prefill
+    context_tokens: int
+    put_ms_per_chunk: float | None
+    get_ms_per_chunk: float | None
+    ttft_s: float
+    ttft_vs_cpu: float | None  # this tier's TTFT / the CPU tier's
+    speedup_vs_prefill: float
+    bytes_per_token: float
+
+
+def drop_page_cache(disk: DiskTier) -> None:
+    """Ask the OS to forget cached pages of every blob, so the next read goes to the disk."""
+    for cid in disk.ids():
+        fd = os.open(disk.path(cid), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def bench_dtype(
+    lm: LoadedModel,
+    context: int,
+    chunk_tokens: int,
+    repeats: int,
+    redis_url: str | None,
+    root: Path,
+) -> list[TierRow]:
+    template = PromptTemplate.from_tokenizer(lm.tokenizer, DEFAULT_SYSTEM_PROMPT)
+    prefix_ids = template.prefix_ids(lm.tokenizer)
+    pool = corpus_tokens(lm, context + 32)
+    n = context // chunk_tokens
+    chunk_ids = [pool[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n)]
+    question = pool[-32:]
+    prefix, *docs = encode_chunks(lm, [prefix_ids, *chunk_ids])
+    ids = [kv.cache_id for kv in docs]
+    dtype = str(lm.dtype).removeprefix("torch.")
+    per_token = docs[0].nbytes / docs[0].num_tokens
+
+    def ttft(fetch) -> float:
+        start = time.perf_counter()
+        chunks = fetch()
+        int(link(lm, [prefix, *chunks], question, "legolink:2").next_logits.argmax())
+        return time.perf_counter() - start
+
+    all_ids = prefix_ids + [t for c in chunk_ids for t in c] + question
+    base_runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        int(prefill(lm, all_ids)[1].argmax())
+        base_runs.append(time.perf_counter() - start)
+    base = statistics.median(base_runs)
+    rows = [TierRow(dtype, "prefill", len(all_ids), None, None, base, None, 1.0, per_token)]
+    memory = statistics.median(ttft(lambda: docs) for _ in range(repeats))
+    rows.append(
+        TierRow(dtype, "memory", len(all_ids), None, None, memory, None, base / memory, per_token)
+    )
+
+    durables: list[tuple[str, TieredStore]] = [
+        ("disk", TieredStore(root / f"disk-{dtype}")),
+    ]
+    if redis_url:
+        try:
+            prefix_key = f"rag-kvcache-bench:{os.getpid()}:"
+            tier = RedisTier(redis_url, prefix=prefix_key)
+            durables.append(("redis", TieredStore(root / f"redis-{dtype}", durable=tier)))
+        except StoreUnavailableError:
+            pass
+    cpu_ttft: float | None = None
+    for name, store in durables:
+        store.register_model(
+            lm.fingerprint, lm.name, dtype, lm.num_layers, lm.num_kv_heads, lm.head_dim
+        )
+        start = time.perf_counter()
+        for kv in docs:
+            store.put(kv, "bench")
+        put_ms = (time.perf_counter() - start) * 1000 / n
+        if cpu_ttft is None:  # the CPU tier is the same whichever durable tier is behind it
+            get_runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                store.get(ids)
+                get_runs.append((time.perf_counter() - start) * 1000 / n)
+            cpu_ttft = statistics.median(ttft(lambda s=store: s.get(ids)) for _ in range(repeats))
+            rows.append(
+                TierRow(
+                    dtype,
+                    "cpu",
+                    len(all_ids),
+                    None,
+                    statistics.median(get_runs),
+                    cpu_ttft,
+                    1.0,
+                    base / cpu_ttft,
+                    per_token,
+                )
+            )
+
+        def cold(s: TieredStore = store) -> list:
+            for hot in s.hot:
+                for cid in ids:
+                    hot.remove(cid)
+            if isinstance(s.durable, DiskTier):
+                drop_page_cache(s.durable)
+            return s.get(ids)
+
+        get_runs, ttft_runs = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            cold()
+            get_runs.append((time.perf_counter() - start) * 1000 / n)
+            ttft_runs.append(ttft(cold))
+        tier_ttft = statistics.median(ttft_runs)
+        rows.append(
+            TierRow(
+                dtype,
+                name,
+                len(all_ids),
+                put_ms,
+                statistics.median(get_runs),
+                tier_ttft,
+                tier_ttft / cpu_ttft,
+                base / tier_ttft,
+                per_token,
+            )
+        )
+        if name == "redis":
+            for cid in list(store.durable.ids()):
+                store.durable.remove(cid)
+        store.close()
+    return rows
+
+
+def run_store_bench(
+    out_dir: Path,
+    dtypes: list[str],
+    context: int = 4096,
+    chunk_tokens: int = 256,
+    repeats: int = 3,
+    redis_url: str | None = "redis://127.0.0.1:6379/0",
+) -> dict[str, object]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[TierRow] = []
+    with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        task = progress.add_task("store bench", total=len(dtypes))
+        for dtype in dtypes:
+            lm = load_model(ModelConfig(dtype=dtype))
+            rows += bench_dtype(lm, context, chunk_tokens, repeats, redis_url, Path(tmp))
+            progress.advance(task)
+    report = {
+        "benchmark": "store",
+        "context": context,
+        "chunk_tokens": chunk_tokens,
+        "strategy": "legolink:2",
+        "repeats": repeats,
+        "machine": machine_facts(),
+        "rows": [asdict(r) for r in rows],
+    }
+    (out_dir / "store.json").write_text(json.dumps(report, indent=2))
+    plot_store(rows, out_dir / "store.png")
+    return report
+
+
+def plot_store(rows: list[TierRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r.dtype for r in rows})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        mine = [r for r in rows if r.dtype == dtype]
+        bars = ax.bar(
+            [r.tier for r in mine],
+            [r.ttft_s for r in mine],
+            color=["tab:blue" if r.tier == "prefill" else "tab:green" for r in mine],
+        )
+        ax.bar_label(bars, labels=[f"{r.ttft_s:.2f}s" for r in mine], fontsize=8)
+        ax.set(
+            yscale="log",
+            ylabel="TTFT (s)",
+            title=f"TTFT by where chunks come from, {dtype}, {mine[0].context_tokens} tokens",
+        )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
