@@ -11,6 +11,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -158,9 +159,16 @@ def run_ttft_bench(
         "machine": machine_facts(),
         "rows": [asdict(r) for r in rows],
     }
-    (out_dir / "ttft.json").write_text(json.dumps(report, indent=2))
-    plot_ttft(rows, out_dir / "ttft.png")
+    save_report(out_dir, "ttft", report, lambda path: plot_ttft(rows, path))
     return report
+
+
+def save_report(
+    out_dir: Path, name: str, report: dict[str, object], plot: Callable[[Path], None]
+) -> None:
+    """Write NAME.json and, through `plot`, NAME.png into out_dir."""
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    plot(out_dir / f"{name}.png")
 
 
 def plot_ttft(rows: list[TTFTRow], path: Path) -> None:

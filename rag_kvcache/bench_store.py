@@ -9,7 +9,6 @@ full prefill of the same prompt. Writes store.json and store.png.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from rag_kvcache.bench import corpus_tokens, machine_facts
+from rag_kvcache.bench import corpus_tokens, machine_facts, save_report
 from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, ModelConfig
 from rag_kvcache.decoding import prefill
 from rag_kvcache.encoder import encode_chunks
@@ -192,8 +191,7 @@ def run_store_bench(
         "machine": machine_facts(),
         "rows": [asdict(r) for r in rows],
     }
-    (out_dir / "store.json").write_text(json.dumps(report, indent=2))
-    plot_store(rows, out_dir / "store.png")
+    save_report(out_dir, "store", report, lambda path: plot_store(rows, path))
     return report
 
 

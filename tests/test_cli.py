@@ -1,0 +1,92 @@
+"""The rag-kvcache command, run in-process on small sizes (benchmarks' numbers are not
+asserted: only that reports are complete and consistent)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rag_kvcache.cli import main
+from rag_kvcache.storage.store import TieredStore
+
+
+def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "ttft",
+                "--dtypes",
+                "float32",
+                "--contexts",
+                "256,512",
+                "--strategies",
+                "naive,legolink:2",
+                "--repeats",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    report = json.loads((tmp_path / "ttft.json").read_text())
+    assert (tmp_path / "ttft.png").stat().st_size > 10_000
+    rows = report["rows"]
+    assert [(r["strategy"], r["recomputed_tokens"] > 0) for r in rows[:3]] == [
+        ("prefill", True),
+        ("naive", False),
+        ("legolink:2", True),
+    ]
+    for row in rows:
+        base = next(
+            r
+            for r in rows
+            if r["strategy"] == "prefill" and r["context_tokens"] == row["context_tokens"]
+        )
+        assert row["speedup"] == pytest.approx(base["ttft_s"] / row["ttft_s"])
+    assert report["machine"]["torch"] and "wrote" in capsys.readouterr().out
+
+
+def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "store",
+                "--dtypes",
+                "float32",
+                "--context",
+                "512",
+                "--repeats",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    rows = json.loads((tmp_path / "store.json").read_text())["rows"]
+    tiers = [r["tier"] for r in rows]
+    assert tiers[:4] == ["prefill", "memory", "cpu", "disk"]  # redis too when reachable
+    assert all(r["bytes_per_token"] == 46080 for r in rows)  # 30 x 3 x 64 x 2 x 4 bytes
+
+
+def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:
+    from helpers import random_chunks
+
+    from rag_kvcache.encoder import encode_chunks
+
+    store = TieredStore(tmp_path)
+    store.register_model(tiny64.fingerprint, "tiny", "float64", 3, 2, 16)
+    kvs = encode_chunks(tiny64, random_chunks([5, 6], seed=3))
+    for kv in kvs:
+        store.put(kv, "t")
+    store.durable.put(kvs[1].cache_id, b"garbage")
+    store.close()
+    assert main(["stats", "--store", str(tmp_path)]) == 0
+    assert "models / documents / chunks" in capsys.readouterr().out
+    assert main(["verify", "--store", str(tmp_path)]) == 1  # one corrupt blob, not repaired
+    assert "1 corrupt" in capsys.readouterr().out
+    assert main(["gc", "--store", str(tmp_path)]) == 0
+    assert "0 orphan blobs" in capsys.readouterr().out
