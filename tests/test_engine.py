@@ -123,3 +123,18 @@ def test_smollm2_mask_matches_reference(smol_engine) -> None:
     fast = link(engine.lm, chunks, query, "legolink:3")
     slow = link_reference(engine.lm, chunks, query, "legolink:3")
     torch.testing.assert_close(fast.next_logits, slow.next_logits, rtol=1e-4, atol=2e-4)
+
+
+def test_store_config_opens_a_tiered_store(tiny64, tmp_path) -> None:
+    from rag_kvcache.config import StoreConfig
+    from rag_kvcache.storage.store import TieredStore
+
+    config = EngineConfig(store=StoreConfig(root=tmp_path, cpu_bytes=1 << 20, policy="lfu"))
+    engine = RagKVCache(config, lm=tiny64)
+    assert isinstance(engine.store, TieredStore) and engine.store.reencode is not None
+    ids = engine.generate_context_cache(DOCS)
+    assert engine.store.catalog.chunk(ids[0]).text == DOCS[0]  # kept for re-encoding
+    assert engine.generate("q", ids, strategy="full", max_new_tokens=4).token_ids == (
+        engine.generate("q", ids, strategy="prefill", max_new_tokens=4).token_ids
+    )
+    engine.store.close()
