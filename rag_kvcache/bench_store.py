@@ -41,6 +41,8 @@ class TierRow:
     ttft_vs_cpu: float | None  # this tier's TTFT / the CPU tier's
     speedup_vs_prefill: float
     bytes_per_token: float
+    kl_vs_uncompressed: float | None = None  # next-token KL(full-precision || this tier's KV)
+    top1_agrees: bool | None = None
 
 
 def drop_page_cache(disk: DiskTier) -> None:
@@ -93,6 +95,7 @@ def bench_dtype(
 
     durables: list[tuple[str, TieredStore]] = [
         ("disk", TieredStore(root / f"disk-{dtype}")),
+        ("disk-int8", TieredStore(root / f"int8-{dtype}", compress="int8")),
     ]
     if redis_url:
         try:
@@ -146,6 +149,9 @@ def bench_dtype(
             get_runs.append((time.perf_counter() - start) * 1000 / n)
             ttft_runs.append(ttft(cold))
         tier_ttft = statistics.median(ttft_runs)
+        exact = link(lm, [prefix, *docs], question, "legolink:2").next_logits.float()
+        served = link(lm, [prefix, *cold()], question, "legolink:2").next_logits.float()
+        p, log_p, log_q = exact.softmax(-1), exact.log_softmax(-1), served.log_softmax(-1)
         rows.append(
             TierRow(
                 dtype,
@@ -156,7 +162,9 @@ def bench_dtype(
                 tier_ttft,
                 tier_ttft / cpu_ttft,
                 base / tier_ttft,
-                per_token,
+                sum(len(store.durable.get(c) or b"") for c in ids) / (n * chunk_tokens),
+                float((p * (log_p - log_q)).sum()),
+                bool(exact.argmax() == served.argmax()),
             )
         )
         if name == "redis":

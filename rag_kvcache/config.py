@@ -91,8 +91,11 @@ class StoreConfig:
     cpu_bytes: int = 2 << 30
     gpu_bytes: int = 0
     policy: str = "lru"
+    compress: str | None = None  # "int8": 8-bit KV in the durable tier
 
     def __post_init__(self) -> None:
+        if self.compress not in (None, "int8"):
+            raise ConfigError(f"compress {self.compress!r} is not one of (None, 'int8')")
         if self.cpu_bytes < 0 or self.gpu_bytes < 0:
             raise ConfigError("tier budgets must be >= 0 bytes")
         if self.policy not in ("lru", "lfu"):

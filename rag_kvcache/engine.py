@@ -59,6 +59,7 @@ def open_store(config: StoreConfig) -> KVStore:
         cpu_bytes=config.cpu_bytes,
         gpu_bytes=config.gpu_bytes,
         policy=config.policy,
+        compress=config.compress,
     )
 
 

@@ -74,6 +74,7 @@ class TieredStore:
         cpu_bytes: int = 2 << 30,
         gpu_bytes: int = 0,
         policy: str = "lru",
+        compress: str | None = None,
         reencode: Reencode | None = None,
     ):
         root = Path(root)
@@ -87,6 +88,7 @@ class TieredStore:
         if gpu_bytes:
             self.hot.insert(0, MemoryTier("gpu", gpu_bytes, "cuda", policy))
         self.reencode = reencode
+        self.compress = compress  # "int8": durable blobs hold 8-bit KV (hot tiers keep full)
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-read")
         self.takeover_s = 30.0  # a claimed chunk still pending after this: its writer died
 
@@ -147,7 +149,7 @@ class TieredStore:
         return False
 
     def _write(self, kv: ChunkKV) -> None:
-        data = to_blob(kv)
+        data = to_blob(kv, self.compress)
         try:
             self.durable.put(kv.cache_id, data)
         except StoreFullError:

@@ -68,8 +68,14 @@ def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
     )
     rows = json.loads((tmp_path / "store.json").read_text())["rows"]
     tiers = [r["tier"] for r in rows]
-    assert tiers[:4] == ["prefill", "memory", "cpu", "disk"]  # redis too when reachable
-    assert all(r["bytes_per_token"] == 46080 for r in rows)  # 30 x 3 x 64 x 2 x 4 bytes
+    assert tiers[:5] == ["prefill", "memory", "cpu", "disk", "disk-int8"]  # redis when reachable
+    in_memory = [r for r in rows if r["tier"] in ("prefill", "memory", "cpu")]
+    assert all(r["bytes_per_token"] == 46080 for r in in_memory)  # 30 x 3 x 64 x 2 x 4 bytes
+    disk = {r["tier"]: r for r in rows}
+    assert 46080 <= disk["disk"]["bytes_per_token"] < 47000  # + a small safetensors header
+    assert disk["disk-int8"]["bytes_per_token"] < disk["disk"]["bytes_per_token"] / 3.5
+    assert disk["disk"]["kl_vs_uncompressed"] == pytest.approx(0, abs=1e-6)  # lossless tier
+    assert disk["disk-int8"]["kl_vs_uncompressed"] > 0
 
 
 def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:

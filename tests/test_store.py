@@ -317,3 +317,35 @@ def test_full_disk_is_a_clear_error_and_records_nothing(tmp_path, tiny64) -> Non
         store.close()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_int8_quantization_error_is_within_half_a_step() -> None:
+    from rag_kvcache.storage.compress import dequantize, quantize
+
+    x = torch.randn(3, 2, 50, 16, dtype=torch.float64) * torch.linspace(0.01, 10, 16)
+    codes, scale = quantize(x)
+    assert codes.dtype == torch.int8 and scale.shape == (3, 2, 1, 16)
+    error = (dequantize(codes, scale, torch.float64) - x).abs()
+    assert (error <= scale / 2 + 1e-9).all()
+    assert error.max() > 0  # it is lossy: the check above is not vacuous
+
+
+def test_int8_store_shrinks_blobs_and_serves_the_dequantized_kv(tiny32, tmp_path) -> None:
+    from rag_kvcache.storage.compress import dequantize, quantize
+
+    plain = TieredStore(tmp_path / "plain")
+    small = TieredStore(tmp_path / "int8", compress="int8")
+    kv = encode_chunks(tiny32, random_chunks([64], seed=11))[0]
+    for store in (plain, small):
+        store.register_model(tiny32.fingerprint, "tiny", "float32", 3, 2, 16)
+        store.put(kv, "t")
+        store.hot[0].remove(kv.cache_id)
+    ratio = small.durable.nbytes() / plain.durable.nbytes()
+    assert ratio < 0.3  # int8 codes + per-channel scales vs float32
+    (got,) = small.get([kv.cache_id])
+    assert got.keys.dtype == torch.float32
+    assert torch.equal(got.keys, dequantize(*quantize(kv.keys), torch.float32))
+    assert torch.equal(got.values, dequantize(*quantize(kv.values), torch.float32))
+    assert small.verify().corrupt == []
+    plain.close()
+    small.close()
