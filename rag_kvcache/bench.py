@@ -22,7 +22,7 @@ from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, ModelConfig
 from rag_kvcache.decoding import prefill
 from rag_kvcache.encoder import encode_chunks
 from rag_kvcache.engine import PREFILL
-from rag_kvcache.kv import ChunkKV
+from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.linker import link
 from rag_kvcache.model import LoadedModel, load_model
 from rag_kvcache.prompt import PromptTemplate
@@ -95,8 +95,6 @@ def bench_dtype(
     chunk_ids = [pool[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n_chunks)]
     suffix = template.tokenize(lm.tokenizer, template.suffix)
     question = pool[-question_tokens + len(suffix) :] + suffix  # exactly question_tokens
-    from rag_kvcache.kv import EncodeSettings
-
     prefix = encode_chunks(lm, [prefix_ids])[0]
     plain = encode_chunks(lm, chunk_ids)
     sinks = encode_chunks(lm, chunk_ids, EncodeSettings(tuple(prefix_ids[:4])))

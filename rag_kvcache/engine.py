@@ -78,15 +78,8 @@ class RagKVCache:
         self.store = store if store is not None else open_store(self.config.store)
         if isinstance(self.store, TieredStore):
             self.store.reencode = self._reencode
-        lm_ = self.lm
-        self.store.register_model(
-            lm_.fingerprint,
-            lm_.name,
-            str(lm_.dtype),
-            lm_.num_layers,
-            lm_.num_kv_heads,
-            lm_.head_dim,
-        )
+        facts = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
+        self.store.register_model(self.lm.fingerprint, self.lm.name, str(self.lm.dtype), *facts)
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rag_kvcache.errors import UnknownCacheIdError
-from rag_kvcache.kv import ChunkKV
+from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.storage.blob import CorruptBlobError, checksum, from_blob, to_blob
 from rag_kvcache.storage.catalog import Catalog, ChunkRow
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
@@ -127,13 +127,17 @@ class TieredStore:
             pinned=pinned,
             expires_at=expires,
         )
+        if claimed:
+            self._write(kv)
+            self._keep_hot(kv, pinned)
+            return
         row = self.catalog.chunk(kv.cache_id)
         assert row is not None
-        if not claimed and (row.expires_at != expires or row.pinned != pinned):
+        if row.expires_at != expires or row.pinned != pinned:
             self.catalog.set_expiry(kv.cache_id, expires)  # re-ingesting refreshes the TTL
             self.catalog.set_pinned(kv.cache_id, pinned or row.pinned)
-        if claimed or not self._wait_stored(kv.cache_id):
-            self._write(kv)  # ours, or its writer died (its row stayed pending)
+        if not self._wait_stored(kv.cache_id):
+            self._write(kv)  # its writer died (its row stayed pending)
         self._keep_hot(kv, pinned or row.pinned)
 
     def _wait_stored(self, cache_id: str) -> bool:
@@ -204,7 +208,7 @@ class TieredStore:
         if data is None or row.checksum is None:
             return "missing"
         try:
-            sinks = _settings(row)
+            sinks = EncodeSettings.from_key(row.encode_settings).sink_ids
             return from_blob(
                 data, row.checksum, row.cache_id, row.fingerprint, row.token_ids, sinks
             )
@@ -283,13 +287,8 @@ class TieredStore:
         return VerifyReport(len(rows), corrupt, missing, repaired)
 
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.catalog.all_chunks("stored"))
+        """Bytes of every stored blob (counted in SQL from the durable tier's placements)."""
+        return self.catalog.stats().bytes_per_tier.get(self.durable.name, 0)
 
     def __len__(self) -> int:
-        return len(self.catalog.all_chunks("stored"))
-
-
-def _settings(row: ChunkRow) -> tuple[int, ...]:
-    from rag_kvcache.kv import EncodeSettings
-
-    return EncodeSettings.from_key(row.encode_settings).sink_ids
+        return self.catalog.stats().chunks_per_state.get("stored", 0)
