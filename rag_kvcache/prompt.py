@@ -32,6 +32,16 @@ class PromptTemplate:
             return cls(prefix, suffix)
         return cls(system_prompt + "\n\n", "\nAnswer:")
 
+    @staticmethod
+    def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+        """Chat messages as the model's chat template renders them, ready for the reply."""
+        if getattr(tokenizer, "chat_template", None):
+            return str(
+                tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            )
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines) + "\nassistant:"
+
     def tokenize(self, tokenizer: Any, text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

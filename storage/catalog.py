@@ -15,8 +15,10 @@ Chunks are written in two steps: `begin_chunk` (state 'pending') before the blob
 `commit_chunk` (state 'stored' + durable placement) after; a writer that dies in between leaves
 a pending row that `pending_older_than` finds for garbage collection.
 
-Deleting a document deletes its chunks (ON DELETE CASCADE on `chunks.document_id`), and deleting
-a chunk deletes its placements; the blobs themselves are the store's business.
+Documents list their chunks in `document_chunks` (a chunk may belong to several documents);
+`set_document` and `remove_document` return the chunks no document refers to any more, for the
+store to delete. Deleting a chunk deletes its placements and document links (cascades); the
+blobs themselves are the store's business.
 """
 
 from __future__ import annotations
@@ -163,6 +165,21 @@ class Document(Base):
     source: Mapped[str] = mapped_column(String(1024), unique=True)
     content_hash: Mapped[str] = mapped_column(String(64))
     ingested_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    chunk_count: Mapped[int] = mapped_column(Integer, default=0, server_default=sa.text("0"))
+
+
+class DocumentChunk(Base):
+    """Chunk number `ordinal` of a document (one chunk may serve several documents)."""
+
+    __tablename__ = "document_chunks"
+
+    document_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("documents.id", ondelete="CASCADE"), primary_key=True
+    )
+    ordinal: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cache_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("chunks.cache_id", ondelete="CASCADE"), index=True
+    )
 
 
 class Chunk(Base):
@@ -173,10 +190,6 @@ class Chunk(Base):
 
     cache_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     fingerprint: Mapped[str] = mapped_column(String(64), ForeignKey("models.fingerprint"))
-    document_id: Mapped[int | None] = mapped_column(
-        Integer, ForeignKey("documents.id", ondelete="CASCADE"), index=True
-    )
-    ordinal: Mapped[int | None] = mapped_column(Integer)
     text: Mapped[str] = mapped_column(Text)
     token_ids: Mapped[tuple[int, ...]] = mapped_column(TokenIds)
     token_count: Mapped[int] = mapped_column(Integer)
@@ -225,8 +238,6 @@ class ChunkRow:
 
     cache_id: str
     fingerprint: str
-    document_id: int | None
-    ordinal: int | None
     text: str
     token_ids: tuple[int, ...]
     token_count: int
@@ -250,6 +261,7 @@ class DocumentRow:
     source: str
     content_hash: str
     ingested_at: datetime
+    chunk_count: int  # chunks it had when ingested (links vanish when a chunk is removed)
 
 
 @dataclass(frozen=True)
@@ -522,21 +534,8 @@ class Catalog:
 
     def upsert_document(self, source: str, content_hash: str) -> DocumentRow:
         """Insert a document, or update its content hash and ingestion time; returns the row."""
-        if not source or len(source) > 1024:
-            raise CatalogError(f"document source must be 1..1024 characters, got {source!r}")
-        _check_key("content_hash", content_hash)
-        stmt = self._insert(Document).values(
-            source=source, content_hash=content_hash, ingested_at=_now()
-        )
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["source"],
-            set_={
-                "content_hash": stmt.excluded.content_hash,
-                "ingested_at": stmt.excluded.ingested_at,
-            },
-        ).returning(*Document.__table__.c)
         with self._write() as conn:
-            return DocumentRow(**conn.execute(stmt).one()._mapping)
+            return self._upsert_document(conn, source, content_hash)
 
     def document(self, source: str) -> DocumentRow | None:
         """The document ingested from `source`, if any."""
@@ -550,11 +549,40 @@ class Catalog:
             rows = conn.execute(select(Document.__table__).order_by(Document.id))
             return [DocumentRow(**row._mapping) for row in rows]
 
-    def remove_document(self, source: str) -> list[str]:
-        """Delete a document and (by cascade) its chunks and their placements.
+    def set_document(
+        self, source: str, content_hash: str, cache_ids: Sequence[str]
+    ) -> tuple[DocumentRow, list[str]]:
+        """Record that `source` (with this content hash) now consists of `cache_ids`, in order.
 
-        Returns the deleted chunks' cache IDs, so the store can drop their blobs. The document
-        row is locked first (PostgreSQL), so no chunk can be added to it in between.
+        One transaction: the hash, chunk count and chunk list change together, so a document
+        whose ingestion was interrupted keeps its old hash and is re-ingested next time. Returns
+        the row and the chunks that were the document's and now belong to no document (for the
+        store to delete). Every chunk must already be recorded.
+        """
+        new = set(cache_ids)
+        try:
+            with self._write() as conn:
+                row = self._upsert_document(conn, source, content_hash, len(cache_ids))
+                old = self._unlink(conn, row.id)
+                if cache_ids:
+                    conn.execute(
+                        sa.insert(DocumentChunk),
+                        [
+                            {"document_id": row.id, "ordinal": i, "cache_id": cid}
+                            for i, cid in enumerate(cache_ids)
+                        ],
+                    )
+                return row, self._orphans(conn, [c for c in old if c not in new])
+        except IntegrityError as e:
+            raise CatalogError(
+                f"cannot record document {source!r}: a chunk it lists is not in the catalog "
+                f"(begin_chunk first) ({e.orig})"
+            ) from e
+
+    def remove_document(self, source: str) -> list[str]:
+        """Delete a document; returns its chunks that now belong to no document.
+
+        The document row is locked first (PostgreSQL), so no chunk can be linked in between.
         """
         with self._write() as conn:
             doc_id = conn.scalar(
@@ -562,15 +590,82 @@ class Catalog:
             )
             if doc_id is None:
                 return []
-            ids = list(
+            old = self._unlink(conn, doc_id)
+            conn.execute(delete(Document).where(Document.id == doc_id))
+            return self._orphans(conn, old)
+
+    def document_chunks(self, source: str) -> list[str]:
+        """The cache IDs of a document's chunks, in order ([] if unknown)."""
+        stmt = (
+            select(DocumentChunk.cache_id)
+            .join(Document, Document.id == DocumentChunk.document_id)
+            .where(Document.source == source)
+            .order_by(DocumentChunk.ordinal)
+        )
+        with self._read() as conn:
+            return list(conn.scalars(stmt))
+
+    def documented_ids(self) -> set[str]:
+        """Every chunk that belongs to at least one document (what retrieval may return)."""
+        with self._read() as conn:
+            return set(conn.scalars(select(DocumentChunk.cache_id).distinct()))
+
+    def sources(self, cache_ids: Iterable[str]) -> dict[str, str]:
+        """For each chunk that belongs to a document, the source of the first such document."""
+        wanted = list(dict.fromkeys(cache_ids))
+        found: dict[str, str] = {}
+        with self._read() as conn:
+            for batch in _batches(wanted):
+                rows = conn.execute(
+                    select(DocumentChunk.cache_id, Document.source)
+                    .join(Document, Document.id == DocumentChunk.document_id)
+                    .where(DocumentChunk.cache_id.in_(batch))
+                    .order_by(Document.id)
+                )
+                for cache_id, source in rows:
+                    found.setdefault(cache_id, source)
+        return found
+
+    def _upsert_document(
+        self, conn: Connection, source: str, content_hash: str, chunk_count: int | None = None
+    ) -> DocumentRow:
+        if not source or len(source) > 1024:
+            raise CatalogError(f"document source must be 1..1024 characters, got {source!r}")
+        _check_key("content_hash", content_hash)
+        values: dict[str, Any] = {"content_hash": content_hash, "ingested_at": _now()}
+        if chunk_count is not None:
+            values["chunk_count"] = chunk_count
+        stmt = self._insert(Document).values(source=source, **values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["source"], set_={k: stmt.excluded[k] for k in values}
+        ).returning(*Document.__table__.c)
+        return DocumentRow(**conn.execute(stmt).one()._mapping)
+
+    @staticmethod
+    def _unlink(conn: Connection, document_id: int) -> list[str]:
+        """Drop a document's chunk list; returns it."""
+        old = list(
+            conn.scalars(
+                select(DocumentChunk.cache_id)
+                .where(DocumentChunk.document_id == document_id)
+                .order_by(DocumentChunk.ordinal)
+            )
+        )
+        conn.execute(delete(DocumentChunk).where(DocumentChunk.document_id == document_id))
+        return old
+
+    @staticmethod
+    def _orphans(conn: Connection, cache_ids: list[str]) -> list[str]:
+        """Those of `cache_ids` that no document lists."""
+        wanted = list(dict.fromkeys(cache_ids))
+        linked: set[str] = set()
+        for batch in _batches(wanted):
+            linked.update(
                 conn.scalars(
-                    select(Chunk.cache_id)
-                    .where(Chunk.document_id == doc_id)
-                    .order_by(Chunk.ordinal, Chunk.cache_id)
+                    select(DocumentChunk.cache_id).where(DocumentChunk.cache_id.in_(batch))
                 )
             )
-            conn.execute(delete(Document).where(Document.id == doc_id))
-            return ids
+        return [c for c in wanted if c not in linked]
 
     # -- chunks
 
@@ -583,17 +678,14 @@ class Catalog:
         token_ids: Sequence[int],
         encode_settings: str,
         start: int = 0,
-        document_id: int | None = None,
-        ordinal: int | None = None,
         pinned: bool = False,
         expires_at: datetime | None = None,
     ) -> bool:
         """Claim a chunk before its blob is written: True if this call created its row.
 
         Exactly one caller, across threads and processes, gets True for a cache ID (a single
-        INSERT ... ON CONFLICT DO NOTHING); the others should not encode it again. If the row
-        already exists, its document_id / ordinal are filled in only where they were NULL.
-        The model must be registered and the document (if given) must exist.
+        INSERT ... ON CONFLICT DO NOTHING); the others should not encode it again.
+        The model must be registered.
         """
         _check_key("cache_id", cache_id)
         _check_key("fingerprint", fingerprint)
@@ -608,8 +700,6 @@ class Catalog:
             .values(
                 cache_id=cache_id,
                 fingerprint=fingerprint,
-                document_id=document_id,
-                ordinal=ordinal,
                 text=text,
                 token_ids=tokens,
                 token_count=len(tokens),
@@ -629,22 +719,11 @@ class Catalog:
         )
         try:
             with self._write() as conn:
-                inserted = conn.execute(stmt).first() is not None
-                if not inserted and (document_id is not None or ordinal is not None):
-                    conn.execute(
-                        update(Chunk)
-                        .where(Chunk.cache_id == cache_id)
-                        .values(
-                            document_id=func.coalesce(Chunk.document_id, document_id),
-                            ordinal=func.coalesce(Chunk.ordinal, ordinal),
-                        )
-                    )
-                return inserted
+                return conn.execute(stmt).first() is not None
         except IntegrityError as e:
             raise CatalogError(
                 f"cannot record chunk {cache_id}: model fingerprint {fingerprint!r} is not "
-                f"registered (call register_model first) or document_id {document_id} does not "
-                f"exist ({e.orig})"
+                f"registered (call register_model first) ({e.orig})"
             ) from e
 
     def commit_chunk(self, cache_id: str, nbytes: int, checksum: str, tier: str) -> None:

@@ -78,6 +78,7 @@ class TieredStore:
         reencode: Reencode | None = None,
     ):
         root = Path(root)
+        self.root = root
         if catalog is None:
             catalog = Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
         self.catalog = catalog
@@ -108,8 +109,6 @@ class TieredStore:
         kv: ChunkKV,
         text: str = "",
         *,
-        document_id: int | None = None,
-        ordinal: int | None = None,
         pinned: bool = False,
         ttl_s: float | None = None,
     ) -> None:
@@ -122,8 +121,6 @@ class TieredStore:
             token_ids=kv.token_ids,
             encode_settings=kv.settings.key(),
             start=kv.start,
-            document_id=document_id,
-            ordinal=ordinal,
             pinned=pinned,
             expires_at=expires,
         )

@@ -1,0 +1,99 @@
+"""The documents of a durable store and the vector index over their chunks, kept consistent.
+
+The catalog is the truth (which documents exist, which chunks each lists); the FAISS index is a
+cache of it, saved beside the catalog. It is checked against the catalog when opened and
+whenever another process changed the corpus (a version counter in the catalog), so a search
+never returns a chunk that no document lists any more, and a lost index file is rebuilt from
+the chunk texts the catalog keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rag_kvcache.embedding import Embedder
+from rag_kvcache.retrieval import Retrieved, VectorIndex
+from rag_kvcache.storage.store import TieredStore
+
+VERSION = "corpus-version"  # catalog counter bumped by every document change
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    added: int  # chunks embedded into the index because the catalog lists them
+    removed: int  # index entries dropped because no document lists them
+
+
+class Corpus:
+    """Documents -> chunks (catalog) and chunk -> embedding (FAISS), for one TieredStore."""
+
+    def __init__(self, store: TieredStore, embedder: Embedder):
+        self.store = store
+        self.catalog = store.catalog
+        self.embedder = embedder
+        self.index_path = store.root / "index.faiss"
+        self.ids_path = store.root / "index.ids"
+        self.index = VectorIndex.load(self.index_path, self.ids_path, embedder.dim)
+        self._version = -1
+        self.sync()
+
+    def sync(self) -> SyncReport:
+        """Make the index hold exactly the chunks some document lists."""
+        version = self._current_version()
+        wanted = self.catalog.documented_ids()
+        have = self.index.cache_ids()
+        missing = sorted(wanted - have)
+        extra = have - wanted
+        self.index.remove(extra)
+        if missing:
+            rows = self.catalog.chunks(missing)
+            self.index.add(missing, self.embedder.embed([rows[c].text for c in missing]))
+        if missing or extra:
+            self.index.save(self.index_path, self.ids_path)
+        self._version = version
+        return SyncReport(len(missing), len(extra))
+
+    def set_document(self, source: str, content_hash: str, cache_ids: list[str]) -> list[str]:
+        """Record a document's chunks (already in the store) and index them; drop the chunks it
+        no longer has (unless another document lists them). Returns the dropped cache IDs."""
+        _, orphans = self.catalog.set_document(source, content_hash, cache_ids)
+        self._changed(cache_ids, orphans)
+        return orphans
+
+    def remove_document(self, source: str) -> list[str]:
+        """Forget a document and the chunks only it listed. Returns those cache IDs."""
+        orphans = self.catalog.remove_document(source)
+        self._changed([], orphans)
+        return orphans
+
+    def _changed(self, listed: list[str], orphans: list[str]) -> None:
+        for cache_id in orphans:
+            self.store.remove(cache_id)
+        version = self._current_version()
+        if version != self._version:
+            self.sync()  # another process changed the corpus since we last looked
+        have = self.index.cache_ids()
+        new = [c for c in dict.fromkeys(listed) if c not in have]
+        if new:
+            rows = self.catalog.chunks(new)
+            self.index.add(new, self.embedder.embed([rows[c].text for c in new]))
+        self.index.remove(orphans)
+        self.index.save(self.index_path, self.ids_path)
+        self.catalog.count(VERSION)
+        self._version = version + 1  # a later mismatch means someone else wrote meanwhile
+
+    def _current_version(self) -> int:
+        return self.catalog.counters().get(VERSION, 0)
+
+    def search(self, query: str, top_k: int = 4) -> list[Retrieved]:
+        """The top_k chunks most similar to `query`, best first."""
+        if self._current_version() != self._version:
+            self.sync()
+        hits = self.index.search(self.embedder.embed([query])[0], top_k)
+        rows = self.catalog.chunks([c for c, _ in hits])
+        sources = self.catalog.sources(rows)
+        return [
+            Retrieved(cache_id, score, rows[cache_id].text, sources.get(cache_id))
+            for cache_id, score in hits
+            if cache_id in rows
+        ]

@@ -1,0 +1,41 @@
+"""Sentence embeddings for retrieval: all-MiniLM-L6-v2 (shipped in a PyPI package), mean-pooled
+over real tokens and L2-normalized, so FAISS inner product is cosine similarity."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rag_kvcache.model import default_embedding_path, encoder_hidden_states, load_encoder
+
+
+class Embedder:
+    """Texts -> unit vectors [n, dim] (float32). Deterministic; CPU; thread count as torch's."""
+
+    def __init__(self, path: Path | None = None, batch_size: int = 32, max_tokens: int = 256):
+        self.path = Path(path) if path is not None else default_embedding_path()
+        self.tokenizer, self.model = load_encoder(self.path)
+        self.dim = int(self.model.config.hidden_size)
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens  # the model was trained on 256-token windows
+        self.name = self.path.name if self.path.name != "model" else self.path.parent.name
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(
+                list(texts[i : i + self.batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=self.max_tokens,
+                return_tensors="pt",
+            )
+            hidden = encoder_hidden_states(self.model, dict(batch))
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            out[i : i + len(pooled)] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+        return out

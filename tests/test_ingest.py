@@ -1,0 +1,289 @@
+"""Ingestion: reading files (bad ones reported, never fatal), incremental and resumable runs,
+pruning, the FAISS index kept consistent with the catalog, and the `ingest` / `query` / `chat`
+commands. Engine tests use the tiny model (SmolLM2's tokenizer); the commands use SmolLM2."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.cli import main
+from rag_kvcache.config import StoreConfig
+from rag_kvcache.corpus import Corpus
+from rag_kvcache.embedding import Embedder
+from rag_kvcache.ingest import plan_ingest, prune, read_text, run_ingest
+from rag_kvcache.integrations.llama_index.splitter import split_text
+
+DATA = Path(__file__).resolve().parents[1] / "demos" / "data"
+PARAGRAPHS = {
+    "ferry.md": [
+        "The Quell Island ferry leaves Velmora at dawn and returns at dusk.",
+        "Its captain, Ilse Varro, has sailed the route for nineteen years.",
+        "Tickets cost four silver marks, or two for children.",
+    ],
+    "bakery.md": [
+        "The Tallow Street bakery sells rye loaves shaped like anchors.",
+        "It opens at five in the morning, an hour before the fish market.",
+    ],
+    "league.md": [
+        "The Grennick Bay rowing league has six crews.",
+        "The oldest crew, the Saltreach Oars, was founded in 1901.",
+    ],
+}
+
+
+def minimal_pdf(text: str) -> bytes:
+    """A one-page PDF with `text` in Helvetica, written by hand (offsets and all)."""
+    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(objects) + 1,
+        xref,
+    )
+    return bytes(out)
+
+
+def write_docs(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, paragraphs in PARAGRAPHS.items():
+        (folder / name).write_text("\n\n".join(paragraphs) + "\n")
+
+
+def paragraphs(text: str) -> list[str]:
+    """A splitter that makes one chunk per paragraph, so tests can count chunks exactly."""
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+@pytest.fixture
+def engine(tiny32, tmp_path: Path) -> RagKVCache:
+    config = EngineConfig(
+        store=StoreConfig(root=tmp_path / "store"), generation=GenerationConfig(max_new_tokens=4)
+    )
+    return RagKVCache(config, lm=tiny32)
+
+
+def ingest(engine: RagKVCache, *paths: Path, **kw):
+    plan = plan_ingest(engine, list(paths), paragraphs, **kw)
+    return plan, run_ingest(engine, plan)
+
+
+# ----------------------------------------------------------------------------- reading files
+
+
+def test_bad_files_are_reported_and_the_good_ones_ingested(engine, tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    (docs / "empty.txt").write_bytes(b"")
+    (docs / "blanks.txt").write_text("  \n\n \n")
+    (docs / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(64))
+    (docs / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (docs / "huge.txt").write_text("word " * 2000)
+    (docs / "scan.pdf").write_bytes(minimal_pdf("The Quell Island lighthouse is painted red."))
+    (docs / "broken.pdf").write_bytes(b"%PDF-1.4\nnot really a pdf")
+    (docs / "loop").symlink_to(docs)
+    (docs / "dangling.md").symlink_to(tmp_path / "missing.md")
+    (docs / ".hidden.md").write_text("never read")
+
+    plan, done = ingest(engine, docs, tmp_path / "nowhere", max_bytes=4096)
+    reasons = {Path(s.path).name: s.reason for s in plan.skipped}
+    assert reasons.pop("empty.txt") == "empty file"
+    assert reasons.pop("blanks.txt") == "no text in it"
+    assert reasons.pop("image.png") == "binary file"
+    assert reasons.pop("latin1.txt") == "not UTF-8 text (invalid byte at offset 3)"
+    assert "over the 0.0 MiB limit" in reasons.pop("huge.txt")
+    assert reasons.pop("broken.pdf").startswith("unreadable PDF")
+    assert reasons.pop("loop").startswith("symlink loop")
+    assert reasons.pop("dangling.md") == "not a regular file"
+    assert reasons.pop("nowhere") == "no such file or folder"
+    assert reasons == {}
+    ingested = {Path(d.source).name: len(d.cache_ids) for d in done}
+    assert ingested == {"bakery.md": 2, "ferry.md": 3, "league.md": 2, "scan.pdf": 1}
+    assert engine.retrieve("What colour is the lighthouse on Quell Island?", 1)[0].text == (
+        "The Quell Island lighthouse is painted red."
+    )
+
+
+def test_read_text_strips_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffhello".encode())
+    assert read_text(path)[0] == "hello"
+
+
+# ----------------------------------------------------------------------------- incremental runs
+
+
+def test_editing_one_file_reencodes_only_its_changed_chunks(engine, tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    _, first = ingest(engine, docs)
+    assert sum(d.encoded for d in first) == 7
+    old_price = engine.retrieve("How much does a ferry ticket cost?", 1)[0]
+    assert "four silver marks" in old_price.text
+
+    edited = PARAGRAPHS["ferry.md"][:2] + ["Tickets now cost six silver marks since the storm."]
+    (docs / "ferry.md").write_text("\n\n".join(edited))
+    plan, second = ingest(engine, docs)
+    assert [Path(p.source).name for p in plan.todo] == ["ferry.md"]
+    assert sorted(Path(s).name for s in plan.unchanged) == ["bakery.md", "league.md"]
+    assert [(d.encoded, d.removed) for d in second] == [(1, 1)]  # one new chunk, one stale
+
+    assert not engine.store.contains(old_price.cache_id)
+    for query in ("How much does a ferry ticket cost?", "four silver marks ferry price"):
+        hits = engine.retrieve(query, 10)
+        assert old_price.cache_id not in [h.cache_id for h in hits]
+        assert len(hits) == 7 and all(engine.store.contains(h.cache_id) for h in hits)
+    assert "six silver marks" in engine.retrieve("How much does a ferry ticket cost?", 1)[0].text
+
+    plan, third = ingest(engine, docs)
+    assert (plan.todo, third, len(plan.unchanged)) == ([], [], 3)
+
+
+def test_an_interrupted_run_resumes_without_reencoding(engine, tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    plan = plan_ingest(engine, [docs], paragraphs)
+    encoded = 0
+
+    def die_after_four(n: int) -> None:
+        nonlocal encoded
+        encoded += n
+        if encoded >= 4:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-document
+
+    engine.config = EngineConfig(store=engine.config.store)  # batch_size 8: a chunk at a time?
+    with pytest.raises(KeyboardInterrupt):
+        run_ingest(engine, plan, die_after_four)
+    recorded = {Path(d.source).name for d in engine.corpus.catalog.documents()}
+    assert recorded == {"bakery.md"}  # the document being encoded was not recorded
+    stored_before = len(engine.store)
+
+    plan, done = ingest(engine, docs)
+    assert sorted(Path(d.source).name for d in done) == ["ferry.md", "league.md"]
+    assert sum(len(d.cache_ids) for d in done) == 5
+    assert sum(d.encoded for d in done) == 5 - (stored_before - 1 - 2)  # prefix, bakery
+    assert len(engine.retrieve("rowing crews", 10)) == 7
+
+
+def test_prune_removes_documents_whose_file_is_gone(engine, tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    other = tmp_path / "other.md"
+    other.write_text("A note outside the folder.")
+    ingest(engine, docs, other)
+    (docs / "league.md").unlink()
+    other.unlink()
+    gone = prune(engine, [docs])
+    assert [Path(s).name for s in gone] == ["league.md"]  # other.md is not under docs/
+    sources = {Path(d.source).name for d in engine.corpus.catalog.documents()}
+    assert sources == {"ferry.md", "bakery.md", "other.md"}
+    assert all("rowing" not in h.text for h in engine.retrieve("rowing league crews", 10))
+
+
+def test_a_chunk_shared_by_two_documents_outlives_either(engine) -> None:
+    shared = "All ferries are cancelled during the Lantern Tide festival."
+    a = engine.ingest_document("a.md", [shared, "Only in a."])
+    b = engine.ingest_document("b.md", ["Only in b.", shared])
+    assert (a.encoded, b.encoded) == (2, 1)
+    assert a.cache_ids[0] == b.cache_ids[1]
+    assert engine.remove_document("a.md") == 1  # "Only in a."; the shared chunk stays
+    assert engine.store.contains(a.cache_ids[0])
+    assert engine.retrieve("ferries cancelled festival", 1)[0].source == "b.md"
+
+
+# ----------------------------------------------------------------------------- the index
+
+
+def test_the_index_is_rebuilt_from_the_catalog_and_follows_other_writers(engine, tmp_path) -> None:
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    ingest(engine, docs)
+    expected = engine.retrieve("When does the bakery open?", 3)
+    store = engine.store
+    root = store.root  # type: ignore[attr-defined]
+    (root / "index.faiss").unlink()
+    rebuilt = Corpus(store, Embedder())  # type: ignore[arg-type]
+    assert len(rebuilt.index) == 7
+    again = rebuilt.search("When does the bakery open?", 3)
+    assert [h.cache_id for h in again] == [h.cache_id for h in expected]
+    assert [h.score for h in again] == pytest.approx([h.score for h in expected], abs=1e-5)
+
+    # a second engine (another worker) on the same store adds a document: the first sees it
+    other = RagKVCache(engine.config, lm=engine.lm)
+    other.ingest_document("new.md", ["The harbour master's cat is called Brine."])
+    assert engine.retrieve("What is the cat called?", 1)[0].source == "new.md"
+    other.remove_document("new.md")
+    assert all(h.source != "new.md" for h in engine.retrieve("What is the cat called?", 8))
+
+
+def test_retrieval_needs_a_durable_store(tiny32) -> None:
+    engine = RagKVCache(EngineConfig(), lm=tiny32)
+    with pytest.raises(Exception, match="durable store"):
+        engine.retrieve("anything")
+
+
+def test_the_splitter_counts_model_tokens(smol) -> None:
+    text = (DATA / "01_harbor_town_of_velmora.md").read_text()
+    chunks = split_text(smol.tokenizer, chunk_tokens=64)(text)
+    sizes = [len(smol.tokenizer.encode(c, add_special_tokens=False)) for c in chunks]
+    assert len(chunks) > 3 and max(sizes) <= 64
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+@pytest.mark.slow
+def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(DATA / "01_harbor_town_of_velmora.md", docs)
+    shutil.copy(DATA / "04_tk7_tidal_spectrometer.md", docs)
+    (docs / "bad.bin").write_bytes(os.urandom(64) + b"\x00")
+    store = ["--store", str(tmp_path / "store")]
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps at the terminal width
+
+    assert main(["ingest", str(docs), "--chunk-tokens", "128", *store]) == 0
+    out = capsys.readouterr().out
+    assert "2 documents ingested" in out and "bad.bin" in out and "binary file" in out
+    assert "chunks/s" in out
+
+    assert main(["ingest", str(docs), *store]) == 0  # nothing changed: still a success
+    assert "2 unchanged" in capsys.readouterr().out
+    only_bad = tmp_path / "bad"
+    only_bad.mkdir()
+    (only_bad / "empty.txt").write_bytes(b"")
+    assert main(["ingest", str(only_bad), *store]) == 1  # nothing could be ingested
+
+    question = "When was Hallam Point Light built?"
+    args = ["--max-new-tokens", "16", "--compare", "--strategy", "full", *store]
+    assert main(["query", question, *args]) == 0
+    out = capsys.readouterr().out
+    assert "full prefill" in out and "answers agree" in out  # full == prefill, token for token
+    assert "01_harbor_town_of_velmora.md" in out and "TTFT" in out
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(question + "\nAnd who built it?\n/quit\n"))
+    assert main(["chat", "--max-new-tokens", "8", *store]) == 0
+    assert capsys.readouterr().out.count("TTFT") == 2
+
+    empty_store = ["--store", str(tmp_path / "empty-store")]
+    assert main(["query", question, *empty_store]) == 1
+    assert "ingest" in capsys.readouterr().out
