@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--context", type=int, default=4096)
     store.add_argument("--repeats", type=int, default=3)
     store.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
+    ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
+    ingest_bench.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
+    ingest_bench.add_argument("--chunk-tokens", type=int, default=256)
+    ingest_bench.add_argument("--repeats", type=int, default=3)
+    ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
 
     ingest = commands.add_parser("ingest", help="read, split, KV-encode and index documents")
     ingest.add_argument("paths", type=Path, nargs="+", metavar="PATH", help="files or folders")
@@ -144,13 +150,14 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
             table.add_row(skip.path, skip.reason)
         console.print(table)
     encoded = sum(d.encoded for d in done)
+    encode_s = sum(d.encode_s for d in done)
     chunks = sum(len(d.cache_ids) for d in done)
     seconds = time.perf_counter() - start
     console.print(
         f"{len(done)} documents ingested ({chunks} chunks: {encoded} encoded, "
         f"{chunks - encoded} already cached; {sum(d.removed for d in done)} stale removed), "
         f"{len(plan.unchanged)} unchanged, {len(plan.skipped)} skipped, {len(pruned)} pruned "
-        f"in {seconds:.1f} s ({encoded / seconds:.1f} chunks/s encoded)"
+        f"in {seconds:.1f} s ({encoded / max(encode_s, 1e-9):.1f} chunks/s encoded)"
     )
     return 0 if done or plan.unchanged or pruned else 1
 
@@ -282,6 +289,26 @@ def main(argv: list[str] | None = None) -> int:
         return ingest_command(args, console)
     if args.command in ("query", "chat"):
         return answer_command(args, console)
+    if args.command == "bench" and args.kind == "ingest":
+        from rag_kvcache.bench_ingest import run_ingest_bench
+
+        report = run_ingest_bench(
+            args.out, args.dtypes, args.paths or None, args.chunk_tokens, args.repeats
+        )
+        table = Table("dtype", "chunks", "tokens", "s", "chunks/s", "encode chunks/s", "B/token")
+        for row in report["rows"]:  # type: ignore[attr-defined]
+            table.add_row(
+                row["dtype"],
+                str(row["chunks"]),
+                str(row["tokens"]),
+                f"{row['seconds']:.2f}",
+                f"{row['chunks_per_s']:.1f}",
+                f"{row['encode_chunks_per_s']:.1f}",
+                f"{row['kv_bytes_per_token']:.0f}",
+            )
+        console.print(table)
+        console.print(f"wrote {args.out / 'ingest.json'} and {args.out / 'ingest.png'}")
+        return 0
     if args.command == "bench" and args.kind == "store":
         from rag_kvcache.bench_store import run_store_bench
 

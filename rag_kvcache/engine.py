@@ -50,6 +50,7 @@ class DocumentIngest:
     cache_ids: tuple[str, ...]  # its chunks, in order
     encoded: int  # chunks whose KV was computed now (the rest were already cached)
     removed: int  # chunks it no longer has, deleted from the store
+    encode_s: float  # seconds spent encoding and storing KV (the rest: embedding, indexing)
 
 
 class AnswerStream:
@@ -163,9 +164,11 @@ class RagKVCache:
             if not text.strip():
                 raise EmptyChunkError(f"chunk {i} of {source} is empty; nothing to cache")
         token_ids = [self.template.chunk_ids(self.lm.tokenizer, t) for t in chunks]
+        start = time.perf_counter()
         ids, encoded = self._cache(token_ids, self.doc_settings, chunks, on_encoded)
+        encode_s = time.perf_counter() - start
         removed = self.corpus.set_document(source, content_hash, ids)
-        return DocumentIngest(source, tuple(ids), encoded, len(removed))
+        return DocumentIngest(source, tuple(ids), encoded, len(removed), encode_s)
 
     def remove_document(self, source: str) -> int:
         """Forget a document; returns how many chunks (listed by no other document) went."""

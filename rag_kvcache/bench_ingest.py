@@ -1,0 +1,119 @@
+"""`rag-kvcache bench ingest`: ingestion throughput per dtype, on the sample corpus.
+
+Each repeat ingests the corpus into a fresh store (read, split into LM-token chunks, KV-encode,
+write blobs + catalog rows, embed and index), so nothing is reused between repeats. Reports
+chunks/s and tokens/s for the whole pipeline and for the KV encoding alone, and the bytes of
+KV stored per token. Writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.progress import Progress
+
+from rag_kvcache.bench import SAMPLE_DATA, machine_facts, save_report
+from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.ingest import plan_ingest, run_ingest
+from rag_kvcache.integrations.llama_index.splitter import split_text
+from rag_kvcache.model import load_model
+
+
+@dataclass(frozen=True)
+class IngestRow:
+    dtype: str
+    documents: int
+    chunks: int
+    tokens: int
+    seconds: float  # median whole-pipeline time over repeats
+    encode_seconds: float  # median time inside the KV encoder alone
+    chunks_per_s: float
+    tokens_per_s: float
+    encode_chunks_per_s: float
+    kv_bytes_per_token: float
+
+
+def bench_dtype(
+    dtype: str, paths: list[Path], chunk_tokens: int, repeats: int, tmp: Path
+) -> IngestRow:
+    lm = load_model(ModelConfig(dtype=dtype))
+    split = split_text(lm.tokenizer, chunk_tokens)
+    runs, encode_runs = [], []
+    for repeat in range(repeats):
+        root = tmp / f"{dtype}-{repeat}"
+        engine = RagKVCache(EngineConfig(store=StoreConfig(root=root)), lm=lm)
+        engine.corpus  # noqa: B018 (loads the embedding model outside the timing)
+        start = time.perf_counter()
+        plan = plan_ingest(engine, paths, split)
+        done = run_ingest(engine, plan)
+        runs.append(time.perf_counter() - start)
+        encode_runs.append(sum(d.encode_s for d in done))
+        chunks = sum(len(d.cache_ids) for d in done)
+        rows = engine.corpus.catalog.chunks([c for d in done for c in d.cache_ids])
+        tokens = sum(r.token_count for r in rows.values())
+        nbytes = engine.store.nbytes() - engine.store.get([engine.prefix_id])[0].nbytes
+    seconds, encode_seconds = statistics.median(runs), statistics.median(encode_runs)
+    return IngestRow(
+        dtype=dtype,
+        documents=len(done),
+        chunks=chunks,
+        tokens=tokens,
+        seconds=seconds,
+        encode_seconds=encode_seconds,
+        chunks_per_s=chunks / seconds,
+        tokens_per_s=tokens / seconds,
+        encode_chunks_per_s=chunks / encode_seconds,
+        kv_bytes_per_token=nbytes / tokens,
+    )
+
+
+def run_ingest_bench(
+    out_dir: Path,
+    dtypes: list[str],
+    paths: list[Path] | None = None,
+    chunk_tokens: int = 256,
+    repeats: int = 3,
+) -> dict[str, object]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = paths or [SAMPLE_DATA]
+    rows = []
+    with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        task = progress.add_task("ingest bench", total=len(dtypes))
+        for dtype in dtypes:
+            rows.append(bench_dtype(dtype, paths, chunk_tokens, repeats, Path(tmp)))
+            progress.advance(task)
+    report = {
+        "benchmark": "ingest",
+        "corpus": [str(p) for p in paths],
+        "chunk_tokens": chunk_tokens,
+        "repeats": repeats,
+        "machine": machine_facts(),
+        "rows": [asdict(r) for r in rows],
+    }
+    save_report(out_dir, "ingest", report, lambda path: plot_ingest(rows, path))
+    return report
+
+
+def plot_ingest(rows: list[IngestRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r.dtype for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r.chunks_per_s for r in rows], 0.4, label="whole pipeline")
+    ax.bar([i + 0.2 for i in x], [r.encode_chunks_per_s for r in rows], 0.4, label="KV encoding")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("chunks / s")
+    ax.set_title(f"ingestion throughput ({rows[0].chunks} chunks, {rows[0].tokens} tokens)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
