@@ -287,3 +287,55 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
     empty_store = ["--store", str(tmp_path / "empty-store")]
     assert main(["query", question, *empty_store]) == 1
     assert "ingest" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_ingest_killed_midway_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """SIGKILL `rag-kvcache ingest` once a document is recorded; the rerun finishes the job,
+    encodes only what was not stored yet, and the store verifies clean."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rag_kvcache.storage.catalog import Catalog
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for path in sorted(DATA.glob("0*.md")):
+        shutil.copy(path, docs)
+    store = tmp_path / "store"
+    cli = str(Path(sys.executable).parent / "rag-kvcache")  # not `python -m` from the repo root
+    command = [cli, "ingest", str(docs), "--store", str(store), "--chunk-tokens", "48"]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, cwd=tmp_path)
+    catalog = None
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and child.poll() is None:
+            if (store / "catalog.sqlite").exists():
+                catalog = catalog or Catalog(path=store / "catalog.sqlite")
+                if catalog.documents():
+                    break
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert catalog is not None
+        recorded = len(catalog.documents())
+        assert 0 < recorded < 8, "the kill must land mid-run"
+        stored = catalog.stats().chunks_per_state.get("stored", 0)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    out = " ".join(rerun.stdout.split())
+    assert f"{8 - recorded} documents ingested" in out and f"{recorded} unchanged" in out
+    assert catalog is not None
+    total = catalog.stats().chunks_per_state["stored"]
+    encoded = int(out.split(" encoded,")[0].rsplit(" ", 1)[1])
+    assert encoded == total - stored  # nothing stored before the kill was encoded again
+    catalog.close()
+    check = subprocess.run(
+        [cli, "verify", "--store", str(store)], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert check.returncode == 0 and "0 corrupt, 0 missing" in check.stdout
