@@ -1,0 +1,252 @@
+"""KVCacheLLM: the engine's model as a LlamaIndex LLM.
+
+Called like any LlamaIndex LLM it generates from the prompt (chat messages through the model's
+own chat template). Called with `cache_ids=[...]` it instead answers the prompt as a question
+over those cached chunks, linking their stored KV rather than prefilling their text. Usage
+counts travel in `response.raw` (flat, and OpenAI-style under "usage" for LlamaIndex's
+TokenCountingHandler); link and first-token facts go out as instrumentation events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.generic_utils import (
+    completion_response_to_chat_response,
+    stream_completion_response_to_chat_response,
+)
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from rag_kvcache.engine import PREFILL, Answer, AnswerStream, RagKVCache
+from rag_kvcache.integrations.llama_index.events import FirstTokenEvent, KVLinkEvent
+from rag_kvcache.strategy import parse_strategy
+
+dispatcher = get_dispatcher(__name__)
+
+
+def strategy_name(strategy: str) -> str:
+    """The canonical spelling the engine reports (e.g. "legolink:2"), or "prefill"; raises
+    StrategyError on an unknown name."""
+    return strategy if strategy == PREFILL else str(parse_strategy(strategy))
+
+
+def chat_question(messages: Sequence[ChatMessage]) -> str:
+    """Chat turns as the question of a linked prompt: the earlier turns, then the last message.
+
+    The linked prompt's layout is fixed ([system prefix][chunks][question]) so the cached KV can
+    be reused; the conversation therefore rides inside the question.
+    """
+    if any(m.role == MessageRole.SYSTEM for m in messages):
+        raise ValueError(
+            "a linked chat (cache_ids given) always uses the engine's cached system prompt "
+            "(EngineConfig.system_prompt); remove the system message"
+        )
+    if not messages:
+        raise ValueError("a linked chat needs at least one message")
+    *history, last = messages
+    if not history:
+        return last.content or ""
+    turns = "\n".join(f"{m.role.value}: {m.content or ''}" for m in history)
+    return f"Conversation so far:\n{turns}\n\nFollow-up: {last.content or ''}"
+
+
+def usage(answer: Answer, cache_ids: Sequence[str] | None) -> dict[str, Any]:
+    """What a call cost, for `response.raw`."""
+    counts = {
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": len(answer.token_ids),
+        "total_tokens": answer.prompt_tokens + len(answer.token_ids),
+    }
+    return {
+        **counts,
+        "usage": dict(counts),  # where TokenCountingHandler looks
+        "context_tokens": answer.context_tokens,
+        "recomputed_tokens": answer.recomputed_tokens,
+        "ttft_s": answer.ttft_s,
+        "decode_tokens_per_s": answer.decode_tokens_per_s,
+        "total_s": answer.total_s,
+        "strategy": answer.strategy,
+        "cache_ids": list(cache_ids or []),
+        "token_ids": list(answer.token_ids),  # the answer's tokens, for exact comparisons
+    }
+
+
+def trimmed(pieces: Iterable[str]) -> Iterator[str]:
+    """Re-chunk streamed text so the pieces join to the stripped whole, as `Answer.text` is:
+    leading whitespace dropped, trailing whitespace held until more text follows."""
+    held, started = "", False
+    for piece in pieces:
+        if not started:
+            piece = piece.lstrip()
+            started = bool(piece)
+        body = held + piece
+        text = body.rstrip()
+        held = body[len(text) :]
+        if text:
+            yield text
+
+
+class KVCacheLLM(CustomLLM):
+    """A LlamaIndex LLM over a RagKVCache engine; pass `cache_ids=[...]` to link cached chunks.
+
+    Extra keyword arguments of complete / stream_complete / chat / stream_chat:
+    `cache_ids` (link these chunks, in order), `strategy` (link strategy for this call),
+    `max_new_tokens`. Others are ignored, as LlamaIndex LLMs do.
+    """
+
+    strategy: str | None = Field(
+        default=None,
+        description="Link strategy for linked calls: full, naive, legolink:k, legolink0, "
+        "cacheblend:r, or prefill (plain baseline). None: the engine's default.",
+    )
+    max_new_tokens: int | None = Field(
+        default=None, description="Answer length cap; None: the engine's generation config."
+    )
+    _engine: RagKVCache = PrivateAttr()
+
+    def __init__(
+        self,
+        engine: RagKVCache,
+        strategy: str | None = None,
+        max_new_tokens: int | None = None,
+        **kwargs: Any,
+    ):
+        if strategy is not None:
+            strategy_name(strategy)  # a bad name fails here, not at the first question
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        super().__init__(strategy=strategy, max_new_tokens=max_new_tokens, **kwargs)
+        self._engine = engine
+        # Defaults that know the model: its chat template, for chats and for bare prompts
+        # (an instruct model answers a bare prompt best as a user turn). formatted=True or
+        # your own callables bypass them.
+        if kwargs.get("messages_to_prompt") is None:
+            self.messages_to_prompt = self._render_chat
+        if kwargs.get("completion_to_prompt") is None:
+            self.completion_to_prompt = self._render_user_turn
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCacheLLM"
+
+    @property
+    def engine(self) -> RagKVCache:
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        lm = self._engine.lm
+        return LLMMetadata(
+            context_window=lm.max_context,
+            num_output=self.max_new_tokens or self._engine.config.generation.max_new_tokens,
+            is_chat_model=True,
+            model_name=lm.name,
+        )
+
+    # ------------------------------------------------------------------ LlamaIndex LLM API
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        *_, last = self._generate(prompt, formatted, kwargs)
+        return CompletionResponse(text=last.text, raw=last.raw)
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        return self._generate(prompt, formatted, kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        *_, last = self._generate(self._chat_prompt(messages, kwargs), True, kwargs)
+        return completion_response_to_chat_response(last)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        responses = self._generate(self._chat_prompt(messages, kwargs), True, kwargs)
+        return stream_completion_response_to_chat_response(responses)
+
+    # ------------------------------------------------------------------ internals
+
+    def _render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        return self._engine.chat_prompt(turns)
+
+    def _render_user_turn(self, prompt: str) -> str:
+        turns = [ChatMessage(role=MessageRole.USER, content=prompt)]
+        if self.system_prompt:
+            turns.insert(0, ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt))
+        return self._render_chat(turns)
+
+    def _chat_prompt(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> str:
+        """A chat's prompt: the question of a linked prompt, or the whole rendered chat."""
+        if kwargs.get("cache_ids") is not None:
+            return chat_question(messages)
+        assert self.messages_to_prompt is not None  # set in __init__ or by the caller
+        return self.messages_to_prompt(messages)
+
+    def _generate(
+        self, prompt: str, formatted: bool, kwargs: dict[str, Any]
+    ) -> CompletionResponseGen:
+        """Start the engine; one response per new piece of text, then a final one (empty delta,
+        whole text) carrying the usage in `raw`."""
+        cache_ids = kwargs.get("cache_ids")
+        max_new_tokens = kwargs.get("max_new_tokens") or self.max_new_tokens
+        if cache_ids is None:
+            text = prompt if formatted else self._as_prompt(prompt)
+            run = self._engine.complete(text, max_new_tokens=max_new_tokens, stream=True)
+            name = PREFILL
+        else:
+            cache_ids = list(cache_ids)
+            strategy = kwargs.get("strategy") or self.strategy or self._engine.config.strategy
+            run = self._engine.generate(
+                prompt, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens, stream=True
+            )
+            name = strategy_name(strategy)
+        assert isinstance(run, AnswerStream)
+        return self._responses(run, cache_ids, name)
+
+    def _as_prompt(self, prompt: str) -> str:
+        assert self.completion_to_prompt is not None  # set in __init__ or by the caller
+        return self.completion_to_prompt(prompt)
+
+    def _responses(
+        self, run: AnswerStream, cache_ids: list[str] | None, strategy: str
+    ) -> CompletionResponseGen:
+        start = time.perf_counter()  # runs at the first next(), when the engine starts too
+        text = ""
+        for delta in trimmed(run):
+            if not text:
+                ttft = time.perf_counter() - start
+                dispatcher.event(FirstTokenEvent(ttft_s=ttft, strategy=strategy))
+            text += delta
+            yield CompletionResponse(text=text, delta=delta)
+        answer = run.answer
+        assert answer is not None
+        if not text:  # the model ended at once: the first token was end-of-text
+            dispatcher.event(FirstTokenEvent(ttft_s=answer.ttft_s, strategy=strategy))
+        if cache_ids is not None:
+            dispatcher.event(
+                KVLinkEvent(
+                    cache_ids=cache_ids,
+                    strategy=answer.strategy,
+                    prompt_tokens=answer.prompt_tokens,
+                    context_tokens=answer.context_tokens,
+                    recomputed_tokens=answer.recomputed_tokens,
+                )
+            )
+        yield CompletionResponse(text=answer.text, delta="", raw=usage(answer, cache_ids))

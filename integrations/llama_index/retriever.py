@@ -1,0 +1,34 @@
+"""KVCacheRetriever: the engine's FAISS search as a LlamaIndex retriever. Its nodes carry their
+cache IDs, so the synthesizer links the stored KV and never re-encodes retrieved text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.integrations.llama_index.transform import attach_cache_id
+
+SOURCE_KEY = "source"
+
+
+class KVCacheRetriever(BaseRetriever):
+    """Top-k chunks for a query from `engine.retrieve`, best first, as TextNodes whose id is the
+    cache ID (metadata: cache_id, hidden from embedding and LLM text, and source document)."""
+
+    def __init__(self, engine: RagKVCache, similarity_top_k: int = 4, **kwargs: Any):
+        if similarity_top_k < 1:
+            raise ValueError(f"similarity_top_k must be >= 1, got {similarity_top_k}")
+        super().__init__(**kwargs)
+        self._engine = engine
+        self.similarity_top_k = similarity_top_k
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        hits = self._engine.retrieve(query_bundle.query_str, top_k=self.similarity_top_k)
+        nodes = []
+        for hit in hits:
+            node = TextNode(id_=hit.cache_id, text=hit.text, metadata={SOURCE_KEY: hit.source})
+            nodes.append(NodeWithScore(node=attach_cache_id(node, hit.cache_id), score=hit.score))
+        return nodes

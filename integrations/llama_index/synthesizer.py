@@ -1,0 +1,186 @@
+"""KVCacheSynthesizer: answers from retrieved nodes by linking their cached KV.
+
+LlamaIndex's synthesizers paste node text into a prompt, so every chunk is prefilled again on
+every query. This one reads each node's `cache_id` (in retrieval order) and has the KVCacheLLM
+link those chunks behind the engine's system prompt, then asks the question. Nodes without a
+usable cache ID are encoded on the spot (and tagged), so no retrieved context is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Generator, Iterable, Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.base.response.schema import (
+    RESPONSE_TYPE,
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
+from llama_index.core.callbacks.base import CallbackManager
+from llama_index.core.callbacks.schema import CBEventType, EventPayload
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.synthesis import (
+    SynthesizeEndEvent,
+    SynthesizeStartEvent,
+)
+from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
+from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.types import RESPONSE_TEXT_TYPE
+
+from rag_kvcache.integrations.llama_index.llm import KVCacheLLM
+from rag_kvcache.integrations.llama_index.transform import CACHE_ID_KEY, attach_cache_id, node_text
+
+dispatcher = get_dispatcher(__name__)
+
+USAGE_KEY = "usage"  # Response.metadata[USAGE_KEY]: the LLM call's raw usage (see llm.usage)
+
+
+class KVCacheSynthesizer(BaseSynthesizer):
+    """Link the nodes' cached chunks and answer the query with one KVCacheLLM call.
+
+    `chat_history`: earlier turns, rendered into the question (see llm.chat_question); the chat
+    engine sets it. `Response.metadata` holds each node's metadata by node id, as LlamaIndex's
+    synthesizers do, plus `metadata["usage"]` (prompt/completion tokens, context and recomputed
+    tokens, ttft_s, strategy, cache_ids); a streaming response fills it in once exhausted.
+    """
+
+    def __init__(
+        self,
+        llm: KVCacheLLM,
+        strategy: str | None = None,
+        streaming: bool = False,
+        chat_history: Sequence[ChatMessage] | None = None,
+        callback_manager: CallbackManager | None = None,
+    ):
+        if not isinstance(llm, KVCacheLLM):
+            raise TypeError(f"KVCacheSynthesizer needs a KVCacheLLM, got {type(llm).__name__}")
+        super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
+        self._kv_llm = llm
+        self._strategy = strategy
+        self._chat_history = list(chat_history or [])
+
+    def _get_prompts(self) -> dict[str, Any]:
+        return {}  # no prompt templates: the layout is fixed by the cached KV
+
+    def _update_prompts(self, prompts: Any) -> None:
+        pass
+
+    # ------------------------------------------------------------------ nodes -> answer
+
+    def synthesize(
+        self,
+        query: QueryTextType,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
+    ) -> RESPONSE_TYPE:
+        if not nodes:  # LlamaIndex's behaviour: no context, no LLM call, "Empty Response"
+            return super().synthesize(query, nodes, additional_source_nodes, **response_kwargs)
+        bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
+        dispatcher.event(SynthesizeStartEvent(query=bundle))
+        sources = list(nodes) + list(additional_source_nodes or [])
+        metadata = self._get_metadata_for_response([n.node for n in sources]) or {}
+        with self._callback_manager.event(
+            CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: bundle.query_str}
+        ) as cb_event:
+            cache_ids = self._cache_ids(nodes)
+            answer = self._answer(bundle.query_str, cache_ids, metadata, **response_kwargs)
+            response: RESPONSE_TYPE
+            if isinstance(answer, str):
+                response = Response(answer, source_nodes=sources, metadata=metadata)
+            else:
+                response = StreamingResponse(answer, source_nodes=sources, metadata=metadata)
+            cb_event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=bundle, response=response))
+        return response
+
+    async def asynthesize(
+        self,
+        query: QueryTextType,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
+    ) -> RESPONSE_TYPE:
+        """The engine is synchronous: this runs inline (a streamed answer is wrapped)."""
+        response = self.synthesize(query, nodes, additional_source_nodes, **response_kwargs)
+        if not isinstance(response, StreamingResponse):
+            return response
+        return AsyncStreamingResponse(
+            response_gen=_async(response.response_gen),
+            source_nodes=response.source_nodes,
+            metadata=response.metadata,
+        )
+
+    # ------------------------------------------------------------------ texts -> answer
+
+    def get_response(
+        self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
+    ) -> RESPONSE_TEXT_TYPE:
+        """Plain texts (the BaseSynthesizer contract): cached (if new) and linked in order."""
+        cache_ids = self._kv_llm.engine.generate_context_cache(list(text_chunks))
+        return self._answer(query_str, cache_ids, {}, **response_kwargs)
+
+    async def aget_response(
+        self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
+    ) -> RESPONSE_TEXT_TYPE:
+        response = self.get_response(query_str, text_chunks, **response_kwargs)
+        return _async(response) if isinstance(response, Generator) else response
+
+    # ------------------------------------------------------------------ internals
+
+    def _cache_ids(self, nodes: Sequence[NodeWithScore]) -> list[str]:
+        """The nodes' cache IDs in order. Nodes without one, or naming a chunk this engine's
+        store lacks (expired, another store or model), are encoded from their text now and
+        (re)tagged; IDs are content hashes, so an expired chunk gets its old ID back."""
+        store = self._kv_llm.engine.store
+        todo = [
+            n.node
+            for n in nodes
+            if not (cache_id := n.node.metadata.get(CACHE_ID_KEY)) or not store.contains(cache_id)
+        ]
+        if todo:
+            new_ids = self._kv_llm.engine.generate_context_cache([node_text(n) for n in todo])
+            for node, cache_id in zip(todo, new_ids):
+                attach_cache_id(node, cache_id)
+        return [str(n.node.metadata[CACHE_ID_KEY]) for n in nodes]
+
+    def _answer(
+        self, query: str, cache_ids: list[str], metadata: dict[str, Any], **kwargs: Any
+    ) -> str | Generator[str, None, None]:
+        """One linked LLM call; its usage goes into `metadata` (at the end, when streaming)."""
+        kwargs = {"cache_ids": cache_ids, **kwargs}
+        if self._strategy is not None:
+            kwargs.setdefault("strategy", self._strategy)
+        llm = self._kv_llm
+        if self._chat_history:
+            messages = [*self._chat_history, ChatMessage(role=MessageRole.USER, content=query)]
+            if not self._streaming:
+                chat = llm.chat(messages, **kwargs)
+                metadata[USAGE_KEY] = chat.raw
+                return chat.message.content or ""
+            chunks = ((r.delta or "", r.raw) for r in llm.stream_chat(messages, **kwargs))
+            return _deltas(chunks, metadata)
+        if not self._streaming:
+            completion = llm.complete(query, **kwargs)
+            metadata[USAGE_KEY] = completion.raw
+            return completion.text
+        pieces = ((r.delta or "", r.raw) for r in llm.stream_complete(query, **kwargs))
+        return _deltas(pieces, metadata)
+
+
+def _deltas(
+    responses: Iterable[tuple[str, Any]], metadata: dict[str, Any]
+) -> Generator[str, None, None]:
+    """Text deltas of a streamed call; the usage of its final response lands in `metadata`."""
+    for delta, raw in responses:
+        if raw:
+            metadata[USAGE_KEY] = raw
+        if delta:
+            yield delta
+
+
+async def _async(gen: Iterator[str]) -> AsyncGenerator[str, None]:
+    for piece in gen:
+        yield piece

@@ -1,0 +1,104 @@
+"""KVCacheTransform: the ingestion step that KV-encodes every node once and tags it with its
+cache ID, so retrieval can hand the LLM cache IDs instead of text to prefill."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+from tqdm.auto import tqdm
+
+from rag_kvcache.engine import RagKVCache
+
+CACHE_ID_KEY = "cache_id"
+
+
+def node_text(node: BaseNode) -> str:
+    """What gets encoded: the node's bare text. Metadata stays out so that the same text always
+    maps to the same cache ID, whoever encodes it (transform or synthesizer)."""
+    return node.get_content(metadata_mode=MetadataMode.NONE)
+
+
+def attach_cache_id(node: BaseNode, cache_id: str) -> BaseNode:
+    """Record `cache_id` in the node's metadata, hidden from embedding and from LLM prompts (it is
+    a hash: it would only add noise to the vector and tokens to a prompt)."""
+    node.metadata[CACHE_ID_KEY] = cache_id
+    for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
+        if CACHE_ID_KEY not in excluded:
+            excluded.append(CACHE_ID_KEY)
+    return node
+
+
+class KVCacheTransform(TransformComponent):
+    """Encode each node's text into the engine's KV store (already cached ones are skipped) and
+    write its cache ID into `node.metadata["cache_id"]`. Put it after the node parser in an
+    IngestionPipeline. Runs in this process only: the engine holds a model, so `num_workers > 1`
+    (which pickles transforms) is not supported.
+
+    `index_documents=True` also records each source document's chunks in the engine's own
+    corpus and FAISS index (`engine.ingest_document`, durable store needed), so KVCacheRetriever
+    finds them. A document is named by its LlamaIndex id (`node.ref_doc_id`) and replaced as a
+    whole, so pass all of a document's nodes in one run.
+    """
+
+    model: str = Field(
+        default="",
+        description="Fingerprint of the model whose KV the cache IDs name. Part of the "
+        "pipeline's cache key, so nodes tagged for one model are never reused for another.",
+    )
+    index_documents: bool = Field(
+        default=False,
+        description="Also record the nodes' documents in the engine's retrieval index.",
+    )
+    show_progress: bool = Field(default=False, description="Show a bar of chunks encoded.")
+    _engine: RagKVCache = PrivateAttr()
+
+    def __init__(
+        self,
+        engine: RagKVCache,
+        index_documents: bool = False,
+        show_progress: bool = False,
+        **kwargs: Any,
+    ):
+        kwargs.update(
+            model=engine.lm.fingerprint,
+            index_documents=index_documents,
+            show_progress=show_progress,
+        )
+        super().__init__(**kwargs)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCacheTransform"
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        texts = [node_text(node) for node in nodes]
+        show = self.show_progress or bool(kwargs.get("show_progress", False))
+        with tqdm(
+            total=len(texts), desc="KV-encoding chunks", unit="chunk", disable=not show
+        ) as bar:
+            if self.index_documents:
+                cache_ids = self._ingest_documents(nodes, texts, bar.update)
+            else:
+                cache_ids = self._engine.generate_context_cache(texts, on_encoded=bar.update)
+        for node, cache_id in zip(nodes, cache_ids):
+            attach_cache_id(node, cache_id)
+        return nodes
+
+    def _ingest_documents(
+        self, nodes: Sequence[BaseNode], texts: list[str], on_encoded: Callable[[int], None]
+    ) -> list[str]:
+        """One engine.ingest_document per source document; cache IDs back in node order."""
+        positions: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            positions.setdefault(node.ref_doc_id or node.node_id, []).append(i)
+        cache_ids = [""] * len(nodes)
+        for source, where in positions.items():
+            chunks = [texts[i] for i in where]
+            ingested = self._engine.ingest_document(source, chunks, on_encoded=on_encoded)
+            for i, cache_id in zip(where, ingested.cache_ids):
+                cache_ids[i] = cache_id
+        return cache_ids
