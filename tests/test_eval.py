@@ -1,0 +1,161 @@
+"""Evaluation: the metrics on hand-made cases, the evaluator's invariants on the tiny model, the
+needle builder, and `rag-kvcache eval` end to end on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rag_kvcache.cli import main
+from rag_kvcache.errors import ConfigError
+from rag_kvcache.eval import (
+    NEEDLE,
+    EvalItem,
+    Evaluator,
+    check_strategies,
+    load_dataset,
+    needle_item,
+    summarize,
+)
+from rag_kvcache.metrics import (
+    contains_answer,
+    exact_match,
+    f1_score,
+    kl_per_step,
+    normalize_answer,
+    top1_agreement,
+)
+
+DEV_SET = Path(__file__).resolve().parent / "data" / "dev_qa.jsonl"
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_squad_normalisation() -> None:
+    assert normalize_answer("  The Harbor-Reeve,  Mara   Quell! ") == "harborreeve mara quell"
+    assert normalize_answer("An apple a day") == "apple day"
+    assert normalize_answer("theatre") == "theatre"  # articles only as whole words
+
+
+def test_f1_and_exact_match() -> None:
+    assert f1_score("Mara Quell", ["mara quell."]) == 1.0
+    assert exact_match("Mara Quell", ["mara quell."]) == 1.0
+    # "It is Mara Quell": 2 of 4 normalised tokens match ("it is mara quell" vs "mara quell")
+    assert f1_score("It is Mara Quell", ["Mara Quell"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
+    assert exact_match("It is Mara Quell", ["Mara Quell"]) == 0.0
+    assert f1_score("1788", ["1901", "in 1788"]) == pytest.approx(2 / 3)  # best reference wins
+    assert f1_score("", ["1788"]) == 0.0
+    assert f1_score("the", ["a"]) == 1.0  # both normalise to nothing
+
+
+def test_contains_answer_matches_whole_words() -> None:
+    assert contains_answer("It was founded in 1901.", ["1901"])
+    assert not contains_answer("It was founded in 19011.", ["1901"])
+    assert contains_answer("the Saltreach Oars crew", ["Saltreach Oars"])
+    assert not contains_answer("anything", ["the"])  # an answer that normalises to nothing
+
+
+def test_kl_and_top1() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(kl_per_step(logits, logits), torch.zeros(5, dtype=torch.float64))
+    assert top1_agreement(logits, logits) == 1.0
+    other = logits.clone()
+    other[0] = torch.zeros(50)  # uniform: KL(p || uniform) = log(50) - H(p)
+    p = torch.softmax(logits[0].double(), -1)
+    expected = torch.log(torch.tensor(50.0, dtype=torch.float64)) + (p * p.log()).sum()
+    kl = kl_per_step(logits, other)
+    assert kl[0] == pytest.approx(float(expected), rel=1e-9) and kl[1:].abs().max() == 0
+    other[1, logits[1].argmax()] = -100
+    assert logits[0].argmax() != 0  # so row 0 (uniform: argmax 0) disagrees too
+    assert top1_agreement(logits, other) == pytest.approx(3 / 5)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def test_load_dataset_reports_the_bad_line(tmp_path: Path) -> None:
+    good = {"id": "a", "documents": [{"id": "d", "text": "x"}], "question": "q", "answers": ["x"]}
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "documents": "x"}) + "\n")
+    with pytest.raises(ConfigError, match=r"set.jsonl:3: expected"):
+        load_dataset(path)
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(ConfigError, match=r"set.jsonl:2"):
+        load_dataset(path)
+    path.write_text(json.dumps({**good, "answers": []}) + "\n")
+    with pytest.raises(ConfigError, match="non-empty"):
+        load_dataset(path)
+    path.write_text(json.dumps(good) + "\n")
+    assert load_dataset(path) == [EvalItem("a", ("x",), "q", ("x",))]
+
+
+def test_the_development_set_is_well_formed() -> None:
+    items = load_dataset(DEV_SET)
+    assert len(items) >= 30 and len({i.id for i in items}) == len(items)
+    where = []
+    for item in items:
+        assert 3 <= len(item.documents) <= 5
+        holding = [i for i, d in enumerate(item.documents) if item.answers[0] in d]
+        assert len(holding) == 1, f"{item.id}: the answer must be in exactly one document"
+        where.append(holding[0] / (len(item.documents) - 1))
+    assert min(where) == 0 and max(where) == 1  # answers at the start, the end, and between
+    assert any(0 < w < 1 for w in where)
+
+
+# ----------------------------------------------------------------------------- the evaluator
+
+
+def test_full_agrees_with_itself_and_recomputing_everything_is_full(tiny32) -> None:
+    item = EvalItem(
+        "t",
+        ("The lighthouse was built in 1788.", "The bakery opens at five.", "Six crews row."),
+        "When was the lighthouse built?",
+        ("1788",),
+    )
+    evaluator = Evaluator(tiny32, max_new_tokens=6, teacher_tokens=4)
+    strategies = check_strategies(["naive", "legolink:64", "legolink0", "full"])
+    assert strategies == ["full", "naive", "legolink:64", "legolink0"]
+    results = {r.strategy: r for r in evaluator.run_item(item, strategies)}
+    full = results["full"]
+    assert (full.kl, full.top1) == (0.0, 1.0)
+    assert full.recomputed_tokens == full.context_tokens
+    everything = results["legolink:64"]  # k beyond every chunk's length: all recomputed
+    assert everything.kl == pytest.approx(0.0, abs=1e-9) and everything.top1 == 1.0
+    assert everything.answer == full.answer
+    assert results["naive"].recomputed_tokens == 0 and results["naive"].kl > 0
+    summary = {s.strategy: s for s in summarize(list(results.values()), strategies)}
+    assert summary["full"].recomputed_fraction == 1.0 and summary["naive"].items == 1
+
+
+def test_needle_item_places_the_needle_at_the_depth(smol) -> None:
+    count = lambda s: len(smol.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    start = needle_item(smol, 1024, 0.0, 256)
+    end = needle_item(smol, 1024, 1.0, 256)
+    middle = needle_item(smol, 1024, 0.5, 256)
+    assert start.documents[0].startswith(NEEDLE) and end.documents[-1].endswith(NEEDLE)
+    holding = [i for i, d in enumerate(middle.documents) if NEEDLE in d]
+    assert len(holding) == 1 and 0 < holding[0] < len(middle.documents) - 1
+    for item in (start, end, middle):
+        sizes = [count(d) for d in item.documents]
+        assert max(sizes) <= 256 + 8 and 900 < sum(sizes) <= 1024 + 8  # joins add a few
+
+
+@pytest.mark.slow
+def test_eval_command_writes_report_table_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["eval", str(DEV_SET), "--limit", "2", "--strategies", "legolink:2,naive"]
+    assert main([*args, "--out", str(out), "--max-new-tokens", "12"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert [s["strategy"] for s in report["summary"]] == ["full", "legolink:2", "naive"]
+    assert len(report["items"]) == 6
+    full = report["summary"][0]
+    assert (full["kl"], full["top1"], full["recomputed_fraction"]) == (0.0, 1.0, 1.0)
+    assert 0 < report["summary"][1]["recomputed_fraction"] < 0.1
+    assert "| legolink:2 |" in (out / "eval.md").read_text()
+    for png in ("eval_ttft_f1.png", "eval_kl_k.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", "--out", str(out)]) == 2  # neither a dataset nor --needle

@@ -1,0 +1,388 @@
+"""The LlamaIndex plugin with real LlamaIndex objects (IngestionPipeline, SentenceSplitter,
+VectorStoreIndex, RetrieverQueryEngine, a chat engine), real FAISS, all-MiniLM-L6-v2 and
+SmolLM2-135M. Answers are greedy, so exact equalities hold."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from llama_index.core import Document, VectorStoreIndex
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.base.response.schema import Response, StreamingResponse
+from llama_index.core.ingestion import IngestionPipeline
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
+from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.config import StoreConfig
+from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.integrations.llama_index import (
+    FirstTokenEvent,
+    KVCacheLLM,
+    KVCacheRetriever,
+    KVCacheSynthesizer,
+    KVCacheTransform,
+    KVLinkEvent,
+    MiniLMEmbedding,
+    as_chat_engine,
+    as_query_engine,
+    token_splitter,
+)
+from rag_kvcache.integrations.llama_index.llm import chat_question
+from rag_kvcache.model import LoadedModel
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 16
+DOCS = {
+    "lighthouse": "The Hallam Point lighthouse was designed by the engineer Mara Quell. "
+    "It was first lit in 1788 and its lamp burned whale oil until 1861.",
+    "harbor": "Velmora's harbor has three basins. The deepest, North Basin, is 14 meters deep "
+    "and takes the grain ships.",
+    "festival": "The town of Velmora holds a kite festival every April on Brindle Hill. "
+    "The largest kite ever flown there had a wingspan of 9 meters.",
+}
+QUESTION = "Who designed the Hallam Point lighthouse?"
+
+
+def documents(with_metadata: bool = True) -> list[Document]:
+    return [
+        Document(text=t, id_=name, metadata={"file_name": f"{name}.txt"} if with_metadata else {})
+        for name, t in DOCS.items()
+    ]
+
+
+@torch.inference_mode()
+def plain_greedy(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The baseline: HuggingFace generate on the whole prompt, greedy, cut at end-of-text."""
+    ids = torch.tensor([prompt_ids])
+    out = lm.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=list(lm.eos_ids),
+        pad_token_id=lm.eos_ids[0],
+    )
+    new = out[0, len(prompt_ids) :].tolist()
+    ends = [i for i, t in enumerate(new) if t in lm.eos_ids]
+    return new[: ends[0]] if ends else new
+
+
+class Recorder(BaseEventHandler):
+    events: list[BaseEvent] = []
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "Recorder"
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        self.events.append(event)
+
+
+@pytest.fixture
+def events() -> Iterator[list[BaseEvent]]:
+    """Every instrumentation event sent while the test runs (handler on the root dispatcher)."""
+    root = get_dispatcher()
+    recorder = Recorder()
+    root.add_event_handler(recorder)
+    try:
+        yield recorder.events
+    finally:
+        root.event_handlers.remove(recorder)
+
+
+def of(kind: type, events: list[BaseEvent]) -> list[Any]:
+    return [e for e in events if isinstance(e, kind)]
+
+
+@pytest.fixture(scope="module")
+def engine(smol: LoadedModel) -> RagKVCache:
+    return RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=MAX_NEW)), lm=smol)
+
+
+@pytest.fixture(scope="module")
+def embed_model() -> MiniLMEmbedding:
+    return MiniLMEmbedding()
+
+
+@pytest.fixture(scope="module")
+def nodes(engine: RagKVCache, embed_model: MiniLMEmbedding) -> list[Any]:
+    pipeline = IngestionPipeline(
+        transformations=[
+            token_splitter(engine.lm.tokenizer, chunk_tokens=32),
+            KVCacheTransform(engine),
+            embed_model,
+        ]
+    )
+    return list(pipeline.run(documents=documents()))
+
+
+@pytest.fixture(scope="module")
+def index(nodes: list[Any], embed_model: MiniLMEmbedding) -> VectorStoreIndex:
+    return VectorStoreIndex(nodes, embed_model=embed_model)
+
+
+# ----------------------------------------------------------------------------- ingestion
+
+
+def test_pipeline_caches_every_node_and_hides_its_cache_id(engine, nodes) -> None:
+    assert len(nodes) > len(DOCS)  # the splitter really split
+    size = len(engine.store)
+    for node in nodes:
+        cache_id = node.metadata["cache_id"]
+        assert engine.store.contains(cache_id)
+        # the same text always names the same chunk; nothing is encoded twice
+        text = node.get_content(MetadataMode.NONE)
+        assert engine.generate_context_cache([text]) == [cache_id]
+        for mode in (MetadataMode.EMBED, MetadataMode.LLM):
+            content = node.get_content(mode)
+            assert "file_name" in content and cache_id not in content and "cache_id" not in content
+        assert node.embedding is not None and len(node.embedding) == 384
+    assert len(engine.store) == size
+
+
+def test_pipeline_cache_key_names_the_model(engine, tiny32) -> None:
+    """Nodes tagged for one model must not come back from the pipeline cache for another."""
+    other = RagKVCache(lm=tiny32)
+    assert KVCacheTransform(engine).to_dict() != KVCacheTransform(other).to_dict()
+
+
+# ----------------------------------------------------------------------------- answering
+
+
+def test_query_with_full_strategy_equals_plain_greedy_prefill(engine, index) -> None:
+    query_engine = as_query_engine(engine, index=index, similarity_top_k=2, strategy="full")
+    response = query_engine.query(QUESTION)
+    assert isinstance(response, Response)
+    cache_ids = [n.node.metadata["cache_id"] for n in response.source_nodes]
+    assert len(cache_ids) == 2 and "Mara Quell" in response.source_nodes[0].node.get_content()
+    usage = response.metadata["usage"]
+    assert usage["cache_ids"] == cache_ids and usage["strategy"] == "full"
+
+    prompt = engine.prompt_ids(QUESTION, cache_ids)
+    expected = plain_greedy(engine.lm, prompt, MAX_NEW)
+    assert usage["token_ids"] == expected
+    assert (
+        response.response == engine.lm.tokenizer.decode(expected, skip_special_tokens=True).strip()
+    )
+    assert "Mara Quell" in response.response
+
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] == len(expected)
+    assert usage["total_tokens"] == len(prompt) + len(expected) == usage["usage"]["total_tokens"]
+    question = engine.template.question_ids(engine.lm.tokenizer, QUESTION)
+    assert usage["context_tokens"] == len(prompt) - len(question)
+    assert usage["recomputed_tokens"] == usage["context_tokens"]  # "full" recomputes all
+
+
+def test_streaming_and_async_queries_give_the_same_answer(engine, index) -> None:
+    plain = as_query_engine(engine, index=index, similarity_top_k=2).query(QUESTION)
+    streamed = as_query_engine(engine, index=index, similarity_top_k=2, streaming=True).query(
+        QUESTION
+    )
+    assert isinstance(streamed, StreamingResponse)
+    assert "usage" not in streamed.metadata  # known only once the answer is complete
+    pieces = list(streamed.response_gen)
+    assert len(pieces) > 1 and "".join(pieces) == plain.response
+    for key in ("token_ids", "prompt_tokens", "context_tokens", "recomputed_tokens", "strategy"):
+        assert streamed.metadata["usage"][key] == plain.metadata["usage"][key]
+    # the engine's default strategy (legolink:2) recomputes a few tokens, not the whole context
+    assert (
+        0 < plain.metadata["usage"]["recomputed_tokens"] < plain.metadata["usage"]["context_tokens"]
+    )
+    assert plain.metadata["usage"]["strategy"] == engine.config.strategy
+
+    asynced = asyncio.run(as_query_engine(engine, index=index, similarity_top_k=2).aquery(QUESTION))
+    assert asynced.response == plain.response
+
+
+def test_linked_llm_calls_report_usage_and_events(engine, nodes, events) -> None:
+    llm = KVCacheLLM(engine, strategy="full")
+    cache_ids = [n.metadata["cache_id"] for n in nodes[:2]]
+    question = "When was the lighthouse first lit?"
+    done = llm.complete(question, cache_ids=cache_ids)
+    assert done.raw["prompt_tokens"] == len(engine.prompt_ids(question, cache_ids))
+    assert done.raw["cache_ids"] == cache_ids
+
+    [link] = of(KVLinkEvent, events)
+    [first] = of(FirstTokenEvent, events)
+    assert link.cache_ids == cache_ids and link.strategy == "full"
+    assert link.prompt_tokens == done.raw["prompt_tokens"]
+    assert link.recomputed_tokens == link.context_tokens == done.raw["context_tokens"]
+    assert 0 < first.ttft_s <= done.raw["total_s"] and first.strategy == "full"
+    assert len(of(LLMCompletionEndEvent, events)) == 1  # LlamaIndex's own LLM events still fire
+
+    # streamed: the first-token event comes with the first piece, the link event at the end
+    events.clear()
+    stream = llm.stream_complete(question, cache_ids=cache_ids, strategy="naive")
+    head = next(stream)
+    assert len(of(FirstTokenEvent, events)) == 1 and not of(KVLinkEvent, events)
+    rest = list(stream)
+    assert [e.strategy for e in of(KVLinkEvent, events)] == ["naive"]
+    assert rest[-1].delta == "" and rest[-1].raw["strategy"] == "naive"
+    assert rest[-1].text == head.delta + "".join(r.delta for r in rest)
+    assert of(KVLinkEvent, events)[0].recomputed_tokens == 0  # naive recomputes nothing
+
+    # a one-message linked chat asks exactly the question
+    chat = llm.chat([ChatMessage(role=MessageRole.USER, content=question)], cache_ids=cache_ids)
+    assert chat.message.content == done.text and chat.raw["token_ids"] == done.raw["token_ids"]
+    with pytest.raises(ValueError, match="system prompt"):
+        llm.chat([ChatMessage(role=MessageRole.SYSTEM, content="Be terse.")], cache_ids=cache_ids)
+    with pytest.raises(RagKVCacheError):
+        KVCacheLLM(engine, strategy="bogus")
+
+
+def test_plain_llm_calls_behave_like_any_llamaindex_llm(engine, events) -> None:
+    llm = KVCacheLLM(engine, max_new_tokens=12)
+    meta = llm.metadata
+    assert meta.is_chat_model and meta.num_output == 12
+    assert meta.context_window == engine.lm.max_context and meta.model_name == engine.lm.name
+
+    prompt = "What is the capital of France?"
+    as_user_turn = engine.chat_prompt([{"role": "user", "content": prompt}])
+    done = llm.complete(prompt)
+    assert done.text == engine.complete(as_user_turn, max_new_tokens=12).text
+    assert "Paris" in done.text
+    tokens = engine.lm.tokenizer(as_user_turn, add_special_tokens=False)["input_ids"]
+    assert done.raw["prompt_tokens"] == len(tokens)
+    assert done.raw["context_tokens"] == 0 and done.raw["strategy"] == "prefill"
+    assert "".join(r.delta or "" for r in llm.stream_complete(prompt)) == done.text
+    raw_text = "The capital of France is"
+    assert (
+        llm.complete(raw_text, formatted=True).text
+        == engine.complete(raw_text, max_new_tokens=12).text
+    )
+
+    messages = [
+        ChatMessage(role=MessageRole.SYSTEM, content="You answer in one word."),
+        ChatMessage(role=MessageRole.USER, content="Name a primary color."),
+    ]
+    rendered = engine.chat_prompt([{"role": m.role.value, "content": m.content} for m in messages])
+    chat = llm.chat(messages)
+    assert chat.message.role == MessageRole.ASSISTANT and chat.message.content
+    assert chat.message.content == engine.complete(rendered, max_new_tokens=12).text
+    assert "".join(r.delta or "" for r in llm.stream_chat(messages)) == chat.message.content
+    assert not of(KVLinkEvent, events)  # nothing linked
+    assert len(of(FirstTokenEvent, events)) == 5 and len(of(LLMChatEndEvent, events)) == 2
+
+
+def test_synthesizer_encodes_untagged_nodes_and_keeps_retrieval_order(engine, nodes, events):
+    llm = KVCacheLLM(engine)
+    fresh = TextNode(text="Brindle Hill is 212 meters high.")  # never cached, no cache_id
+    tagged = nodes[-1]
+    retrieved = [NodeWithScore(node=fresh, score=0.9), NodeWithScore(node=tagged, score=0.5)]
+    response = KVCacheSynthesizer(llm, strategy="full").synthesize(
+        "How high is Brindle Hill?", retrieved
+    )
+    fresh_id = fresh.metadata["cache_id"]
+    assert engine.generate_context_cache([fresh.text]) == [fresh_id]
+    assert fresh_id not in fresh.get_content(MetadataMode.LLM)
+    assert "cache_id" in fresh.excluded_llm_metadata_keys
+    cache_ids = [fresh_id, tagged.metadata["cache_id"]]
+    assert response.metadata["usage"]["cache_ids"] == cache_ids
+    prompt = engine.prompt_ids("How high is Brindle Hill?", cache_ids)
+    assert response.metadata["usage"]["token_ids"] == plain_greedy(engine.lm, prompt, MAX_NEW)
+
+    # a tagged node whose chunk has left the store is encoded again, not dropped
+    assert engine.expire_cache(fresh_id) and not engine.store.contains(fresh_id)
+    again = KVCacheSynthesizer(llm, strategy="full").synthesize(
+        "How high is Brindle Hill?", retrieved
+    )
+    assert again.metadata["usage"]["cache_ids"] == cache_ids and engine.store.contains(fresh_id)
+    assert again.response == response.response
+
+    events.clear()
+    empty = KVCacheSynthesizer(llm).synthesize("anything?", [])
+    assert empty.response == "Empty Response" and not of(KVLinkEvent, events)
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def test_chat_engine_answers_a_follow_up_over_cached_chunks(engine, index, events) -> None:
+    chat_engine = as_chat_engine(engine, index=index, similarity_top_k=2, strategy="full")
+    first = chat_engine.chat(QUESTION)
+    assert "Mara Quell" in first.response
+    events.clear()
+
+    follow_up = "When was it first lit?"
+    second = chat_engine.chat(follow_up)
+    assert "1788" in second.response
+    cache_ids = [n.node.metadata["cache_id"] for n in second.source_nodes]
+    assert cache_ids and all(engine.store.contains(c) for c in cache_ids)
+    # the answer linked exactly the retrieved chunks, with the earlier turns in the question
+    [link] = of(KVLinkEvent, events)
+    assert link.cache_ids == cache_ids
+    history = [
+        ChatMessage(role=MessageRole.USER, content=QUESTION),
+        ChatMessage(role=MessageRole.ASSISTANT, content=first.response),
+        ChatMessage(role=MessageRole.USER, content=follow_up),
+    ]
+    asked = chat_question(history)
+    assert QUESTION in asked and asked.endswith(follow_up)
+    assert link.prompt_tokens == len(engine.prompt_ids(asked, cache_ids))
+    assert [m.content for m in chat_engine.chat_history] == [
+        QUESTION,
+        first.response,
+        follow_up,
+        second.response,
+    ]
+
+    streamed = chat_engine.stream_chat("How deep is North Basin?")
+    text = "".join(streamed.response_gen)
+    assert "14" in text
+    assert all(n.node.metadata.get("cache_id") for n in streamed.source_nodes)
+
+
+# ----------------------------------------------------------------------------- retrieval
+
+
+def test_retriever_returns_cached_chunks_and_feeds_the_query_engine(
+    smol, embed_model, tmp_path: Path
+) -> None:
+    config = EngineConfig(
+        generation=GenerationConfig(max_new_tokens=MAX_NEW), store=StoreConfig(root=tmp_path)
+    )
+    durable = RagKVCache(config, lm=smol)
+    pipeline = IngestionPipeline(
+        transformations=[
+            token_splitter(smol.tokenizer, chunk_tokens=32),
+            KVCacheTransform(durable, index_documents=True),
+        ]
+    )
+    # no document metadata: LlamaIndex would embed it along with the text, the engine does not
+    tagged = {n.metadata["cache_id"]: n for n in pipeline.run(documents=documents(False))}
+
+    question = "How deep is North Basin?"
+    hits = KVCacheRetriever(durable, similarity_top_k=3).retrieve(question)
+    assert len(hits) == 3 and "North Basin" in hits[0].node.get_content()
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    for hit in hits:
+        node = hit.node
+        assert node.node_id == node.metadata["cache_id"] and node.node_id in tagged
+        assert node.metadata["source"] == tagged[node.node_id].ref_doc_id
+        assert node.get_content(MetadataMode.NONE) == tagged[node.node_id].get_content(
+            MetadataMode.NONE
+        )
+        for mode in (MetadataMode.EMBED, MetadataMode.LLM):
+            assert node.node_id not in node.get_content(mode)
+    assert hits[0].node.metadata["source"] == "harbor"
+
+    # same embedder, same ranking as LlamaIndex's own vector index over the same chunks
+    index = VectorStoreIndex(list(tagged.values()), embed_model=embed_model)
+    theirs = index.as_retriever(similarity_top_k=3).retrieve(question)
+    assert [h.node.get_content() for h in hits] == [h.node.get_content() for h in theirs]
+    assert [h.score for h in hits] == pytest.approx([h.score for h in theirs], abs=1e-5)
+
+    response = as_query_engine(durable, similarity_top_k=2, strategy="full").query(question)
+    assert [n.node.node_id for n in response.source_nodes] == [h.node.node_id for h in hits[:2]]
+    assert "14" in response.response
