@@ -1,0 +1,100 @@
+"""Two-phase (cascade) attention: attend to KV split into parts, then merge the partial results.
+
+Attention over keys split into parts A and B equals a merge of attention over A and over B, if
+each part also returns the log-sum-exp (LSE) of its scores: `merge_state` (FlashInfer's
+signature and semantics, LSE in natural log). That lets requests that share a prefix attend to
+its one copy together, as one matrix-matrix product (ChunkAttention's first phase), and to
+their own tokens separately (second phase), with exactly the result of plain attention.
+
+Shapes follow FlashInfer: queries `[n, heads, dim]`, keys / values `[tokens, kv_heads, dim]`,
+outputs `[n, heads, dim]`, LSE `[n, heads]`. A part with no keys has LSE -inf and output 0 and
+leaves the other part unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention outputs v [n, heads, dim] with their LSEs s [n, heads] of two key parts.
+
+    Computed in at least float32; returns v in v_a's dtype and the merged LSE."""
+    acc = accumulator(v_a.dtype)
+    s_a, s_b = s_a.to(acc), s_b.to(acc)
+    s = torch.logaddexp(s_a, s_b)
+    empty = torch.isneginf(s)  # neither part had keys
+    safe = torch.where(empty, torch.zeros_like(s), s)
+    w_a = torch.exp(s_a - safe).masked_fill(empty, 0)
+    w_b = torch.exp(s_b - safe).masked_fill(empty, 0)
+    v = v_a.to(acc) * w_a[..., None] + v_b.to(acc) * w_b[..., None]
+    return v.to(v_a.dtype), s
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; half types accumulate in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def merge_states(
+    vs: list[torch.Tensor], ss: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge any number of parts, left to right (merging is associative)."""
+    v, s = vs[0], ss[0]
+    for v_b, s_b in zip(vs[1:], ss[1:]):
+        v, s = merge_state(v, s, v_b, s_b)
+    return v, s
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of every query to every key, with its LSE (no mask: decode queries
+    see their whole path). GQA: kv_heads divides heads; each KV head serves a group."""
+    n, heads, dim = q.shape
+    tokens, kv_heads, _ = k.shape
+    if tokens == 0:
+        return q.new_zeros(n, heads, v.shape[-1]), q.new_full((n, heads), float("-inf"))
+    group = heads // kv_heads
+    qg = q.reshape(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, n * group, dim)
+    scores = (qg @ k.permute(1, 2, 0)).to(accumulator(q.dtype)) * scale  # [kv, n*g, tokens]
+    lse = torch.logsumexp(scores, dim=-1)  # [kv_heads, n*group]
+    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+    out = probs @ v.permute(1, 0, 2)  # [kv_heads, n*group, dim]
+    out = out.reshape(kv_heads, n, group, -1).permute(1, 0, 2, 3).reshape(n, heads, -1)
+    return out, lse.reshape(kv_heads, n, group).permute(1, 0, 2).reshape(n, heads)
+
+
+def cascade_attention(
+    q: torch.Tensor,
+    parts: list[tuple[torch.Tensor, torch.Tensor, list[int]]],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of queries q [n, heads, dim] over shared and private KV parts.
+
+    Each part is (keys, values, rows): the KV [tokens, kv_heads, dim] that the queries in
+    `rows` attend to. A part shared by several requests is attended once for all its rows
+    (phase one); each row's parts are then merged by LSE in the order given (phase two).
+    Equals softmax attention of each row over the concatenation of its parts.
+    """
+    n, heads, _ = q.shape
+    acc = accumulator(q.dtype)
+    out = q.new_zeros(n, heads, parts[0][1].shape[-1] if parts else q.shape[-1], dtype=acc)
+    lse = q.new_full((n, heads), float("-inf"), dtype=acc)
+    for keys, values, rows in parts:
+        index = torch.tensor(rows, device=q.device)
+        v_part, s_part = attention_with_lse(q[index], keys, values, scale)
+        merged_v, merged_s = merge_state(out[index], lse[index], v_part.to(acc), s_part)
+        out[index], lse[index] = merged_v, merged_s
+    return out.to(q.dtype)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Plain softmax attention over all keys (the oracle for the functions above)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,thd->nht", q, k) * scale
+    return torch.einsum("nht,thd->nhd", torch.softmax(scores, dim=-1), v)

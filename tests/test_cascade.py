@@ -1,0 +1,101 @@
+"""Two-phase attention: merging partial attention by log-sum-exp equals attention over all keys."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rag_kvcache.cascade import (
+    attention_with_lse,
+    cascade_attention,
+    merge_state,
+    merge_states,
+    reference_attention,
+)
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("split", [0, 1, 7, 19, 20])  # 0 and 20: one part has no keys
+def test_merging_two_parts_equals_attention_over_both(dtype, split) -> None:
+    g = torch.Generator().manual_seed(split)
+    q = torch.randn(5, 8, 16, generator=g, dtype=dtype)
+    k = torch.randn(20, 2, 16, generator=g, dtype=dtype)  # GQA: 2 KV heads for 8 query heads
+    v = torch.randn(20, 2, 16, generator=g, dtype=dtype)
+    scale = 16**-0.5
+    v_a, s_a = attention_with_lse(q, k[:split], v[:split], scale)
+    v_b, s_b = attention_with_lse(q, k[split:], v[split:], scale)
+    merged, lse = merge_state(v_a, s_a, v_b, s_b)
+    expected = reference_attention(q, k, v, scale)
+    torch.testing.assert_close(merged, expected, atol=TOL[dtype], rtol=TOL[dtype])
+    whole_v, whole_s = attention_with_lse(q, k, v, scale)
+    torch.testing.assert_close(lse, whole_s, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(whole_v, expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_merging_two_empty_parts_gives_zero_and_minus_infinity() -> None:
+    q = torch.randn(3, 4, 8)
+    empty = torch.empty(0, 4, 8)
+    v_a, s_a = attention_with_lse(q, empty, empty, 1.0)
+    v, s = merge_state(v_a, s_a, v_a, s_a)
+    assert torch.equal(v, torch.zeros(3, 4, 8)) and torch.isneginf(s).all()
+
+
+def test_merge_is_associative_over_many_parts() -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(30, 4, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(30, 4, 8, generator=g, dtype=torch.float64)
+    cuts = [0, 3, 3, 11, 29, 30]
+    parts = [attention_with_lse(q, k[a:b], v[a:b], 0.3) for a, b in zip(cuts, cuts[1:])]
+    merged, _ = merge_states([p[0] for p in parts], [p[1] for p in parts])
+    torch.testing.assert_close(merged, reference_attention(q, k, v, 0.3), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cascade_attention_over_random_trees_equals_attention_per_request(seed) -> None:
+    """Random prefix trees: every request's path (shared nodes, then its own suffix) attended
+    in two phases equals plain attention over that path's concatenated KV."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 6, 3, 8
+
+    def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.randn(n, kv_heads, dim, generator=g, dtype=torch.float64),
+            torch.randn(n, kv_heads, dim, generator=g, dtype=torch.float64),
+        )
+
+    nodes = [kv(rng.randint(1, 12))]  # node 0: the root (system prompt)
+    parent = [-1]
+    for _ in range(rng.randint(1, 8)):
+        parent.append(rng.randrange(len(nodes)))
+        nodes.append(kv(rng.randint(0, 12)))
+    requests = rng.randint(1, 9)
+    paths = []
+    for _ in range(requests):
+        node, path = rng.randrange(len(nodes)), []
+        while node != -1:
+            path.insert(0, node)
+            node = parent[node]
+        paths.append(path)
+    suffixes = [kv(rng.randint(1, 5)) for _ in range(requests)]
+    q = torch.randn(requests, heads, dim, generator=g, dtype=torch.float64)
+
+    parts = []
+    for node, (k, v) in enumerate(nodes):  # shared phase: each node once, for all its rows
+        rows = [r for r, path in enumerate(paths) if node in path]
+        if rows:
+            parts.append((k, v, rows))
+    for r, (k, v) in enumerate(suffixes):  # private phase
+        parts.append((k, v, [r]))
+    out = cascade_attention(q, parts, dim**-0.5)
+
+    for r, path in enumerate(paths):
+        keys = torch.cat([nodes[n][0] for n in path] + [suffixes[r][0]])
+        values = torch.cat([nodes[n][1] for n in path] + [suffixes[r][1]])
+        expected = reference_attention(q[r : r + 1], keys, values, dim**-0.5)
+        torch.testing.assert_close(out[r : r + 1], expected, atol=1e-12, rtol=1e-12)
