@@ -1,0 +1,183 @@
+"""Prefix tree of linked KV, shared by requests whose prompts start with the same chunks.
+
+A path is a sequence of cache IDs (system prompt, then chunks in order). A node holds the
+*linked* KV of a run of chunks given everything before it: keys at their final positions,
+boundary tokens already recomputed (LegoLink's recomputation depends on what precedes a chunk,
+so the same chunk after different prefixes is a different node). Edges carry runs of chunks
+(a radix tree): inserting a path that leaves a run in its middle splits the node there.
+
+A request holds a reference to its path (by its deepest node: `acquire(leaf)` counts every node
+up to the root) while it decodes; eviction removes only unreferenced leaves, least recently used
+first, until the tree fits its byte budget. Splitting keeps the lower part as the same object,
+so a request's deepest node stays valid and `path_to(leaf)` always gives its current nodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """A run of chunks' linked KV: keys/values [layers, kv_heads, tokens, head_dim]."""
+
+    cache_ids: tuple[str, ...]
+    sizes: tuple[int, ...]  # tokens of each chunk in the run
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int  # position of the run's first token
+    parent: TreeNode | None
+    children: dict[str, TreeNode] = field(default_factory=dict)  # by first cache ID
+    refs: int = 0
+    last_used: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest stored prefix of a path: its nodes (root side first) and coverage."""
+
+    nodes: tuple[TreeNode, ...]
+    chunks: int  # how many of the path's cache IDs are covered
+    tokens: int  # how many tokens they hold
+
+
+class PrefixTree:
+    """Linked prefixes under a byte budget. Not thread-safe: one scheduler owns it."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.roots: dict[str, TreeNode] = {}
+        self._clock = itertools.count(1)
+
+    # ------------------------------------------------------------------ lookups
+
+    def match(self, path: Sequence[str]) -> Match:
+        """The longest prefix of `path` stored, splitting a node where the path leaves it
+        mid-run so that the match ends on a node boundary."""
+        nodes: list[TreeNode] = []
+        children, i = self.roots, 0
+        while i < len(path) and path[i] in children:
+            node = children[path[i]]
+            run = len(node.cache_ids)
+            same = 0
+            while same < run and i + same < len(path) and node.cache_ids[same] == path[i + same]:
+                same += 1
+            if same < run:
+                node = self.split(node, same)
+            node.last_used = next(self._clock)
+            nodes.append(node)
+            i += same
+            if same < run:
+                break
+            children = node.children
+        tokens = nodes[-1].end if nodes else 0
+        return Match(tuple(nodes), i, tokens)
+
+    def nodes(self) -> list[TreeNode]:
+        out, todo = [], list(self.roots.values())
+        while todo:
+            node = todo.pop()
+            out.append(node)
+            todo.extend(node.children.values())
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n.nbytes for n in self.nodes())
+
+    # ------------------------------------------------------------------ changes
+
+    def insert(
+        self,
+        parent: TreeNode | None,
+        cache_ids: Sequence[str],
+        sizes: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> TreeNode:
+        """Add a run of chunks (their linked KV) under `parent` (None: a root)."""
+        siblings = self.roots if parent is None else parent.children
+        if cache_ids[0] in siblings:
+            raise ValueError(f"a child starting with {cache_ids[0]} exists: match() first")
+        if keys.shape[2] != sum(sizes):
+            raise ValueError(f"{keys.shape[2]} tokens of KV for chunks of {sum(sizes)} tokens")
+        start = parent.end if parent is not None else 0
+        node = TreeNode(tuple(cache_ids), tuple(sizes), keys, values, start, parent)
+        node.last_used = next(self._clock)
+        siblings[cache_ids[0]] = node
+        return node
+
+    def split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut a node's run after `at` chunks; returns the upper part (same references)."""
+        if not 0 < at < len(node.cache_ids):
+            raise ValueError(f"cannot split a run of {len(node.cache_ids)} chunks at {at}")
+        cut = sum(node.sizes[:at])
+        upper = TreeNode(
+            node.cache_ids[:at],
+            node.sizes[:at],
+            node.keys[:, :, :cut].clone(),
+            node.values[:, :, :cut].clone(),
+            node.start,
+            node.parent,
+            refs=node.refs,
+            last_used=node.last_used,
+        )
+        siblings = self.roots if node.parent is None else node.parent.children
+        siblings[upper.cache_ids[0]] = upper
+        node.cache_ids, node.sizes = node.cache_ids[at:], node.sizes[at:]
+        node.keys, node.values = node.keys[:, :, cut:].clone(), node.values[:, :, cut:].clone()
+        node.start, node.parent = node.start + cut, upper
+        upper.children = {node.cache_ids[0]: node}
+        return upper
+
+    def acquire(self, leaf: TreeNode) -> None:
+        """A request now uses the path ending at `leaf` (every node up to a root)."""
+        for node in path_to(leaf):
+            node.refs += 1
+            node.last_used = next(self._clock)
+
+    def release(self, leaf: TreeNode) -> None:
+        for node in path_to(leaf):
+            if node.refs <= 0:
+                raise ValueError("released a node that holds no reference")
+            node.refs -= 1
+
+    def evict(self, need_bytes: int = 0) -> int:
+        """Drop unreferenced leaves, least recently used first, until the tree plus
+        `need_bytes` fits the budget (or nothing more can go). Returns bytes freed."""
+        freed, total = 0, self.nbytes
+        while total + need_bytes > self.budget_bytes:
+            leaves = [n for n in self.nodes() if not n.children and n.refs == 0]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: n.last_used)
+            siblings = self.roots if victim.parent is None else victim.parent.children
+            del siblings[victim.cache_ids[0]]
+            freed += victim.nbytes
+            total -= victim.nbytes
+        return freed
+
+
+def path_to(leaf: TreeNode | None) -> list[TreeNode]:
+    """The nodes from a root down to `leaf`."""
+    path = []
+    while leaf is not None:
+        path.append(leaf)
+        leaf = leaf.parent
+    return path[::-1]
