@@ -109,7 +109,9 @@ def plot_ingest(rows: list[IngestRow], path: Path) -> None:
     names = [r.dtype for r in rows]
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r.chunks_per_s for r in rows], 0.4, label="whole pipeline")
-    ax.bar([i + 0.2 for i in x], [r.encode_chunks_per_s for r in rows], 0.4, label="KV encode + store")
+    ax.bar(
+        [i + 0.2 for i in x], [r.encode_chunks_per_s for r in rows], 0.4, label="KV encode + store"
+    )
     ax.set_xticks(list(x), names)
     ax.set_ylabel("chunks / s")
     ax.set_title(f"ingestion throughput ({rows[0].chunks} chunks, {rows[0].tokens} tokens)")

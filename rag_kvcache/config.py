@@ -119,6 +119,7 @@ class EngineConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     strategy: str = "legolink:2"
+    prefix_tree_bytes: int = 1 << 30  # linked prefixes kept for batched generation
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from rag_kvcache.batch import BatchAnswer, BatchDecoder, BatchRequest, BatchStats
 from rag_kvcache.config import EngineConfig, GenerationConfig, StoreConfig
 from rag_kvcache.corpus import Corpus
 from rag_kvcache.decoding import decode, prefill
@@ -17,6 +18,7 @@ from rag_kvcache.errors import ConfigError, EmptyChunkError, FingerprintMismatch
 from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
 from rag_kvcache.linker import link
 from rag_kvcache.model import LoadedModel, load_model
+from rag_kvcache.prefix_tree import PrefixTree
 from rag_kvcache.prompt import PromptTemplate
 from rag_kvcache.retrieval import Retrieved
 from rag_kvcache.storage.catalog import ChunkRow
@@ -51,6 +53,12 @@ class DocumentIngest:
     encoded: int  # chunks whose KV was computed now (the rest were already cached)
     removed: int  # chunks it no longer has, deleted from the store
     encode_s: float  # seconds spent encoding and storing KV (the rest: embedding, indexing)
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    answers: list[BatchAnswer]  # in request order
+    stats: BatchStats
 
 
 class AnswerStream:
@@ -99,6 +107,7 @@ class RagKVCache:
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
+        self.prefix_trees: dict[str, PrefixTree] = {}  # linked prefixes, per link strategy
         self.prefix_id = self._cache([prefix], EncodeSettings(), [self.template.prefix])[0][0]
 
     # ------------------------------------------------------------------ ingestion
@@ -236,6 +245,43 @@ class RagKVCache:
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """Render chat messages ({"role", "content"}) with the model's own chat template."""
         return self.template.render_chat(self.lm.tokenizer, messages)
+
+    def generate_batch(
+        self,
+        requests: list[BatchRequest],
+        *,
+        strategy: str | LinkStrategy | None = None,
+        max_batch: int = 32,
+    ) -> BatchResult:
+        """Answer many requests together, sharing linked prefixes (system prompt + leading
+        chunks in common) in a prefix tree and decoding them as one batch. Each answer equals
+        `generate(request.query, request.cache_ids)` alone (greedy: token for token)."""
+        name = str(parse_strategy(strategy or self.config.strategy))
+        tree = self.prefix_trees.setdefault(name, PrefixTree(self.config.prefix_tree_bytes))
+        gen, tok = self.config.generation, self.lm.tokenizer
+        work = [
+            (
+                [self.prefix_id, *r.cache_ids],
+                self.template.question_ids(tok, r.query),
+                replace(gen, max_new_tokens=r.max_new_tokens or gen.max_new_tokens),
+            )
+            for r in requests
+        ]
+        done, stats = BatchDecoder(self.lm, tree, name, self.store.get).run(work, max_batch)
+        answers = []
+        for request in done:
+            tokens = [t for t in request.tokens if t not in self.lm.eos_ids]
+            answers.append(
+                BatchAnswer(
+                    text=tok.decode(tokens, skip_special_tokens=True).strip(),
+                    token_ids=tuple(tokens),
+                    prompt_tokens=request.prompt_tokens,
+                    reused_tokens=request.reused,
+                    recomputed_tokens=request.recomputed,
+                    ttft_s=request.ttft_s,
+                )
+            )
+        return BatchResult(answers, stats)
 
     @staticmethod
     def _finish(answer_stream: AnswerStream, stream: bool) -> Answer | AnswerStream:

@@ -52,25 +52,54 @@ class LinkedContext:
     recomputed: int  # context tokens recomputed (the query not counted)
 
 
+@dataclass(frozen=True)
+class LinkedPrefix:
+    """KV already linked for the first chunks (e.g. from the prefix tree): keys and values
+    [layers, kv_heads, P, head_dim] at positions 0..P-1, boundary tokens already recomputed."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    token_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
 def link(
     lm: LoadedModel,
     chunks: list[ChunkKV],
     query_ids: list[int],
     strategy: str | LinkStrategy,
     reserve: int = 0,
+    prefix: LinkedPrefix | None = None,
 ) -> LinkedContext:
     """Link chunks (chunk 0 = system prefix) and prefill the query over them.
 
-    `reserve` extra cache slots are allocated for the tokens to be generated.
+    `reserve` extra cache slots are allocated for the tokens to be generated. With `prefix`,
+    the chunks follow an already linked prefix (which then counts as chunk 0) and only they
+    are linked: the result equals linking the prefix's chunks and these in one call.
     """
     strategy = parse_strategy(strategy)
-    check_chunks(lm, chunks, strategy, len(query_ids))
-    token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=lm.device)  # [L]
-    recompute = choose_recomputed(lm, chunks, token_ids, strategy)  # [r] positions
+    check_chunks(lm, chunks, strategy, len(query_ids), prefix)
+    P = prefix.num_tokens if prefix else 0
+    token_ids = torch.tensor(
+        [*(prefix.token_ids if prefix else ()), *(t for c in chunks for t in c.token_ids)],
+        dtype=torch.long,
+        device=lm.device,
+    )  # [L]
+    if prefix is None:
+        recompute = choose_recomputed(lm, chunks, token_ids, strategy)  # [r] positions
+    else:
+        lengths = [P, *(c.num_tokens for c in chunks)]
+        recompute = select_positions(strategy, lengths).to(lm.device)
+        recompute = recompute[recompute >= P]  # the prefix is linked already
     L, r, q = len(token_ids), len(recompute), len(query_ids)
     # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
     keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
-    place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq)
+    if prefix is not None:
+        keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
+    place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
     # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
     # its own position (over the stale copy) and attends causally by position
     query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
@@ -86,6 +115,14 @@ def link(
     return LinkedContext(cache, logits[0, -1], L + q, L, r)
 
 
+def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [layers, kv_heads, end - start, head_dim] of positions start..end-1."""
+    layers = unpack_cache(linked.cache)
+    keys = torch.stack([k[0, :, start:end] for k, _ in layers])
+    values = torch.stack([v[0, :, start:end] for _, v in layers])
+    return keys, values
+
+
 def link_mask(new_positions: torch.Tensor, length: int) -> torch.Tensor:
     """Boolean [N, length]: a new token at position p sees every position <= p.
 
@@ -96,11 +133,14 @@ def link_mask(new_positions: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def place_into(
-    keys: torch.Tensor, values: torch.Tensor, chunks: list[ChunkKV], inv_freq: torch.Tensor
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    chunks: list[ChunkKV],
+    inv_freq: torch.Tensor,
+    offset: int = 0,
 ) -> None:
-    """Write chunks back to back into keys/values [layers, kv_heads, >= L, head_dim], each
-    chunk's keys rotated from the position it was encoded at to its offset."""
-    offset = 0
+    """Write chunks back to back into keys/values [layers, kv_heads, >= L, head_dim] from
+    position `offset` on, each chunk's keys rotated from where it was encoded to its place."""
     for c in chunks:
         span = slice(offset, offset + c.num_tokens)
         rotate_into(keys[:, :, span], c.keys.to(keys.device), offset - c.start, inv_freq)
@@ -123,11 +163,19 @@ def choose_recomputed(
 
 
 def check_chunks(
-    lm: LoadedModel, chunks: list[ChunkKV], strategy: LinkStrategy, query_tokens: int
+    lm: LoadedModel,
+    chunks: list[ChunkKV],
+    strategy: LinkStrategy,
+    query_tokens: int,
+    prefix: LinkedPrefix | None = None,
 ) -> None:
     """Clear errors for KV that cannot be linked into this model's context."""
-    if not chunks:
+    if not chunks and prefix is None:
         raise StrategyError("nothing to link: pass at least the system prefix chunk")
+    if prefix is not None and strategy.kind == "cacheblend":
+        raise StrategyError(
+            "cacheblend picks tokens over the whole context, so it cannot extend a linked prefix"
+        )
     if query_tokens < 1:
         raise StrategyError("the query must have at least one token")
     for c in chunks:
@@ -145,13 +193,14 @@ def check_chunks(
             raise FingerprintMismatchError(
                 f"chunk {c.cache_id} KV shape {tuple(c.keys.shape)} != expected {expected}"
             )
-    total = sum(c.num_tokens for c in chunks) + query_tokens
+    total = sum(c.num_tokens for c in chunks) + query_tokens + (prefix.num_tokens if prefix else 0)
     if total > lm.max_context:
         raise ContextTooLongError(
             f"{total} tokens (context + query) exceed the model's window of {lm.max_context}; "
             "retrieve fewer or smaller chunks"
         )
-    if strategy.kind == "legolink0" and any(c.start == 0 for c in chunks[1:]):
+    documents = chunks if prefix is not None else chunks[1:]
+    if strategy.kind == "legolink0" and any(c.start == 0 for c in documents):
         raise StrategyError(
             "legolink0 needs document chunks encoded with sink tokens "
             "(EncodeConfig(sink_tokens=N) with N > 0); these were encoded without"

@@ -249,7 +249,13 @@ def gqa_sdpa_attention(
       the keys after them, which a mask alone would still multiply. Exact, since the keys
       skipped are masked for every row of the block.
     `reference_attention` is the plain version it is tested against.
+
+    A forward given `attention_hook` (see `forward`) hands attention to it instead: batched
+    decoding over shared prefixes attends to KV that lives outside the HF cache.
     """
+    hook = kwargs.get("kv_attention_hook")
+    if hook is not None:
+        return hook(module.layer_idx, query, kwargs.get("scaling")), None
     if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling")
@@ -372,6 +378,30 @@ def write_at(cache: Cache, positions: torch.Tensor | None) -> None:
         layer.write_at = positions
 
 
+class HookLayer(DynamicLayer):
+    """A cache layer that keeps nothing: it hands each new token's K/V to `on_update` (the
+    batch decoder stores them with their requests) and lets them through to attention."""
+
+    def __init__(self, index: int, on_update: Any):
+        super().__init__()
+        self.index, self.on_update = index, on_update
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.on_update(self.index, key_states, value_states)
+        self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return key_states, value_states
+
+
+def hook_cache(lm: LoadedModel, on_update: Any) -> Cache:
+    """An HF cache whose layers pass new K/V [B, kv_heads, T, head_dim] to
+    `on_update(layer, keys, values)` instead of keeping them."""
+    cache = DynamicCache(config=lm.model.config)
+    cache.layers = [HookLayer(i, on_update) for i in range(lm.num_layers)]
+    return cache
+
+
 def build_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], lm: LoadedModel) -> Cache:
     """An HF cache holding the given per-layer (K, V) `[batch, kv_heads, tokens, head_dim]`.
 
@@ -399,10 +429,15 @@ def forward(
     cache: Cache | None = None,
     mask: torch.Tensor | None = None,
     logits_to_keep: int = 0,
+    attention_hook: Any = None,
 ) -> tuple[torch.Tensor, Cache]:
     """One forward pass. input_ids, positions: [B, T]. mask: 2D padding mask [B, T] or a 4D
     additive mask [B, 1, T, past + T] (used as-is). Returns (logits [B, T or keep, V], cache).
+
+    attention_hook(layer, query [B, heads, T, head_dim], scale) -> [B, T, heads, head_dim]
+    replaces every layer's attention (the query is already RoPE'd).
     """
+    extra = {} if attention_hook is None else {"kv_attention_hook": attention_hook}
     with torch.no_grad():  # not inference_mode: the linker edits the returned KV in place
         out = lm.model(
             input_ids=input_ids,
@@ -411,6 +446,7 @@ def forward(
             attention_mask=mask,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **extra,
         )
     return out.logits, out.past_key_values
 

@@ -1,0 +1,84 @@
+"""Batched generation over shared linked prefixes equals generating each request alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.batch import BatchRequest
+from rag_kvcache.errors import StrategyError
+from rag_kvcache.linker import LinkedPrefix, link, linked_span
+
+DOCS = [
+    "The Hallam Point lighthouse was designed by Mara Quell.",
+    "It was first lit in 1788 and burned whale oil until 1861.",
+    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
+    "The kite festival is held every April on Brindle Hill.",
+    "The rowing league has six crews; the oldest was founded in 1901.",
+]
+
+
+def mixed_requests(ids: list[str]) -> list[BatchRequest]:
+    """Shared leading chunks, a request that is a prefix of another, reordered chunks,
+    an unshared one, the same chunks with another question, and different lengths."""
+    return [
+        BatchRequest("Who designed the lighthouse?", (ids[0], ids[1], ids[2])),
+        BatchRequest("When was it first lit?", (ids[0], ids[1], ids[3])),
+        BatchRequest("How deep is the harbor?", (ids[0], ids[1]), max_new_tokens=3),
+        BatchRequest("When is the festival?", (ids[3], ids[4])),
+        BatchRequest("Who designed the lighthouse?", (ids[1], ids[0])),
+        BatchRequest("How many crews?", (ids[0], ids[1], ids[2])),
+        BatchRequest("What burned until 1861?", ()),
+    ]
+
+
+@pytest.mark.parametrize("strategy", ["legolink:2", "full", "naive"])
+def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strategy) -> None:
+    engine = RagKVCache(EngineConfig(), lm=tiny64)
+    ids = engine.generate_context_cache(DOCS[:3])
+    chunks = engine.store.get([engine.prefix_id, *ids])
+    question = engine.template.question_ids(tiny64.tokenizer, "Who designed it?")
+    whole = link(tiny64, chunks, question, strategy)
+    first = link(tiny64, chunks[:2], [1], strategy)
+    P = first.context_tokens
+    keys, values = linked_span(first, 0, P)
+    tokens = tuple(t for c in chunks[:2] for t in c.token_ids)
+    rest = link(tiny64, chunks[2:], question, strategy, prefix=LinkedPrefix(keys, values, tokens))
+    torch.testing.assert_close(rest.next_logits, whole.next_logits, rtol=1e-10, atol=1e-10)
+    for a, b in zip(linked_span(rest, 0, rest.length), linked_span(whole, 0, whole.length)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert rest.recomputed == whole.recomputed - first.recomputed
+    with pytest.raises(StrategyError, match="cacheblend"):
+        link(
+            tiny64,
+            chunks[2:],
+            question,
+            "cacheblend:0.5",
+            prefix=LinkedPrefix(keys, values, tokens),
+        )
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 32])
+def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None:
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    requests = mixed_requests(ids)
+    result = engine.generate_batch(requests, max_batch=max_batch)
+    for request, answer in zip(requests, result.answers, strict=True):
+        alone = engine.generate(
+            request.query, list(request.cache_ids), max_new_tokens=request.max_new_tokens
+        )
+        assert answer.token_ids == alone.token_ids
+        assert answer.prompt_tokens == alone.prompt_tokens
+    assert result.answers[2].token_ids and len(result.answers[2].token_ids) <= 3
+    reused = [a.reused_tokens for a in result.answers]
+    prefix_tokens = len(engine.template.prefix_ids(tiny64.tokenizer))
+    assert all(r >= prefix_tokens for r in reused[1:])  # the system prompt is always shared
+    assert reused[5] == result.answers[5].prompt_tokens - len(
+        engine.template.question_ids(tiny64.tokenizer, "How many crews?")
+    )  # its whole context was linked by the first request
+    # a second call finds everything linked already
+    again = engine.generate_batch(requests[:2], max_batch=max_batch)
+    assert [a.token_ids for a in again.answers] == [a.token_ids for a in result.answers[:2]]
+    assert all(a.recomputed_tokens == 0 for a in again.answers)
