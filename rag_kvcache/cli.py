@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--context", type=int, default=4096)
     store.add_argument("--repeats", type=int, default=3)
     store.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    prefix = kinds.add_parser("prefix", help="decode with a shared prefix vs duplicated KV")
+    prefix.add_argument("--out", type=Path, default=Path("bench-results"))
+    prefix.add_argument("--prefixes", type=_csv, default=["1024", "2048"])
+    prefix.add_argument("--batches", type=_csv, default=["1", "8", "32"])
+    prefix.add_argument("--new-tokens", type=int, default=64)
+    prefix.add_argument("--dtype", default="float32")
     ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
     ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
     ingest_bench.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
@@ -359,6 +365,29 @@ def main(argv: list[str] | None = None) -> int:
         return ingest_command(args, console)
     if args.command in ("query", "chat"):
         return answer_command(args, console)
+    if args.command == "bench" and args.kind == "prefix":
+        from rag_kvcache.bench_prefix import run_prefix_bench
+
+        report = run_prefix_bench(
+            args.out,
+            [int(p) for p in args.prefixes],
+            [int(b) for b in args.batches],
+            args.new_tokens,
+            args.dtype,
+        )
+        table = Table("prefix", "batch", "shared", "method", "decode tok/s", "peak KV MiB")
+        for row in report["rows"]:  # type: ignore[attr-defined]
+            table.add_row(
+                str(row["prefix_tokens"]),
+                str(row["batch"]),
+                "yes" if row["shared"] else "no",
+                row["method"],
+                f"{row['decode_tokens_per_s']:.1f}",
+                f"{row['peak_kv_bytes'] / 2**20:.0f}",
+            )
+        console.print(table)
+        console.print(f"wrote {args.out / 'prefix.json'} and {args.out / 'prefix.png'}")
+        return 0
     if args.command == "bench" and args.kind == "ingest":
         from rag_kvcache.bench_ingest import run_ingest_bench
 
