@@ -276,20 +276,26 @@ def save_eval(out_dir: Path, name: str, report: dict[str, object], summary: list
 
 
 def plot_pareto(summary: list[StrategySummary], path: Path) -> None:
+    """TTFT against answer F1 and against the share of answers containing the reference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for s in summary:
-        ax.scatter(s.ttft_s, s.f1)
-        ax.annotate(s.strategy, (s.ttft_s, s.f1), textcoords="offset points", xytext=(4, 4))
-    ax.set_xscale("log")
-    ax.set_xlabel("median TTFT (s, log scale)")
-    ax.set_ylabel("answer F1")
-    ax.set_title("TTFT vs answer quality per link strategy")
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, metric, label in (
+        (axes[0], "f1", "answer F1 (SQuAD)"),
+        (axes[1], "contains", "answers containing the reference (%)"),
+    ):
+        for s in summary:
+            value = getattr(s, metric)
+            ax.scatter(s.ttft_s, value)
+            ax.annotate(s.strategy, (s.ttft_s, value), textcoords="offset points", xytext=(4, 4))
+        ax.set_xscale("log")
+        ax.set_xlabel("median TTFT (s, log scale)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle("TTFT vs answer quality per link strategy")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
