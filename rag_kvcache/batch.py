@@ -147,8 +147,9 @@ class BatchDecoder:
         q = len(question)
         own_k, own_v = linked_span(linked, linked.context_tokens, linked.length)
         capacity = q + config.max_new_tokens
-        keys = own_k.new_empty(*own_k.shape[:2], capacity, own_k.shape[-1])
-        values = torch.empty_like(keys)
+        # zeros, not empty: the batch reads past a request's length (masked, but 0 * NaN = NaN)
+        keys = own_k.new_zeros(*own_k.shape[:2], capacity, own_k.shape[-1])
+        values = torch.zeros_like(keys)
         keys[:, :, :q], values[:, :, :q] = own_k, own_v
         return _Active(
             index=index,
@@ -196,17 +197,18 @@ class BatchDecoder:
                 request.keys[layer, :, request.length] = keys[row, :, 0]
                 request.values[layer, :, request.length] = values[row, :, 0]
 
+        lengths = torch.tensor([a.length + 1 for a in active], device=device)  # + new token
+        longest = int(lengths.max())
+
         def attend(layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-            parts = [
+            shared = [
                 (node.keys[layer].transpose(0, 1), node.values[layer].transpose(0, 1), rows)
                 for node, rows in rows_of.items()
             ]
-            for row, request in enumerate(active):
-                end = request.length + 1  # the new token's K/V was just stored
-                own_k = request.keys[layer, :, :end].transpose(0, 1)
-                own_v = request.values[layer, :, :end].transpose(0, 1)
-                parts.append((own_k, own_v, [row]))
-            return cascade_attention(query[:, :, 0], parts, scale)[:, None]  # [B, 1, H, d]
+            own_k = torch.stack([_padded(a.keys[layer], longest) for a in active]).transpose(1, 2)
+            own_v = torch.stack([_padded(a.values[layer], longest) for a in active]).transpose(1, 2)
+            out = cascade_attention(query[:, :, 0], shared, scale, (own_k, own_v, lengths))
+            return out[:, None]  # [B, 1, heads, head_dim]
 
         logits, _ = forward(
             self.lm,
@@ -224,3 +226,10 @@ class BatchDecoder:
 
 def _nbytes(request: _Active) -> int:
     return 2 * request.keys.numel() * request.keys.element_size()
+
+
+def _padded(kv: torch.Tensor, tokens: int) -> torch.Tensor:
+    """kv [kv_heads, capacity, head_dim] cut or zero-padded to `tokens` positions."""
+    if kv.shape[1] >= tokens:
+        return kv[:, :tokens]
+    return torch.nn.functional.pad(kv, (0, 0, 0, tokens - kv.shape[1]))

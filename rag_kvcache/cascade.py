@@ -67,23 +67,53 @@ def attention_with_lse(
     return out, lse.reshape(kv_heads, n, group).permute(1, 0, 2).reshape(n, heads)
 
 
+def padded_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row over its own keys: q [n, heads, dim], k / v [n, tokens, kv_heads, dim]
+    of which row i uses the first lengths[i]. One batched product for every row's private
+    part (decode's second phase), instead of one small product per row."""
+    n, heads, dim = q.shape
+    _, tokens, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    qg = q.reshape(n, kv_heads, group, dim)  # [n, kv, g, d]
+    scores = torch.einsum("nkgd,ntkd->nkgt", qg, k).to(accumulator(q.dtype)) * scale
+    unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
+    scores = scores.masked_fill(unused[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [n, kv, g]; -inf for a row with no keys
+    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None]).to(v.dtype)
+    out = torch.einsum("nkgt,ntkd->nkgd", probs, v)
+    return out.reshape(n, heads, -1), lse.reshape(n, heads)
+
+
 def cascade_attention(
     q: torch.Tensor,
     parts: list[tuple[torch.Tensor, torch.Tensor, list[int]]],
     scale: float,
+    private: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of queries q [n, heads, dim] over shared and private KV parts.
+    """Attention of queries q [n, heads, dim] over shared parts and private KV.
 
-    Each part is (keys, values, rows): the KV [tokens, kv_heads, dim] that the queries in
-    `rows` attend to. A part shared by several requests is attended once for all its rows
-    (phase one); each row's parts are then merged by LSE in the order given (phase two).
-    Equals softmax attention of each row over the concatenation of its parts.
+    Each part is (keys, values, rows): KV [tokens, kv_heads, dim] that the queries in `rows`
+    attend to; a part shared by several requests is attended once for all its rows (phase
+    one). `private` = (keys, values, lengths) as in `padded_attention_with_lse`: each row's
+    own tokens, all rows in one product (phase two). Everything is merged by LSE. Equals
+    softmax attention of each row over the concatenation of its parts and private tokens.
     """
     n, heads, _ = q.shape
     acc = accumulator(q.dtype)
-    out = q.new_zeros(n, heads, parts[0][1].shape[-1] if parts else q.shape[-1], dtype=acc)
-    lse = q.new_full((n, heads), float("-inf"), dtype=acc)
+    dim_v = parts[0][1].shape[-1] if parts else q.shape[-1]
+    if private is not None:
+        out, lse = padded_attention_with_lse(q, *private, scale)
+        out = out.to(acc)
+    else:
+        out = q.new_zeros(n, heads, dim_v, dtype=acc)
+        lse = q.new_full((n, heads), float("-inf"), dtype=acc)
     for keys, values, rows in parts:
+        if len(rows) == n:  # the whole batch: no gather / scatter
+            v_part, s_part = attention_with_lse(q, keys, values, scale)
+            out, lse = merge_state(out, lse, v_part.to(acc), s_part)
+            continue
         index = torch.tensor(rows, device=q.device)
         v_part, s_part = attention_with_lse(q[index], keys, values, scale)
         merged_v, merged_s = merge_state(out[index], lse[index], v_part.to(acc), s_part)

@@ -12,6 +12,7 @@ from rag_kvcache.cascade import (
     cascade_attention,
     merge_state,
     merge_states,
+    padded_attention_with_lse,
     reference_attention,
 )
 
@@ -99,3 +100,20 @@ def test_cascade_attention_over_random_trees_equals_attention_per_request(seed) 
         values = torch.cat([nodes[n][1] for n in path] + [suffixes[r][1]])
         expected = reference_attention(q[r : r + 1], keys, values, dim**-0.5)
         torch.testing.assert_close(out[r : r + 1], expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_padded_private_attention_equals_attention_per_row(dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 6, 8, generator=g, dtype=dtype)
+    k = torch.randn(4, 9, 2, 8, generator=g, dtype=dtype)
+    v = torch.randn(4, 9, 2, 8, generator=g, dtype=dtype)
+    lengths = torch.tensor([9, 1, 5, 0])
+    k[1, 1:] = float("nan")  # past a row's length: never read into the result
+    v[2, 5:] = 0.0
+    out, lse = padded_attention_with_lse(q, k, v, lengths, 0.25)
+    for row, n in enumerate(lengths.tolist()):
+        want_v, want_s = attention_with_lse(q[row : row + 1], k[row, :n], v[row, :n], 0.25)
+        torch.testing.assert_close(out[row : row + 1], want_v, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(lse[row : row + 1], want_s, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.isneginf(lse[3]).all()
