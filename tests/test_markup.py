@@ -1,0 +1,240 @@
+"""Prompt Cache's markup language: schemas and prompts compiled, validated with useful errors,
+and served from cached module KV exactly like a prefill of the same tokens at the same
+positions (tiny float64 model, SmolLM2's tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.decoding import prefill
+from rag_kvcache.markup import MarkupError, compile_prompt, compile_schema
+from rag_kvcache.model import additive_mask, build_cache, forward, unpack_cache
+from rag_kvcache.prompt_cache import PromptCache, at_positions, linked_order, prompt_token_ids
+
+SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"
+
+CHAIN = """<schema name="chain">
+  <system>You answer questions about the harbor town of Velmora.</system>
+  <user>
+    <module name="history">Velmora was founded in 1642 by salt traders.</module>
+    <module name="harbor">Its harbor has three basins; the deepest is 14 meters.</module>
+    <module name="festival">Every October the Lantern Tide festival fills the quays.</module>
+  </user>
+  <scaffold modules="history harbor festival"/>
+</schema>"""
+
+
+def schema_source(name: str) -> str:
+    return (SCHEMAS / name).read_text()
+
+
+@pytest.fixture
+def cache(tiny64) -> PromptCache:
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
+    return PromptCache(engine)
+
+
+# ----------------------------------------------------------------------------- the language
+
+
+def test_the_papers_three_schemas_compile(smol_tokenizer) -> None:
+    code = compile_schema(schema_source("code_generation.xml"), smol_tokenizer)
+    travel = compile_schema(schema_source("travel_planning.xml"), smol_tokenizer)
+    person = compile_schema(schema_source("personalization.xml"), smol_tokenizer)
+    assert (code.name, travel.name, person.name) == ("code-generation", "travel", "personalization")
+
+    python, rust = code.modules["python"], code.modules["rust"]
+    assert python.start == rust.start and python.union == rust.union is not None
+    union_end = max(m.end for m in code.modules.values() if m.union == python.union)
+    assert code.modules["style-guide"].start >= union_end  # after the longest member
+
+    # nested unions: each season sits inside its destination, after the destination's text
+    coast, summer = travel.modules["coast"], travel.modules["coast-summer"]
+    assert summer.parent == "coast" and coast.start < summer.start < summer.end <= coast.end
+    assert travel.modules["mountains"].start == coast.start
+    duration = travel.params[("trip-plan", "duration")]
+    assert duration.length == 6 and travel.modules["trip-plan"].start < duration.start
+    assert travel.tail  # the held-back end of the user turn + the assistant header
+
+    unions = {m.union for m in person.modules.values()}
+    assert len(unions) == 6 and None not in unions
+    assert "<!--" not in smol_tokenizer.decode([t for u in code.units for t in u.token_ids])
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ('<schema name="s"><module name="a">x</schema>', r"line 1, column \d+: mismatched tag"),
+        ('<schema name="s">\n  <modul name="a">x</modul></schema>', "line 2, column 3: unknown"),
+        ('<schema name="s"><param name="p" len="3"/></schema>', "inside a <module>"),
+        ('<schema name="s"><module name="a"><param name="p" len="0"/></module></schema>', "len="),
+        (
+            '<schema name="s"><module name="a">x</module>\n<module name="a">y</module></schema>',
+            "line 2, column 1: module 'a' is defined twice",
+        ),
+        ('<schema name="s"><union>loose text</union></schema>', "text inside <union>"),
+        ('<schema name="s"><union><user>x</user></union></schema>', "only <module>s"),
+        ('<schema name="s"><scaffold modules="nope"/></schema>', "unknown module 'nope'"),
+        ("<schema>x</schema>", 'expected <schema name="...">'),
+        (
+            '<schema name="s"><union><module name="a">short</module><module name="b">a much '
+            'longer member</module></union><module name="c">x</module>'
+            '<scaffold modules="a c"/></schema>',
+            "gapless",
+        ),
+    ],
+)
+def test_malformed_schemas_are_rejected_with_useful_errors(smol_tokenizer, source, message):
+    with pytest.raises(MarkupError, match=message):
+        compile_schema(source, smol_tokenizer)
+
+
+LONG_ARGUMENT = (
+    '<prompt schema="travel">'
+    '<trip-plan duration="three long and lazy weeks in the misty northern hills"/></prompt>'
+)
+
+
+def test_prompts_are_checked_against_their_schema(smol_tokenizer) -> None:
+    schemas = {"travel": compile_schema(schema_source("travel_planning.xml"), smol_tokenizer)}
+    ok = compile_prompt(
+        '<prompt schema="travel"><trip-plan duration="4 days"/><coast-winter/>Go?</prompt>',
+        schemas,
+        smol_tokenizer,
+    )
+    assert ok.imported == ("trip-plan", "coast", "coast-winter")  # the parent comes along
+    bad = {
+        '<prompt schema="nope">x</prompt>': "unknown schema 'nope'",
+        '<prompt schema="travel">\n  <paris/></prompt>': "line 2, column 3: .* no module 'paris'",
+        '<prompt schema="travel"><coast/><mountains/>x</prompt>': "one <union>",
+        '<prompt schema="travel"><trip-plan days="3"/>x</prompt>': "no parameter 'days'",
+        LONG_ARGUMENT: ("holds at most 6"),
+        "<prompt>x": "line 1, column 10: no element found",
+    }
+    for source, message in bad.items():
+        with pytest.raises(MarkupError, match=message):
+            compile_prompt(source, schemas, smol_tokenizer)
+
+
+def test_arguments_sit_at_the_placeholder_positions(smol_tokenizer) -> None:
+    schemas = {"travel": compile_schema(schema_source("travel_planning.xml"), smol_tokenizer)}
+    prompt = compile_prompt(
+        '<prompt schema="travel"><trip-plan duration="3 days"/><coast/>Pack?</prompt>',
+        schemas,
+        smol_tokenizer,
+    )
+    param = schemas["travel"].params[("trip-plan", "duration")]
+    argument = prompt.arguments[("trip-plan", "duration")]
+    assert argument == tuple(smol_tokenizer(" 3 days", add_special_tokens=False)["input_ids"])
+    at = {p: t for p, t in zip(prompt.new_positions, prompt.new_ids)}
+    assert [at[param.start + i] for i in range(len(argument))] == list(argument)
+    assert param.start + len(argument) not in at  # the rest of the placeholder stays empty
+    assert min(p for p in prompt.new_positions if p >= schemas["travel"].length) == (
+        schemas["travel"].length
+    )
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def test_a_scaffolded_chain_equals_a_plain_prefill(cache) -> None:
+    added = cache.add_schema(CHAIN)
+    assert (added.modules, added.encoded) == (3, added.units)
+    compiled = cache.compile(
+        '<prompt schema="chain"><history/><harbor/><festival/>How deep is it?</prompt>'
+    )
+    assert [u.module for u in compiled.units] == ["#scaffold"]  # one unit, encoded together
+    ids = prompt_token_ids(compiled)
+    assert compiled.new_positions[0] == len(compiled.units[0].token_ids)  # no gap before
+    chunks = cache._chunks(compiled.units)
+    _, logits, position = at_positions(cache.engine, compiled, chunks, 8)
+    _, expected = prefill(cache.engine.lm, ids)
+    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
+    assert position == len(ids)
+    served = cache.serve(compiled)
+    plain = cache.serve(compiled, mode="prefill")
+    assert served.token_ids == plain.token_ids and len(served.token_ids) > 0
+
+
+def test_gaps_and_arguments_equal_a_prefill_with_the_same_positions(cache) -> None:
+    """Without a scaffold, each unit attends only to itself, so compare per unit: a prompt
+    importing one module of a union with parameters equals a masked prefill of the same
+    tokens at the same (gapped) positions, each unit seeing only itself and the new tokens
+    seeing everything before them."""
+    cache.add_schema(schema_source("travel_planning.xml"))
+    compiled = cache.compile(
+        '<prompt schema="travel"><trip-plan duration="3 days"/><mountains-winter/>Go?</prompt>'
+    )
+    lm = cache.engine.lm
+    chunks = cache._chunks(compiled.units)
+    _, logits, _ = at_positions(cache.engine, compiled, chunks, 0)
+    # the reference: encode each unit at its own schema positions with a fresh cache, then
+    # run the new tokens over all of them with the same visibility rule
+    layers_k, layers_v, positions = [], [], []
+    for unit in compiled.units:
+        ids = torch.tensor([unit.token_ids])
+        pos = torch.arange(unit.start, unit.end)[None]
+        empty = build_cache(
+            [(torch.zeros(1, lm.num_kv_heads, 0, lm.head_dim, dtype=lm.dtype),) * 2]
+            * lm.num_layers,
+            lm,
+        )
+        causal = additive_mask(
+            torch.ones(len(unit.token_ids), len(unit.token_ids)).tril().bool(), lm.dtype
+        )
+        _, out = forward(lm, ids, positions=pos, cache=empty, mask=causal)
+        kv = unpack_cache(out)
+        layers_k.append([k for k, _ in kv])
+        layers_v.append([v for _, v in kv])
+        positions += range(unit.start, unit.end)
+    past = [
+        (torch.cat([u[i] for u in layers_k], dim=2), torch.cat([u[i] for u in layers_v], dim=2))
+        for i in range(lm.num_layers)
+    ]
+    new = torch.tensor(compiled.new_positions)
+    old = torch.tensor(positions)
+    allowed = torch.cat((old[None] <= new[:, None], new[None] <= new[:, None]), dim=1)
+    reference, _ = forward(
+        lm,
+        torch.tensor([compiled.new_ids]),
+        positions=new[None],
+        cache=build_cache(past, lm),
+        mask=additive_mask(allowed, lm.dtype),
+        logits_to_keep=1,
+    )
+    # not 1e-9: the reference's keys come from transformers' RoPE, whose angles are computed in
+    # float32 even for a float64 model; ours are rotated in float64 (see test_rope)
+    torch.testing.assert_close(logits, reference[0, -1], rtol=1e-4, atol=2e-5)
+    assert int(logits.argmax()) == int(reference[0, -1].argmax())
+
+
+def test_editing_a_schema_reencodes_only_what_changed(cache) -> None:
+    first = cache.add_schema(CHAIN)
+    again = cache.add_schema(CHAIN)
+    assert again.encoded == 0
+    edited = cache.add_schema(CHAIN.replace("14 meters", "fifteen meters"))
+    assert edited.encoded == 2  # the harbor module's unit and the scaffold holding it
+    assert first.units == edited.units
+
+
+def test_position_independent_mode_links_modules_in_prompt_order(cache) -> None:
+    cache.add_schema(schema_source("code_generation.xml"))
+    compiled = cache.compile(
+        '<prompt schema="code-generation"><style-guide/><rust/>Write a parser.</prompt>'
+    )
+    full = cache.serve(compiled, mode="full")
+    lego = cache.serve(compiled, mode="legolink:2")
+    assert full.computed_tokens == full.cached_tokens + len(compiled.new_ids)  # all recomputed
+    assert lego.computed_tokens < full.computed_tokens and lego.token_ids
+    order = [u.module for u in linked_order(compiled)]
+    assert order.index("style-guide") < order.index("rust")  # the prompt's order, not schema's
+    travel = cache.add_schema(schema_source("travel_planning.xml"))
+    assert travel.name == "travel"
+    with pytest.raises(MarkupError, match="mode='positions'"):
+        cache.serve(
+            '<prompt schema="travel"><trip-plan duration="2 days"/>x</prompt>', mode="naive"
+        )
