@@ -238,3 +238,47 @@ def test_position_independent_mode_links_modules_in_prompt_order(cache) -> None:
         cache.serve(
             '<prompt schema="travel"><trip-plan duration="2 days"/>x</prompt>', mode="naive"
         )
+
+
+# ----------------------------------------------------------------------------- Python front end
+
+
+def test_a_python_function_builds_the_same_kind_of_schema(smol_tokenizer) -> None:
+    from rag_kvcache.schema_builder import Param, schema, system, user
+
+    @schema
+    def trip_planner(duration: Param(6), destination, season):  # type: ignore[valid-type]
+        """Docstrings are text too, so keep one short."""
+        system("You are a travel planner.")
+        with user():
+            if trip_plan:  # noqa: F821 - names are only read, never evaluated
+                f"Plan a trip lasting {duration} for two adults."
+            if destination == "coast":
+                "The destination is the coast."
+                if season == "coast-summer":
+                    "It is summer."
+                else:
+                    "It is winter."
+            elif destination == "mountains":
+                "The destination is the mountains."
+
+    assert trip_planner.name == "trip-planner"
+    compiled = compile_schema(trip_planner.xml, smol_tokenizer)
+    assert set(compiled.modules) == {
+        "trip-plan",
+        "coast",
+        "mountains",
+        "coast-summer",
+        "coast-summer-else",
+    }
+    coast, mountains = compiled.modules["coast"], compiled.modules["mountains"]
+    assert coast.union == mountains.union is not None and coast.start == mountains.start
+    assert compiled.modules["coast-summer"].parent == "coast"
+    assert compiled.params[("trip-plan", "duration")].length == 6
+    assert system is not None and user is not None
+
+    with pytest.raises(MarkupError, match="not a Param"):
+
+        @schema
+        def broken(city):
+            f"Visit {city}."  # noqa: B021 (read as schema text, not as a docstring)
