@@ -282,3 +282,29 @@ def test_a_python_function_builds_the_same_kind_of_schema(smol_tokenizer) -> Non
         @schema
         def broken(city):
             f"Visit {city}."  # noqa: B021 (read as schema text, not as a docstring)
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+@pytest.mark.slow
+def test_schema_and_prompt_commands(tmp_path: Path, capsys, monkeypatch) -> None:
+    from rag_kvcache.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    store = ["--store", str(tmp_path / "store")]
+    assert main(["schema", "add", str(SCHEMAS / "personalization.xml"), *store]) == 0
+    assert "16 modules" in capsys.readouterr().out
+    assert main(["schema", "add", str(SCHEMAS / "personalization.xml"), *store]) == 0
+    assert "0 encoded now" in capsys.readouterr().out  # a second add reuses every unit
+    assert main(["schema", "list", *store]) == 0
+    assert "personalization" in capsys.readouterr().out
+    prompt = (
+        '<prompt schema="personalization"><grade-adult/><level-beginner/><style-verbal/>'
+        "<interest-cooking/><goal-curiosity/><pace-slow/>Explain what a fraction is.</prompt>"
+    )
+    assert main(["prompt", prompt, "--max-new-tokens", "12", *store]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "full prefill" in out
+    assert main(["prompt", '<prompt schema="personalization"><nope/>x</prompt>', *store]) == 1
+    assert "no module 'nope'" in capsys.readouterr().out
