@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -424,7 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         return ingest_command(args, console)
     if args.command in ("query", "chat"):
         return answer_command(args, console)
-    if args.command == "bench" and args.kind == "prefix":
+    return bench_command(args, console)
+
+
+def bench_command(args: argparse.Namespace, console: Console) -> int:
+    """Run one benchmark (it writes JSON and a plot) and print its rows."""
+    if args.kind == "prefix":
         from rag_kvcache.bench_prefix import run_prefix_bench
 
         report = run_prefix_bench(
@@ -434,71 +440,46 @@ def main(argv: list[str] | None = None) -> int:
             args.new_tokens,
             args.dtype,
         )
-        table = Table("prefix", "batch", "shared", "method", "decode tok/s", "peak KV MiB")
-        for row in report["rows"]:  # type: ignore[attr-defined]
-            table.add_row(
-                str(row["prefix_tokens"]),
-                str(row["batch"]),
-                "yes" if row["shared"] else "no",
-                row["method"],
-                f"{row['decode_tokens_per_s']:.1f}",
-                f"{row['peak_kv_bytes'] / 2**20:.0f}",
-            )
-        console.print(table)
-        console.print(f"wrote {args.out / 'prefix.json'} and {args.out / 'prefix.png'}")
-        return 0
-    if args.command == "bench" and args.kind == "ingest":
+        columns: dict[str, Callable[[dict[str, Any]], str]] = {
+            "prefix": lambda r: str(r["prefix_tokens"]),
+            "batch": lambda r: str(r["batch"]),
+            "shared": lambda r: "yes" if r["shared"] else "no",
+            "method": lambda r: r["method"],
+            "decode tok/s": lambda r: f"{r['decode_tokens_per_s']:.1f}",
+            "peak KV MiB": lambda r: f"{r['peak_kv_bytes'] / 2**20:.0f}",
+        }
+    elif args.kind == "ingest":
         from rag_kvcache.bench_ingest import run_ingest_bench
 
         report = run_ingest_bench(
             args.out, args.dtypes, args.paths or None, args.chunk_tokens, args.repeats
         )
-        table = Table("dtype", "chunks", "tokens", "s", "chunks/s", "encode chunks/s", "B/token")
-        for row in report["rows"]:  # type: ignore[attr-defined]
-            table.add_row(
-                row["dtype"],
-                str(row["chunks"]),
-                str(row["tokens"]),
-                f"{row['seconds']:.2f}",
-                f"{row['chunks_per_s']:.1f}",
-                f"{row['encode_chunks_per_s']:.1f}",
-                f"{row['kv_bytes_per_token']:.0f}",
-            )
-        console.print(table)
-        console.print(f"wrote {args.out / 'ingest.json'} and {args.out / 'ingest.png'}")
-        return 0
-    if args.command == "bench" and args.kind == "store":
+        columns = {
+            "dtype": lambda r: r["dtype"],
+            "chunks": lambda r: str(r["chunks"]),
+            "tokens": lambda r: str(r["tokens"]),
+            "s": lambda r: f"{r['seconds']:.2f}",
+            "chunks/s": lambda r: f"{r['chunks_per_s']:.1f}",
+            "encode chunks/s": lambda r: f"{r['encode_chunks_per_s']:.1f}",
+            "B/token": lambda r: f"{r['kv_bytes_per_token']:.0f}",
+        }
+    elif args.kind == "store":
         from rag_kvcache.bench_store import run_store_bench
 
         report = run_store_bench(
             args.out, args.dtypes, args.context, repeats=args.repeats, redis_url=args.redis_url
         )
-        table = Table(
-            "dtype",
-            "from",
-            "put ms/chunk",
-            "get ms/chunk",
-            "TTFT s",
-            "vs cpu",
-            "speedup",
-            "bytes/token",
-        )
-        for row in report["rows"]:  # type: ignore[attr-defined]
-            fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-            table.add_row(
-                row["dtype"],
-                row["tier"],
-                fmt(row["put_ms_per_chunk"], ".1f"),
-                fmt(row["get_ms_per_chunk"], ".1f"),
-                f"{row['ttft_s']:.3f}",
-                fmt(row["ttft_vs_cpu"], ".2f"),
-                f"{row['speedup_vs_prefill']:.1f}x",
-                f"{row['bytes_per_token']:.0f}",
-            )
-        console.print(table)
-        console.print(f"wrote {args.out / 'store.json'} and {args.out / 'store.png'}")
-        return 0
-    if args.command == "bench" and args.kind == "ttft":
+        columns = {
+            "dtype": lambda r: r["dtype"],
+            "from": lambda r: r["tier"],
+            "put ms/chunk": lambda r: _maybe(r["put_ms_per_chunk"], ".1f"),
+            "get ms/chunk": lambda r: _maybe(r["get_ms_per_chunk"], ".1f"),
+            "TTFT s": lambda r: f"{r['ttft_s']:.3f}",
+            "vs cpu": lambda r: _maybe(r["ttft_vs_cpu"], ".2f"),
+            "speedup": lambda r: f"{r['speedup_vs_prefill']:.1f}x",
+            "bytes/token": lambda r: f"{r['bytes_per_token']:.0f}",
+        }
+    else:
         from rag_kvcache.bench import run_ttft_bench
 
         report = run_ttft_bench(
@@ -509,19 +490,24 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             model_path=args.model,
         )
-        table = Table("dtype", "context", "strategy", "TTFT s", "speedup", "recomputed")
-        for row in report["rows"]:  # type: ignore[attr-defined]
-            table.add_row(
-                row["dtype"],
-                str(row["context_tokens"]),
-                row["strategy"],
-                f"{row['ttft_s']:.3f}",
-                f"{row['speedup']:.1f}x",
-                str(row["recomputed_tokens"]),
-            )
-        console.print(table)
-        console.print(f"wrote {args.out / 'ttft.json'} and {args.out / 'ttft.png'}")
+        columns = {
+            "dtype": lambda r: r["dtype"],
+            "context": lambda r: str(r["context_tokens"]),
+            "strategy": lambda r: r["strategy"],
+            "TTFT s": lambda r: f"{r['ttft_s']:.3f}",
+            "speedup": lambda r: f"{r['speedup']:.1f}x",
+            "recomputed": lambda r: str(r["recomputed_tokens"]),
+        }
+    table = Table(*columns)
+    for row in report["rows"]:  # type: ignore[attr-defined]
+        table.add_row(*(cell(row) for cell in columns.values()))
+    console.print(table)
+    console.print(f"wrote {args.out / args.kind}.json and .png")
     return 0
+
+
+def _maybe(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":
