@@ -67,6 +67,27 @@ def attention_with_lse(
     return out, lse.reshape(kv_heads, n, group).permute(1, 0, 2).reshape(n, heads)
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_with_lse` through torch's fused CPU flash-attention kernel, which also
+    returns the LSE (natural log). The query's head groups are laid out as extra query rows
+    of their KV head, so grouped KV is read once, never repeated. Falls back to the
+    reference off the CPU, in float64, or without the kernel."""
+    if _FLASH_CPU is None or q.device.type != "cpu" or q.dtype == torch.float64 or not len(k):
+        return attention_with_lse(q, k, v, scale)
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    qg = q.reshape(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
+    out, lse = _FLASH_CPU(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale)
+    out = out[0].reshape(kv_heads, n, group, -1).transpose(0, 1).reshape(n, heads, -1)
+    return out, lse[0].reshape(kv_heads, n, group).transpose(0, 1).reshape(n, heads)
+
+
 def padded_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +132,13 @@ def cascade_attention(
         lse = q.new_full((n, heads), float("-inf"), dtype=acc)
     for keys, values, rows in parts:
         if len(rows) == n:  # the whole batch: no gather / scatter
-            v_part, s_part = attention_with_lse(q, keys, values, scale)
+            v_part, s_part = fused_attention_with_lse(q, keys, values, scale)
             out, lse = merge_state(out, lse, v_part.to(acc), s_part)
             continue
-        index = torch.tensor(rows, device=q.device)
-        v_part, s_part = attention_with_lse(q[index], keys, values, scale)
+        index: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
+        if rows != list(range(rows[0], rows[-1] + 1)):
+            index = torch.tensor(rows, device=q.device)
+        v_part, s_part = fused_attention_with_lse(q[index], keys, values, scale)
         merged_v, merged_s = merge_state(out[index], lse[index], v_part.to(acc), s_part)
         out[index], lse[index] = merged_v, merged_s
     return out.to(q.dtype)

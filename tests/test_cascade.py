@@ -10,6 +10,7 @@ import torch
 from rag_kvcache.cascade import (
     attention_with_lse,
     cascade_attention,
+    fused_attention_with_lse,
     merge_state,
     merge_states,
     padded_attention_with_lse,
@@ -117,3 +118,16 @@ def test_padded_private_attention_equals_attention_per_row(dtype) -> None:
         torch.testing.assert_close(out[row : row + 1], want_v, atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(lse[row : row + 1], want_s, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.isneginf(lse[3]).all()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows, tokens", [(1, 1), (3, 17), (8, 300)])
+def test_the_fused_kernel_equals_the_reference(dtype, tol, rows, tokens) -> None:
+    g = torch.Generator().manual_seed(rows * tokens)
+    q = torch.randn(rows, 9, 64, generator=g).to(dtype)
+    k = torch.randn(tokens, 3, 64, generator=g).to(dtype)
+    v = torch.randn(tokens, 3, 64, generator=g).to(dtype)
+    out, lse = fused_attention_with_lse(q, k, v, 0.125)
+    want_out, want_lse = attention_with_lse(q.double(), k.double(), v.double(), 0.125)
+    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
