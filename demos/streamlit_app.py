@@ -1,0 +1,572 @@
+"""Streamlit demo: add documents, ask questions, and see cached KV make answers start sooner.
+
+Run with `make app`. Three pages: **Ingest** (each chunk is read by the model once and its
+attention KV stored), **Ask** (a chat answering from retrieved chunks whose cached KV is linked
+instead of prefilled again; optionally beside a full prefill), **Insight** (benchmark and
+evaluation results, and the store's cache hit rates). The store lives in $RAG_KVCACHE_APP_STORE
+(default ~/.cache/rag-kvcache/app-store). The page functions only draw; the work is in plain
+functions (`ingest_paths`, `ingest_uploads`) that the tests call directly too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from rag_kvcache import Answer, AnswerStream, RagKVCache
+from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig, default_cache_dir
+from rag_kvcache.engine import PREFILL, DocumentIngest
+from rag_kvcache.errors import ContextTooLongError, RagKVCacheError, UnknownCacheIdError
+from rag_kvcache.ingest import Skipped, plan_ingest, run_ingest
+from rag_kvcache.integrations.llama_index.splitter import split_text
+from rag_kvcache.model import LoadedModel, load_model
+from rag_kvcache.retrieval import Retrieved
+
+log = logging.getLogger("rag_kvcache.demo")
+
+STORE_ENV = "RAG_KVCACHE_APP_STORE"
+HERE = Path(__file__).resolve().parent
+SAMPLE_DATA = HERE / "data"
+RESULTS = HERE / "results" / "cpu"
+CHUNK_TOKENS = 256
+PAGES = ("Ingest", "Ask", "Insight")
+# legolink0 is left out: it needs chunks encoded with sink tokens (EncodeConfig(sink_tokens=N)).
+STRATEGIES = {
+    "legolink:2": "recomputes the first 2 tokens of each chunk: fast, close to a full prefill",
+    "legolink:16": "recomputes 16 tokens per chunk: a little slower, closer still",
+    "naive": "uses the cached chunks as they are: fastest, least faithful",
+    "cacheblend:0.15": "recomputes the 15% most changed tokens (CacheBlend baseline)",
+    "full": "recomputes every chunk token: equals a full prefill, for checking, not speed",
+}
+SAMPLE_QUESTIONS = (
+    "Who is the current Harbor Reeve of Velmora?",
+    "Which engineer led the team that designed the TK-7 tidal spectrometer?",
+    "How long is the full Saltreach shipping route in nautical miles?",
+)
+
+
+def store_root() -> Path:
+    return Path(os.environ.get(STORE_ENV) or default_cache_dir() / "app-store")
+
+
+# ----------------------------------------------------------------------------- loaded once
+
+
+@st.cache_resource(show_spinner="Loading the language model…")
+def load_lm() -> LoadedModel:
+    return load_model(ModelConfig())
+
+
+@st.cache_resource(show_spinner="Opening the store and the search index…")
+def load_engine(root: str) -> RagKVCache:
+    """One engine per store folder, shared by every browser session of this process."""
+    engine = RagKVCache(EngineConfig(store=StoreConfig(root=Path(root))), lm=load_lm())
+    _ = engine.corpus  # load the embedding model and vector index now, not on the first question
+    return engine
+
+
+@st.cache_resource
+def engine_lock() -> threading.Lock:
+    """Sessions share one model; let one of them ingest or answer at a time."""
+    return threading.Lock()
+
+
+# ----------------------------------------------------------------------------- ingestion
+
+Progress = Callable[[int, int, float], None]  # (chunks done, chunks in all, chunks per second)
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    documents: list[DocumentIngest]
+    unchanged: list[str]
+    skipped: list[Skipped]
+
+    @property
+    def chunks(self) -> int:
+        return sum(len(d.cache_ids) for d in self.documents)
+
+    @property
+    def encoded(self) -> int:
+        return sum(d.encoded for d in self.documents)
+
+    @property
+    def chunks_per_s(self) -> float:
+        seconds = sum(d.encode_s for d in self.documents)
+        return self.encoded / seconds if seconds > 0 else 0.0
+
+
+def ingest_paths(
+    engine: RagKVCache, paths: Iterable[Path], on_progress: Progress | None = None
+) -> IngestReport:
+    """Read, split, KV-encode, embed and index files, as `rag-kvcache ingest` does."""
+    plan = plan_ingest(engine, list(paths), split_text(engine.lm.tokenizer, CHUNK_TOKENS))
+    done, began = 0, time.perf_counter()
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_progress:
+            on_progress(done, plan.total_chunks, done / max(time.perf_counter() - began, 1e-9))
+
+    documents = run_ingest(engine, plan, advance)
+    return IngestReport(documents, plan.unchanged, plan.skipped)
+
+
+def safe_name(name: str) -> str:
+    """A plain file name for an upload: no folders, no leading dot, no odd characters."""
+    base = re.sub(r"[^\w.\- ]", "_", Path(name.replace("\\", "/")).name).strip().lstrip(".")
+    return base or "upload.txt"
+
+
+def save_uploads(folder: Path, files: Iterable[tuple[str, bytes]]) -> list[Path]:
+    """Write uploads to files, so they are ingested like any file; the path is the document's
+    key, so uploading a changed file of the same name updates that document."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, data in files:
+        path = folder / safe_name(name)
+        path.write_bytes(data)
+        paths.append(path)
+    return paths
+
+
+def ingest_uploads(
+    engine: RagKVCache, files: Iterable[tuple[str, bytes]], on_progress: Progress | None = None
+) -> IngestReport:
+    """Ingest uploaded (name, bytes) pairs; they are kept under the store's uploads/ folder."""
+    root = engine.config.store.root
+    assert root is not None, "the app always opens a durable store"
+    return ingest_paths(engine, save_uploads(root / "uploads", files), on_progress)
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def friendly(error: Exception) -> str:
+    """What went wrong, in words a user can act on (the traceback goes to the terminal)."""
+    if isinstance(error, UnknownCacheIdError):
+        return (
+            "A retrieved chunk is no longer in the store (its cache entry expired or was "
+            "removed). Ingest its document again on the **Ingest** page, then ask again."
+        )
+    if isinstance(error, ContextTooLongError):
+        return f"Too much text for the model: retrieve fewer chunks in the sidebar. ({error})"
+    if isinstance(error, RagKVCacheError):
+        return f"That did not work: {error}"
+    return (
+        f"Something unexpected went wrong ({type(error).__name__}: {error}). "
+        "The details are in the terminal that runs the app."
+    )
+
+
+def show_report(report: IngestReport) -> None:
+    if report.documents:
+        cached = report.chunks - report.encoded
+        st.success(
+            f"Ingested {len(report.documents)} document(s): {report.chunks} chunks, "
+            f"{report.encoded} KV-encoded now ({report.chunks_per_s:.1f} chunks/s)"
+            + (f", {cached} already cached" if cached else "")
+            + ". Now ask a question on the **Ask** page."
+        )
+    elif report.unchanged:
+        st.info(
+            f"Nothing new: {len(report.unchanged)} document(s) are already in the store, "
+            "unchanged, so nothing had to be encoded."
+        )
+    if report.skipped:
+        lines = "\n".join(f"- `{Path(s.path).name}`: {s.reason}" for s in report.skipped)
+        show = st.warning if report.documents or report.unchanged else st.error
+        show(f"Could not ingest {len(report.skipped)} file(s):\n{lines}")
+
+
+# ----------------------------------------------------------------------------- pages
+
+
+def ingest_page(engine: RagKVCache) -> None:
+    st.header("1 · Ingest documents")
+    st.markdown(
+        f"Each document is split into chunks of up to {CHUNK_TOKENS} tokens. The model reads "
+        "every chunk **once, now**, and what it computed (the attention *KV cache*) is written "
+        "to the store on disk. This is the slow step, and no question will pay for it again."
+    )
+    left, right = st.columns(2)
+    with left:
+        samples = sorted(p.name for p in SAMPLE_DATA.glob("*.md"))
+        st.markdown(
+            f"**Sample corpus**: {len(samples)} short documents about an invented harbor town, "
+            "full of facts the model cannot know by heart."
+        )
+        sample = st.button("Ingest the sample corpus", key="ingest_sample", type="primary")
+    with right:
+        files = st.file_uploader(
+            "Or upload your own files (text, Markdown or PDF)",
+            accept_multiple_files=True,
+            key="uploads",
+        )
+        upload = st.button("Ingest uploaded files", key="ingest_uploads", disabled=not files)
+
+    if sample or upload:
+        bar = st.progress(0.0, text="Reading and splitting files…")
+        status = ["Nothing to encode"]
+
+        def on_progress(done: int, total: int, rate: float) -> None:
+            status[0] = f"KV-encoding and embedding chunks: {done}/{total} · {rate:.1f} chunks/s"
+            bar.progress(min(done / total, 1.0) if total else 1.0, text=status[0])
+
+        with engine_lock():
+            if sample:
+                report = ingest_paths(engine, [SAMPLE_DATA], on_progress)
+            else:
+                pairs = [(f.name, f.getvalue()) for f in files or []]
+                report = ingest_uploads(engine, pairs, on_progress)
+        bar.progress(1.0, text=f"{status[0]} · done")
+        show_report(report)
+    show_store(engine)
+
+
+def show_store(engine: RagKVCache) -> None:
+    st.subheader("What the store holds")
+    catalog = engine.corpus.catalog
+    stats = catalog.stats()
+    documents = catalog.documents()
+    a, b, c = st.columns(3)
+    a.metric("Documents", stats.documents)
+    b.metric("Chunks cached", stats.chunks, help="the documents' chunks and the system prompt")
+    c.metric("KV on disk", f"{stats.bytes_per_tier.get('disk', 0) / 2**20:,.1f} MiB")
+    if not documents:
+        st.info("The store is empty: ingest the sample corpus or upload files above.")
+        return
+    st.dataframe(
+        pd.DataFrame(
+            {
+                "document": [Path(d.source).name for d in documents],
+                "chunks": [d.chunk_count for d in documents],
+                "ingested (UTC)": [d.ingested_at.strftime("%Y-%m-%d %H:%M:%S") for d in documents],
+                "folder": [str(Path(d.source).parent) for d in documents],
+            }
+        ),
+        hide_index=True,
+    )
+    st.caption("KV bytes per tier (disk keeps every chunk; memory tiers hold hot copies)")
+    tiers = sorted(stats.bytes_per_tier.items())
+    st.dataframe(
+        pd.DataFrame(
+            {
+                "tier": [t for t, _ in tiers],
+                "bytes": [n for _, n in tiers],
+                "MiB": [round(n / 2**20, 1) for _, n in tiers],
+            }
+        ),
+        hide_index=True,
+    )
+
+
+@dataclass
+class Turn:
+    """One question and what answering it produced, kept to redraw the chat."""
+
+    question: str
+    hits: list[Retrieved] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)  # the strategy's, then full prefill's
+    error: str | None = None
+
+
+def ask_page(engine: RagKVCache) -> None:
+    st.header("2 · Ask")
+    if not engine.corpus.catalog.documents():
+        st.info(
+            "No documents yet: ingest the sample corpus or upload files on the **Ingest** page."
+        )
+        return
+    with st.sidebar:
+        st.subheader("Answer settings")
+        strategy = st.selectbox("Link strategy", list(STRATEGIES), key="strategy")
+        st.caption(STRATEGIES[strategy])
+        compare = st.toggle(
+            "Compare with full prefill",
+            key="compare",
+            help="Also answer with a plain full prefill of the same prompt (no cache).",
+        )
+        top_k = st.slider("Chunks retrieved per question", 1, 8, 4, key="top_k")
+        max_new = st.slider("Max answer tokens", 16, 256, 64, step=16, key="max_new_tokens")
+    st.caption(
+        "Each question retrieves the most similar chunks; their cached KV is linked behind the "
+        "system prompt (keys moved to their new positions, a few tokens recomputed) and only "
+        "your question is computed before the first word."
+    )
+    turns: list[Turn] = st.session_state.setdefault("turns", [])
+    for turn in turns:
+        show_turn(turn)
+    question = st.chat_input("Ask about your documents…")
+    if not question:
+        if not turns:
+            st.markdown(
+                "For the sample corpus, try: " + " · ".join(f"*{q}*" for q in SAMPLE_QUESTIONS)
+            )
+        return
+    turn = Turn(question)
+    with st.chat_message("user"):
+        st.markdown(question)
+    with st.chat_message("assistant"):
+        try:
+            with engine_lock():
+                answer_live(engine, turn, strategy, compare, top_k, max_new)
+        except RagKVCacheError as e:
+            turn.error = friendly(e)
+            st.error(turn.error)
+    turns.append(turn)
+
+
+def answer_live(
+    engine: RagKVCache, turn: Turn, strategy: str, compare: bool, top_k: int, max_new: int
+) -> None:
+    """Retrieve, then stream the answer (and the full-prefill answer beside it if comparing)."""
+    turn.hits = engine.retrieve(turn.question, top_k)
+    ids = [h.cache_id for h in turn.hits]
+    runs = [strategy, PREFILL] if compare else [strategy]
+    for run, column in zip(runs, answer_columns(len(runs))):
+        with column:
+            if compare:
+                st.markdown(f"**{heading(run)}**")
+            stream = engine.generate(
+                turn.question, ids, strategy=run, max_new_tokens=max_new, stream=True
+            )
+            assert isinstance(stream, AnswerStream)
+            st.write_stream(stream)
+            assert stream.answer is not None
+            turn.answers.append(stream.answer)
+            st.caption(answer_line(stream.answer))
+    if compare:
+        show_comparison(*turn.answers)
+    show_sources(turn.hits)
+
+
+def show_turn(turn: Turn) -> None:
+    with st.chat_message("user"):
+        st.markdown(turn.question)
+    with st.chat_message("assistant"):
+        compare = len(turn.answers) == 2
+        for answer, column in zip(turn.answers, answer_columns(len(turn.answers))):
+            with column:
+                if compare:
+                    st.markdown(f"**{heading(answer.strategy)}**")
+                st.markdown(answer.text or "*(empty answer)*")
+                st.caption(answer_line(answer))
+        if compare:
+            show_comparison(*turn.answers)
+        if turn.hits and turn.answers:
+            show_sources(turn.hits)
+        if turn.error:
+            st.error(turn.error)
+
+
+def answer_columns(n: int) -> list[Any]:
+    return list(st.columns(n)) if n > 1 else [st.container()]
+
+
+def heading(strategy: str) -> str:
+    if strategy == PREFILL:
+        return "Full prefill (no cache: reads every chunk again)"
+    return f"Cached chunks linked ({strategy})"
+
+
+def answer_line(answer: Answer) -> str:
+    return (
+        f"TTFT {answer.ttft_s:.3f} s · {answer.decode_tokens_per_s:.1f} tokens/s · "
+        f"strategy {answer.strategy} · {answer.context_tokens:,} context tokens, "
+        f"{answer.recomputed_tokens:,} of them computed now"
+    )
+
+
+def show_comparison(cached: Answer, full: Answer) -> None:
+    speedup = full.ttft_s / cached.ttft_s if cached.ttft_s > 0 else float("inf")
+    same = "the same answer" if cached.text == full.text else "answers that differ"
+    st.markdown(
+        f"**First token {speedup:.1f}x sooner from the cache** ({cached.ttft_s:.3f} s vs "
+        f"{full.ttft_s:.3f} s for a full prefill), {same}."
+    )
+    labels = [f"cached chunks, {cached.strategy}", "full prefill"]
+    bars(pd.DataFrame({"run": labels, "time to first token (s)": [cached.ttft_s, full.ttft_s]}))
+
+
+def bars(frame: pd.DataFrame) -> None:
+    """A small horizontal bar chart: labels in the first column, values in the second."""
+    label, value = frame.columns[:2]
+    chart = (
+        alt.Chart(frame)
+        .mark_bar()
+        .encode(
+            x=alt.X(field=value, type="quantitative", title=value),
+            y=alt.Y(
+                field=label, type="nominal", title=None, sort=None, axis=alt.Axis(labelLimit=300)
+            ),
+            color=alt.Color(field=label, type="nominal", legend=None),
+            tooltip=[label, value],
+        )
+        .properties(height=alt.Step(36))
+    )
+    st.altair_chart(chart)
+
+
+def show_sources(hits: list[Retrieved]) -> None:
+    st.markdown(f"**Sources**: {len(hits)} retrieved chunks, linked in this order")
+    for i, hit in enumerate(hits, 1):
+        name = Path(hit.source).name if hit.source else "unknown document"
+        with st.expander(f"{i}. {name} · similarity {hit.score:.2f}"):
+            st.text(hit.text)
+
+
+# ----------------------------------------------------------------------------- insight
+
+
+@st.cache_data
+def read_json(path: str, mtime: float) -> dict[str, Any]:
+    """A results file (mtime is part of the cache key, so a new run is picked up)."""
+    with open(path, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def load_results(name: str) -> dict[str, Any] | None:
+    path = RESULTS / name
+    if not path.is_file():
+        st.info(f"No results yet in `{path}`: run `make bench` or `rag-kvcache eval`.")
+        return None
+    try:
+        return read_json(str(path), path.stat().st_mtime)
+    except (OSError, ValueError) as e:
+        st.warning(f"Cannot read `{path}`: {e}")
+        return None
+
+
+def machine_line(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    return (
+        f"Measured on {m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch "
+        f"{m.get('torch', '?')}, {m.get('date', '?')}."
+    )
+
+
+def insight_page(engine: RagKVCache) -> None:
+    st.header("3 · Insight")
+    st.subheader("Time to first token vs context length")
+    ttft = load_results("ttft.json")
+    if ttft:
+        rows = pd.DataFrame(ttft["rows"])
+        dtypes = sorted(rows["dtype"].unique())
+        default = dtypes.index("float32") if "float32" in dtypes else 0
+        dtype = st.radio("dtype", dtypes, index=default, horizontal=True, key="ttft_dtype")
+        rows = rows[rows["dtype"] == dtype]
+        chart = (
+            alt.Chart(rows)
+            .mark_line(point=True)
+            .encode(
+                x=alt.X("context_tokens:Q", title="context tokens"),
+                y=alt.Y("ttft_s:Q", scale=alt.Scale(type="log"), title="TTFT (s, log scale)"),
+                color=alt.Color("strategy:N", title="strategy"),
+                tooltip=["strategy", "context_tokens", "ttft_s", "speedup"],
+            )
+        )
+        st.altair_chart(chart)
+        longest = rows[rows["context_tokens"] == rows["context_tokens"].max()]
+        by = longest.set_index("strategy")
+        if "prefill" in by.index and "legolink:2" in by.index:
+            st.markdown(
+                f"At {int(by.loc['prefill', 'context_tokens']):,} tokens a full prefill waits "
+                f"**{by.loc['prefill', 'ttft_s']:.2f} s** for the first token; linked from the "
+                f"cache with legolink:2 it is **{by.loc['legolink:2', 'ttft_s']:.3f} s** "
+                f"({by.loc['legolink:2', 'speedup']:.0f}x sooner)."
+            )
+        st.caption(machine_line(ttft) + f" Median of {ttft.get('repeats', '?')} runs.")
+
+    st.subheader("Time to first token vs answer quality")
+    evaluation = load_results("eval.json")
+    if evaluation:
+        summary = pd.DataFrame(evaluation["summary"])
+        summary["answer found (%)"] = summary["contains"]
+        metric = st.radio("quality", ["f1", "answer found (%)"], horizontal=True, key="quality")
+        base = alt.Chart(summary).encode(
+            x=alt.X("ttft_s:Q", title="TTFT (s)"),
+            y=alt.Y(f"{metric}:Q", title=metric, scale=alt.Scale(zero=False)),
+            tooltip=["strategy", "ttft_s", "f1", "answer found (%)", "recomputed_fraction"],
+        )
+        points = base.mark_circle(size=90).encode(color=alt.Color("strategy:N", legend=None))
+        labels = base.mark_text(align="left", dx=7).encode(text="strategy:N")
+        st.altair_chart(points + labels)
+        st.markdown(
+            "Each point is a link strategy on a question-answering set: left is a faster first "
+            "token, up is better answers. `full` recomputes everything (it equals a full prefill)."
+        )
+        st.caption(
+            f"{summary['items'].max()} questions of `{Path(evaluation['dataset']).name}`, "
+            f"{evaluation['model']} {evaluation['dtype']}. " + machine_line(evaluation)
+        )
+
+    st.subheader("Cache hit rates per tier (this store)")
+    counters = engine.corpus.catalog.stats().counters
+    hits = {k.removeprefix("hits:"): v for k, v in counters.items() if k.startswith("hits:")}
+    if not hits:
+        st.info("No chunk reads yet: ask a question on the **Ask** page.")
+        return
+    total = sum(hits.values())
+    frame = pd.DataFrame(
+        {
+            "tier": list(hits),
+            "chunk reads": list(hits.values()),
+            "hit rate (%)": [round(100 * n / total, 1) for n in hits.values()],
+        }
+    )
+    st.dataframe(frame, hide_index=True)
+    bars(frame[["tier", "hit rate (%)"]])
+    st.caption(
+        "Answers read each chunk's KV from the fastest tier holding it: `cpu` is a hot copy in "
+        "memory, `disk` the durable store (first read after a restart or an eviction)."
+    )
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    st.set_page_config(page_title="rag-kvcache demo", page_icon="⚡", layout="wide")
+    st.title("rag-kvcache: answers that start sooner")
+    st.markdown(
+        "A RAG app answers from your documents: it finds the passages (*chunks*) that match a "
+        "question and hands them to a language model, which normally reads all of them again "
+        "for every question before it writes a word. **rag-kvcache** lets the model read each "
+        "chunk **once**, when you add it, and keeps what it computed (its *KV cache*) on disk. "
+        "A question then reuses the saved chunks, so the first word comes many times sooner."
+    )
+    try:
+        engine = load_engine(str(store_root()))
+    except Exception as e:  # shown to the user; the traceback goes to the terminal
+        log.exception("cannot open the engine")
+        st.error(f"Cannot start: {friendly(e)}")
+        return
+    has_documents = bool(engine.corpus.catalog.documents())
+    start = st.session_state.setdefault("start_page", "Ask" if has_documents else "Ingest")
+    page = st.sidebar.radio("Page", PAGES, index=PAGES.index(start), key="page")
+    st.sidebar.caption(f"Store: `{store_root()}` · model {engine.lm.name}")
+    pages = {"Ingest": ingest_page, "Ask": ask_page, "Insight": insight_page}
+    try:
+        pages[page](engine)
+    except Exception as e:  # shown to the user; the traceback goes to the terminal
+        log.exception("page %s failed", page)
+        st.error(friendly(e))
+
+
+if __name__ == "__main__":
+    main()

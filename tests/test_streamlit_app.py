@@ -1,0 +1,391 @@
+"""The Streamlit demo app, driven for real: headless with AppTest (the script runs in this
+process, loading SmolLM2 and a temporary store), and end to end in a headless Chromium through
+Selenium against `streamlit run` on a free port (skipped, with the reason, without Chromium)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from rag_kvcache import RagKVCache
+from rag_kvcache.config import EngineConfig, StoreConfig
+from rag_kvcache.storage.catalog import Catalog
+
+pytestmark = pytest.mark.slow  # every test here loads the real SmolLM2
+
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "demos" / "streamlit_app.py"
+SCREENSHOTS = REPO / "demos" / "screenshots"  # ask.png is the README's; ingest, insight too
+STORE_ENV = "RAG_KVCACHE_APP_STORE"
+QUESTION = "Who is the current Harbor Reeve of Velmora?"
+TIMEOUT = 300  # seconds for one AppTest run (ingesting the sample corpus is the slowest)
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+FERRY = (
+    "The Quell Island ferry leaves Velmora at dawn and returns at dusk. Its captain, Ilse "
+    "Varro, has sailed the route for nineteen years. Tickets cost four silver marks."
+)
+
+
+@functools.cache
+def app_module() -> ModuleType:
+    """The app script as a module (its UI runs only as __main__), for its plain functions."""
+    spec = importlib.util.spec_from_file_location("streamlit_app", APP)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def check(at: AppTest, errors: bool = False) -> AppTest:
+    """No traceback ever; no error message either unless the test provokes one."""
+    assert not at.exception, at.exception
+    if not errors:
+        assert not at.error, values(at.error)
+    return at
+
+
+def open_app() -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    return check(at.run())
+
+
+def go_to(at: AppTest, page: str) -> AppTest:
+    return check(at.sidebar.radio(key="page").set_value(page).run())
+
+
+def ask(at: AppTest, question: str, compare: bool = False, errors: bool = False) -> AppTest:
+    go_to(at, "Ask")
+    at.slider(key="max_new_tokens").set_value(16)
+    at.toggle(key="compare").set_value(compare)
+    return check(at.chat_input[0].set_value(question).run(), errors)
+
+
+def values(elements) -> list[str]:
+    return [e.value for e in elements]
+
+
+def charts(node) -> list:
+    return list(node.get("vega_lite_chart"))
+
+
+@pytest.fixture(scope="module")
+def sample_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, AppTest]]:
+    """A store holding the sample corpus, ingested with the app's own button."""
+    root = tmp_path_factory.mktemp("app-store")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STORE_ENV, str(root))
+        at = open_app()
+        assert at.sidebar.radio(key="page").value == "Ingest"  # an empty store starts there
+        check(at.button(key="ingest_sample").click().run())
+        yield root, at
+
+
+def test_the_sample_corpus_is_ingested_with_progress_and_listed(sample_store) -> None:
+    _, at = sample_store
+    samples = sorted(p.name for p in (REPO / "demos" / "data").glob("*.md"))
+    success = values(at.success)
+    assert len(success) == 1 and f"Ingested {len(samples)} document(s)" in success[0]
+    assert "chunks/s" in success[0]
+    assert at.progress[0].value == 100 and "chunks/s" in at.progress[0].text
+    documents = at.dataframe[0].value
+    assert sorted(documents["document"]) == samples
+    assert (documents["chunks"] > 0).all()
+    chunks = next(m for m in at.metric if m.label == "Chunks cached")
+    assert int(chunks.value) == documents["chunks"].sum() + 1  # + the system prompt
+    tiers = at.dataframe[1].value
+    assert "disk" in set(tiers["tier"]) and (tiers["bytes"] > 0).all()
+
+    check(at.button(key="ingest_sample").click().run())  # again: nothing new to encode
+    assert any("Nothing new" in v for v in values(at.info)), values(at.info)
+
+
+def test_asking_streams_an_answer_with_sources_and_ttft(sample_store) -> None:
+    root, _ = sample_store
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STORE_ENV, str(root))
+        at = ask(open_app(), QUESTION)
+    user, assistant = at.chat_message
+    assert user.name == "user" and values(user.markdown) == [QUESTION]
+    assert assistant.name == "assistant"
+    answer = assistant.markdown[0].value
+    assert answer.strip() and not answer.startswith("**Sources")
+    (caption,) = [c for c in values(assistant.caption) if "TTFT" in c]
+    assert "strategy legolink:2" in caption and "tokens/s" in caption
+    ttft = float(caption.split("TTFT ")[1].split(" s")[0])
+    assert 0 < ttft < 30
+    sources = [e.label for e in assistant.expander]
+    assert len(sources) == 4  # the default top-k
+    assert "01_harbor_town_of_velmora.md" in " ".join(sources)
+    assert all(e.text[0].value.strip() for e in assistant.expander)  # the chunk texts
+
+    # the chat is redrawn from history on the next run, and a second question adds to it
+    check(at.chat_input[0].set_value("In what year was Hallam Point Light built?").run())
+    assert len(at.chat_message) == 4
+    assert values(at.chat_message[1].markdown)[0].strip() == answer.strip()
+
+
+def test_compare_mode_shows_both_answers_side_by_side(sample_store) -> None:
+    root, _ = sample_store
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STORE_ENV, str(root))
+        at = open_app()
+        go_to(at, "Ask")
+        at.selectbox(key="strategy").set_value("legolink:16")
+        at = ask(at, QUESTION, compare=True)
+    assistant = at.chat_message[-1]
+    columns = assistant.columns
+    assert len(columns) == 2
+    cached, full = (c.markdown for c in columns)
+    assert cached[0].value == "**Cached chunks linked (legolink:16)**"
+    assert full[0].value.startswith("**Full prefill")
+    assert cached[1].value.strip() and full[1].value.strip()  # the two answers
+    captions = [values(c.caption)[0] for c in columns]
+    assert "strategy legolink:16" in captions[0] and "strategy prefill" in captions[1]
+    assert all("TTFT" in c for c in captions)
+    summary = [m for m in values(assistant.markdown) if "sooner from the cache" in m]
+    assert len(summary) == 1
+    assert len(charts(assistant)) == 1  # the TTFT bar chart
+
+
+def test_uploading_files_ingests_readable_ones_and_explains_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(STORE_ENV, str(tmp_path / "store"))
+    at = open_app()
+    assert [i for i in values(at.info) if i.startswith("The store is empty")]
+    go_to(at, "Ask")
+    assert any("No documents yet" in v for v in values(at.info))
+    assert not at.chat_input  # nothing to ask about yet
+
+    go_to(at, "Ingest")
+    at.file_uploader(key="uploads").set_value(
+        [
+            ("ferry.md", FERRY.encode(), "text/markdown"),
+            ("photo.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "text/plain"),
+        ]
+    )
+    at.run()
+    check(at.button(key="ingest_uploads").click().run())
+    assert "Ingested 1 document(s)" in values(at.success)[0]
+    (warning,) = values(at.warning)
+    assert "photo.txt" in warning and "binary file" in warning
+    assert list(at.dataframe[0].value["document"]) == ["ferry.md"]
+    assert (tmp_path / "store" / "uploads" / "ferry.md").read_text() == FERRY
+
+    ask(at, "Who is the captain of the Quell Island ferry?")
+    assistant = at.chat_message[-1]
+    assert assistant.markdown[0].value.strip()
+    assert [e.label.split(" · ")[0] for e in assistant.expander] == ["1. ferry.md"]
+
+
+def test_ingest_uploads_keeps_files_under_the_store_and_reports_bad_ones(
+    smol, tmp_path: Path
+) -> None:
+    app = app_module()
+    engine = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=smol)
+    progress: list[tuple[int, int, float]] = []
+    files = [
+        ("../../ferry.md", FERRY.encode()),  # a path in the name must not escape uploads/
+        (".hidden.txt", b"The bakery opens at five in the morning."),
+        ("broken.pdf", b"%PDF-1.4 not really a PDF"),
+        ("empty.txt", b""),
+        ("latin1.txt", "caf\xe9".encode("latin-1")),
+    ]
+    report = app.ingest_uploads(engine, files, lambda *p: progress.append(p))
+    uploads = tmp_path / "uploads"
+    assert sorted(p.name for p in uploads.iterdir()) == [
+        "broken.pdf",
+        "empty.txt",
+        "ferry.md",
+        "hidden.txt",
+        "latin1.txt",
+    ]
+    assert sorted(Path(d.source).name for d in report.documents) == ["ferry.md", "hidden.txt"]
+    assert report.encoded == report.chunks == 2 and report.chunks_per_s > 0
+    reasons = {Path(s.path).name: s.reason for s in report.skipped}
+    assert reasons["empty.txt"] == "empty file"
+    assert reasons["broken.pdf"].startswith("unreadable PDF")
+    assert reasons["latin1.txt"].startswith("not UTF-8 text")
+    assert progress[-1][:2] == (2, 2) and all(rate > 0 for *_, rate in progress)
+    hits = engine.retrieve("Who captains the ferry?", 1)
+    assert hits[0].source == str(uploads / "ferry.md")
+
+    again = app.ingest_uploads(engine, files[:1])  # same bytes: unchanged, nothing encoded
+    assert again.documents == [] and again.unchanged == [str(uploads / "ferry.md")]
+    engine.store.close()
+
+
+def test_an_expired_cache_entry_is_a_friendly_message(
+    smol, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=smol)
+    app_module().ingest_uploads(engine, [("ferry.md", FERRY.encode())])
+    with Catalog(path=tmp_path / "catalog.sqlite") as catalog:  # as another process would
+        for cache_id in catalog.documented_ids():
+            catalog.set_expiry(cache_id, datetime.now(UTC) - timedelta(seconds=1))
+    monkeypatch.setenv(STORE_ENV, str(tmp_path))
+    engine.store.close()
+    at = ask(open_app(), "Who is the captain of the Quell Island ferry?", errors=True)
+    (error,) = values(at.chat_message[-1].error)
+    assert "no longer in the store" in error and "Ingest" in error
+
+
+def test_insight_page_plots_results_and_hit_rates(sample_store) -> None:
+    root, _ = sample_store
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STORE_ENV, str(root))
+        at = ask(open_app(), QUESTION)  # at least one read of cached chunks
+        go_to(at, "Insight")
+    headers = values(at.subheader)
+    assert headers == [
+        "Time to first token vs context length",
+        "Time to first token vs answer quality",
+        "Cache hit rates per tier (this store)",
+    ]
+    assert len(charts(at)) == 3  # TTFT vs context, TTFT vs F1, hit rates
+    assert any("sooner" in m for m in values(at.markdown))
+    hit_rates = at.dataframe[0].value
+    assert set(hit_rates["tier"]) <= {"gpu", "cpu", "disk", "redis"}
+    assert hit_rates["chunk reads"].sum() > 0
+    assert abs(hit_rates["hit rate (%)"].sum() - 100) < 0.5
+    check(at.radio(key="ttft_dtype").set_value("bfloat16").run())
+    check(at.radio(key="quality").set_value("answer found (%)").run())
+    assert len(charts(at)) == 3
+
+
+# ----------------------------------------------------------------------------- real browser
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(condition, seconds: float, what: str, log: Path | None = None):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.5)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}\n{tail}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+            return r.read() == b"ok"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
+def test_in_a_real_browser_ingest_ask_and_screenshot() -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    tmp = Path(tempfile.mkdtemp(prefix="rag-kvcache-app-"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp / "streamlit.log"
+    streamlit = Path(sys.executable).parent / "streamlit"
+    command = [str(streamlit), "run", str(APP), "--server.address", "127.0.0.1"]
+    command += ["--server.port", str(port), "--server.headless", "true"]
+    command += ["--browser.gatherUsageStats", "false"]
+    env = {**os.environ, STORE_ENV: str(tmp / "store")}
+    server = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+    driver = None
+    try:
+        wait_until(lambda: healthy(url), 60, "the Streamlit server", log)
+        options = webdriver.ChromeOptions()
+        options.binary_location = str(CHROMIUM)
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+            options.add_argument(arg)
+        options.add_argument("--window-size=1400,1700")
+        driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+        driver.get(url)
+
+        def find(xpath: str):
+            return driver.find_elements(By.XPATH, xpath)
+
+        def text_shown(text: str):
+            return find(f"//*[contains(text(), {text!r})]")
+
+        def shoot(name: str) -> None:
+            time.sleep(1.5)  # let charts and opened expanders settle
+            assert not text_shown("Traceback") and not find("//*[@data-testid='stException']")
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            assert driver.save_screenshot(str(SCREENSHOTS / name))
+
+        button = "//button[.//p[text()='Ingest the sample corpus']]"
+        wait_until(lambda: find(button), 120, "the Ingest page", log)[0].click()
+        wait_until(lambda: text_shown("Ingested 8 document(s)"), 180, "ingestion", log)
+        wait_until(lambda: find("//*[@data-testid='stDataFrame']"), 30, "the store table", log)
+        shoot("ingest.png")
+
+        find("//label[.//p[text()='Ask']]")[0].click()
+        compare = "//label[.//p[text()='Compare with full prefill']]"
+        wait_until(lambda: find(compare), 60, "the Ask page", log)[0].click()
+        box = "//textarea[@data-testid='stChatInputTextArea']"
+        wait_until(lambda: find(box), 60, "the chat input", log)[0].send_keys(QUESTION, Keys.ENTER)
+        wait_until(lambda: text_shown("sooner from the cache"), 180, "both answers", log)
+        sources = wait_until(
+            lambda: find("//details//p[contains(text(), '01_harbor_town_of_velmora.md')]"),
+            60,
+            "the sources",
+            log,
+        )
+        sources[0].click()  # open one source, so the screenshot shows a retrieved chunk
+        captions = wait_until(lambda: text_shown("TTFT "), 30, "the TTFT captions", log)
+        assert len(captions) == 2
+        shoot("ask.png")
+
+        driver.set_window_size(1400, 2000)  # the whole Insight page, hit rates included
+        find("//label[.//p[text()='Insight']]")[0].click()
+        wait_until(lambda: text_shown("Cache hit rates per tier"), 60, "the Insight page", log)
+        wait_until(lambda: len(find("//canvas")) >= 3, 30, "three drawn charts", log)
+        shoot("insight.png")
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    from PIL import Image
+
+    for name in ("ingest.png", "ask.png", "insight.png"):
+        with Image.open(SCREENSHOTS / name) as image:
+            assert image.size[0] >= 1000 and image.size[1] >= 1000
+            colors = image.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colors is not None and len(colors) > 500  # a drawn page, not a blank one
+        assert (SCREENSHOTS / name).stat().st_size > 50_000
