@@ -86,7 +86,7 @@ def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None
 
 @pytest.mark.slow
 def test_batched_generation_on_smollm2_equals_each_request_alone(smol) -> None:
-    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=12)), lm=smol)
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=20)), lm=smol)
     ids = engine.generate_context_cache(DOCS)
     requests = mixed_requests(ids)
     result = engine.generate_batch(requests, max_batch=4)
