@@ -11,9 +11,10 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.progress import Progress
@@ -148,25 +149,36 @@ def run_ttft_bench(
                 lm, contexts, strategies, chunk_tokens, question_tokens, repeats, progress
             )
             rows.extend(lm_rows)
-    report = {
-        "benchmark": "ttft",
-        "models": models,
-        "chunk_tokens": chunk_tokens,
-        "question_tokens": question_tokens,
-        "repeats": repeats,
-        "machine": machine_facts(),
-        "rows": [asdict(r) for r in rows],
-    }
-    save_report(out_dir, "ttft", report, lambda path: plot_ttft(rows, path))
-    return report
+    return save_report(
+        out_dir,
+        "ttft",
+        rows,
+        lambda path: plot_ttft(rows, path),
+        models=models,
+        chunk_tokens=chunk_tokens,
+        question_tokens=question_tokens,
+        repeats=repeats,
+    )
 
 
 def save_report(
-    out_dir: Path, name: str, report: dict[str, object], plot: Callable[[Path], None]
-) -> None:
-    """Write NAME.json and, through `plot`, NAME.png into out_dir."""
+    out_dir: Path,
+    name: str,
+    rows: Sequence[Any],
+    plot: Callable[[Path], None],
+    **facts: object,
+) -> dict[str, object]:
+    """Write NAME.json (the facts, the machine, one record per row) and, through `plot`,
+    NAME.png into out_dir; returns the report."""
+    report: dict[str, object] = {
+        "benchmark": name,
+        **facts,
+        "machine": machine_facts(),
+        "rows": [asdict(r) for r in rows],
+    }
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(out_dir / f"{name}.png")
+    return report
 
 
 def plot_ttft(rows: list[TTFTRow], path: Path) -> None:

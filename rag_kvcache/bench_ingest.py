@@ -11,12 +11,12 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.progress import Progress
 
-from rag_kvcache.bench import SAMPLE_DATA, machine_facts, save_report
+from rag_kvcache.bench import SAMPLE_DATA, save_report
 from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.ingest import plan_ingest, run_ingest
@@ -87,16 +87,15 @@ def run_ingest_bench(
         for dtype in dtypes:
             rows.append(bench_dtype(dtype, paths, chunk_tokens, repeats, Path(tmp)))
             progress.advance(task)
-    report = {
-        "benchmark": "ingest",
-        "corpus": [str(p) for p in paths],
-        "chunk_tokens": chunk_tokens,
-        "repeats": repeats,
-        "machine": machine_facts(),
-        "rows": [asdict(r) for r in rows],
-    }
-    save_report(out_dir, "ingest", report, lambda path: plot_ingest(rows, path))
-    return report
+    return save_report(
+        out_dir,
+        "ingest",
+        rows,
+        lambda path: plot_ingest(rows, path),
+        corpus=[str(p) for p in paths],
+        chunk_tokens=chunk_tokens,
+        repeats=repeats,
+    )
 
 
 def plot_ingest(rows: list[IngestRow], path: Path) -> None:

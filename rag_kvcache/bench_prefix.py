@@ -12,14 +12,14 @@ tree plus private KV for ours, the whole cache for the baseline. Writes JSON and
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
 from rag_kvcache.batch import BatchRequest
-from rag_kvcache.bench import corpus_tokens, machine_facts, save_report
+from rag_kvcache.bench import corpus_tokens, save_report
 from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.model import LoadedModel, build_cache, forward, load_model, unpack_cache
@@ -121,17 +121,16 @@ def run_prefix_bench(
             n = prefix // CHUNK_TOKENS * (1 if shared else batch)
             rows += bench_case(engine, chunk_pool[:n], batch, shared, new_tokens)
             progress.advance(task)
-    report = {
-        "benchmark": "prefix",
-        "model": lm.name,
-        "dtype": dtype,
-        "new_tokens": new_tokens,
-        "strategy": "legolink:2",
-        "machine": machine_facts(),
-        "rows": [asdict(r) for r in rows],
-    }
-    save_report(out_dir, "prefix", report, lambda path: plot_prefix(rows, path))
-    return report
+    return save_report(
+        out_dir,
+        "prefix",
+        rows,
+        lambda path: plot_prefix(rows, path),
+        model=lm.name,
+        dtype=dtype,
+        new_tokens=new_tokens,
+        strategy="legolink:2",
+    )
 
 
 def plot_prefix(rows: list[PrefixRow], path: Path) -> None:

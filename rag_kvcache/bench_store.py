@@ -13,12 +13,12 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.progress import Progress
 
-from rag_kvcache.bench import corpus_tokens, machine_facts, save_report
+from rag_kvcache.bench import corpus_tokens, save_report
 from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, ModelConfig
 from rag_kvcache.decoding import prefill
 from rag_kvcache.encoder import encode_chunks
@@ -190,17 +190,16 @@ def run_store_bench(
             lm = load_model(ModelConfig(dtype=dtype))
             rows += bench_dtype(lm, context, chunk_tokens, repeats, redis_url, Path(tmp))
             progress.advance(task)
-    report = {
-        "benchmark": "store",
-        "context": context,
-        "chunk_tokens": chunk_tokens,
-        "strategy": "legolink:2",
-        "repeats": repeats,
-        "machine": machine_facts(),
-        "rows": [asdict(r) for r in rows],
-    }
-    save_report(out_dir, "store", report, lambda path: plot_store(rows, path))
-    return report
+    return save_report(
+        out_dir,
+        "store",
+        rows,
+        lambda path: plot_store(rows, path),
+        context=context,
+        chunk_tokens=chunk_tokens,
+        strategy="legolink:2",
+        repeats=repeats,
+    )
 
 
 def plot_store(rows: list[TierRow], path: Path) -> None:
