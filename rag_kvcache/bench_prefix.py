@@ -77,7 +77,7 @@ def bench_case(
     """Ours and the baseline for one (prefix, batch, shared) case."""
     per_request = len(chunks) // (1 if shared else batch)
     texts = [engine.lm.tokenizer.decode(c) for c in chunks]
-    ids = engine._cache(chunks, engine.doc_settings, texts)[0]  # exact token counts
+    ids = engine.cache_token_ids(chunks, engine.doc_settings, texts)[0]  # exact token counts
     groups = [
         ids[:per_request] if shared else ids[i * per_request : (i + 1) * per_request]
         for i in range(batch)

@@ -108,7 +108,9 @@ class RagKVCache:
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
         self.prefix_trees: dict[str, PrefixTree] = {}  # linked prefixes, per link strategy
-        self.prefix_id = self._cache([prefix], EncodeSettings(), [self.template.prefix])[0][0]
+        self.prefix_id = self.cache_token_ids([prefix], EncodeSettings(), [self.template.prefix])[
+            0
+        ][0]
 
     # ------------------------------------------------------------------ ingestion
 
@@ -123,16 +125,20 @@ class RagKVCache:
             if not text.strip():
                 raise EmptyChunkError(f"text {i} is empty or whitespace; nothing to cache")
         chunks = [self.template.chunk_ids(self.lm.tokenizer, t) for t in texts]
-        return self._cache(chunks, self.doc_settings, texts, on_encoded)[0]
+        return self.cache_token_ids(chunks, self.doc_settings, texts, on_encoded)[0]
 
-    def _cache(
+    def cache_token_ids(
         self,
         chunks: list[list[int]],
         settings: EncodeSettings,
         texts: list[str],
         on_encoded: Callable[[int], None] | None = None,
     ) -> tuple[list[str], int]:
-        """Cache IDs of the chunks, and how many of them were encoded now."""
+        """Cache exact token lists (each one chunk, encoded with `settings`, skipping those
+        already stored): their cache IDs, and how many were encoded now. `texts` go to the
+        catalog (re-encoding needs the token ids only). Text callers want
+        generate_context_cache; this is for callers that own the tokenization (Prompt Cache
+        units, benchmarks)."""
         ids = [make_cache_id(self.lm.fingerprint, settings, c) for c in chunks]
         todo = {
             cid: (c, t) for cid, c, t in zip(ids, chunks, texts) if not self.store.contains(cid)
@@ -174,7 +180,7 @@ class RagKVCache:
                 raise EmptyChunkError(f"chunk {i} of {source} is empty; nothing to cache")
         token_ids = [self.template.chunk_ids(self.lm.tokenizer, t) for t in chunks]
         start = time.perf_counter()
-        ids, encoded = self._cache(token_ids, self.doc_settings, chunks, on_encoded)
+        ids, encoded = self.cache_token_ids(token_ids, self.doc_settings, chunks, on_encoded)
         encode_s = time.perf_counter() - start
         removed = self.corpus.set_document(source, content_hash, ids)
         return DocumentIngest(source, tuple(ids), encoded, len(removed), encode_s)

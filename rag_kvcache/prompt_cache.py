@@ -126,7 +126,7 @@ class PromptCache:
     def _cache(self, units: list[Unit]) -> tuple[list[str], int]:
         token_lists = [list(u.token_ids) for u in units]
         texts = [self.engine.lm.tokenizer.decode(t) for t in token_lists]
-        return self.engine._cache(token_lists, EncodeSettings(), texts)
+        return self.engine.cache_token_ids(token_lists, EncodeSettings(), texts)
 
     def _chunks(self, units: tuple[Unit, ...]) -> list[ChunkKV]:
         ids, _ = self._cache(list(units))  # encodes only what is missing (e.g. expired)
