@@ -413,8 +413,18 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rag_kvcache.errors import RagKVCacheError
+
     args = build_parser().parse_args(argv)
     console = Console()
+    try:
+        return run_command(args, console)
+    except RagKVCacheError as e:  # bad input: say what and why, no traceback
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 1
+
+
+def run_command(args: argparse.Namespace, console: Console) -> int:
     if args.command in ("stats", "verify", "gc"):
         return store_command(args, console)
     if args.command in ("schema", "prompt"):

@@ -339,3 +339,19 @@ def test_ingest_killed_midway_resumes_where_it_stopped(tmp_path: Path) -> None:
         [cli, "verify", "--store", str(store)], capture_output=True, text=True, cwd=tmp_path
     )
     assert check.returncode == 0 and "0 corrupt, 0 missing" in check.stdout
+
+
+@pytest.mark.slow
+def test_commands_report_bad_input_without_a_traceback(tmp_path: Path, capsys) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("The ferry leaves at dawn.")
+    store = ["--store", str(tmp_path / "store")]
+    assert main(["ingest", str(docs), *store]) == 0
+    capsys.readouterr()
+    # chunks were encoded without sink tokens, so legolink0 cannot use them
+    assert main(["query", "When?", "--strategy", "legolink0", *store]) == 1
+    out = capsys.readouterr().out
+    assert "error:" in out and "sink tokens" in out and "Traceback" not in out
+    assert main(["query", "When?", "--strategy", "bogus:1", *store]) == 1
+    assert "unknown link strategy" in capsys.readouterr().out
