@@ -107,6 +107,27 @@ def padded_attention_with_lse(
     return out.reshape(n, heads, -1), lse.reshape(n, heads)
 
 
+def fused_padded_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`padded_attention_with_lse` through torch's fused CPU flash-attention kernel (rows as
+    the batch, a key mask for each row's length). Falls back to the reference off the CPU, in
+    float64, without the kernel, or when a row has no keys."""
+    if _FLASH_CPU is None or q.device.type != "cpu" or q.dtype == torch.float64:
+        return padded_attention_with_lse(q, k, v, lengths, scale)
+    if int(lengths.min()) < 1:
+        return padded_attention_with_lse(q, k, v, lengths, scale)
+    n, heads, dim = q.shape
+    _, tokens, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
+    mask = torch.zeros(n, 1, 1, tokens, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(unused[:, None, None, :], float("-inf"))
+    qg = q.reshape(n, kv_heads, group, dim)
+    out, lse = _FLASH_CPU(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.reshape(n, heads, -1), lse.reshape(n, heads)
+
+
 def cascade_attention(
     q: torch.Tensor,
     parts: list[tuple[torch.Tensor, torch.Tensor, list[int]]],
@@ -125,7 +146,7 @@ def cascade_attention(
     acc = accumulator(q.dtype)
     dim_v = parts[0][1].shape[-1] if parts else q.shape[-1]
     if private is not None:
-        out, lse = padded_attention_with_lse(q, *private, scale)
+        out, lse = fused_padded_attention_with_lse(q, *private, scale)
         out = out.to(acc)
     else:
         out = q.new_zeros(n, heads, dim_v, dtype=acc)

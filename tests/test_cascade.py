@@ -11,6 +11,7 @@ from rag_kvcache.cascade import (
     attention_with_lse,
     cascade_attention,
     fused_attention_with_lse,
+    fused_padded_attention_with_lse,
     merge_state,
     merge_states,
     padded_attention_with_lse,
@@ -129,5 +130,20 @@ def test_the_fused_kernel_equals_the_reference(dtype, tol, rows, tokens) -> None
     v = torch.randn(tokens, 3, 64, generator=g).to(dtype)
     out, lse = fused_attention_with_lse(q, k, v, 0.125)
     want_out, want_lse = attention_with_lse(q.double(), k.double(), v.double(), 0.125)
+    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_fused_padded_kernel_equals_the_reference(dtype, tol) -> None:
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 9, 64, generator=g).to(dtype)
+    k = torch.randn(5, 40, 3, 64, generator=g).to(dtype)
+    v = torch.randn(5, 40, 3, 64, generator=g).to(dtype)
+    lengths = torch.tensor([40, 1, 17, 3, 39])
+    out, lse = fused_padded_attention_with_lse(q, k, v, lengths, 0.125)
+    want_out, want_lse = padded_attention_with_lse(
+        q.double(), k.double(), v.double(), lengths, 0.125
+    )
     torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
