@@ -45,9 +45,7 @@ class Corpus:
         missing = sorted(wanted - have)
         extra = have - wanted
         self.index.remove(extra)
-        if missing:
-            rows = self.catalog.chunks(missing)
-            self.index.add(missing, self.embedder.embed([rows[c].text for c in missing]))
+        self._embed(missing)
         if missing or extra:
             self.index.save(self.index_path, self.ids_path)
         self._version = version
@@ -73,14 +71,17 @@ class Corpus:
         if version != self._version:
             self.sync()  # another process changed the corpus since we last looked
         have = self.index.cache_ids()
-        new = [c for c in dict.fromkeys(listed) if c not in have]
-        if new:
-            rows = self.catalog.chunks(new)
-            self.index.add(new, self.embedder.embed([rows[c].text for c in new]))
+        self._embed([c for c in dict.fromkeys(listed) if c not in have])
         self.index.remove(orphans)
         self.index.save(self.index_path, self.ids_path)
         self.catalog.count(VERSION)
         self._version = version + 1  # a later mismatch means someone else wrote meanwhile
+
+    def _embed(self, cache_ids: list[str]) -> None:
+        """Add these chunks to the index, embedding the texts the catalog keeps."""
+        if cache_ids:
+            rows = self.catalog.chunks(cache_ids)
+            self.index.add(cache_ids, self.embedder.embed([rows[c].text for c in cache_ids]))
 
     def _current_version(self) -> int:
         return self.catalog.counters().get(VERSION, 0)

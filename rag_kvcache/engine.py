@@ -121,11 +121,18 @@ class RagKVCache:
 
         `on_encoded(n)` reports progress: n more chunks encoded.
         """
+        return self._cache_texts(texts, on_encoded)[0]
+
+    def _cache_texts(
+        self, texts: list[str], on_encoded: Callable[[int], None] | None, source: str = ""
+    ) -> tuple[list[str], int]:
+        """Document chunk texts -> (cache IDs, how many were encoded now)."""
         for i, text in enumerate(texts):
             if not text.strip():
-                raise EmptyChunkError(f"text {i} is empty or whitespace; nothing to cache")
+                where = f"text {i}" + (f" of {source}" if source else "")
+                raise EmptyChunkError(f"{where} is empty or whitespace; nothing to cache")
         chunks = [self.template.chunk_ids(self.lm.tokenizer, t) for t in texts]
-        return self.cache_token_ids(chunks, self.doc_settings, texts, on_encoded)[0]
+        return self.cache_token_ids(chunks, self.doc_settings, texts, on_encoded)
 
     def cache_token_ids(
         self,
@@ -175,12 +182,8 @@ class RagKVCache:
         chunks already cached are not encoded again."""
         if content_hash is None:
             content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
-        for i, text in enumerate(chunks):
-            if not text.strip():
-                raise EmptyChunkError(f"chunk {i} of {source} is empty; nothing to cache")
-        token_ids = [self.template.chunk_ids(self.lm.tokenizer, t) for t in chunks]
         start = time.perf_counter()
-        ids, encoded = self.cache_token_ids(token_ids, self.doc_settings, chunks, on_encoded)
+        ids, encoded = self._cache_texts(chunks, on_encoded, source)
         encode_s = time.perf_counter() - start
         removed = self.corpus.set_document(source, content_hash, ids)
         return DocumentIngest(source, tuple(ids), encoded, len(removed), encode_s)

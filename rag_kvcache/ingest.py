@@ -168,7 +168,7 @@ def prune(engine: RagKVCache, paths: Iterable[Path]) -> list[str]:
     gone = []
     for doc in engine.corpus.catalog.documents():
         source = Path(doc.source)
-        under = any(source == r or source.is_relative_to(r) for r in roots)
+        under = any(source.is_relative_to(r) for r in roots)  # a file path counts too
         if under and not source.exists():
             engine.remove_document(doc.source)
             gone.append(doc.source)
