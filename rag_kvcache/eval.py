@@ -146,9 +146,8 @@ class Evaluator:
         int(prefill(self.lm, prompt)[1].argmax())
         prefill_ttft = time.perf_counter() - start
 
-        reference_tokens = self._greedy(link(self.lm, plain, question, "full", self._reserve()))
-        forced = reference_tokens[: self.teacher_tokens] or [int(self.lm.eos_ids[0])]
-        reference_logits = self._teacher_forced(plain, question, "full", forced)
+        if strategies[0] != "full":
+            raise ConfigError(f"the reference strategy 'full' must come first, got {strategies}")
         results = []
         for strategy in strategies:
             chunks = sinks if strategy == "legolink0" and sinks else plain
@@ -156,7 +155,12 @@ class Evaluator:
             linked = link(self.lm, chunks, question, strategy, self._reserve())
             int(linked.next_logits.argmax())
             ttft = time.perf_counter() - start
-            answer = tok.decode(self._greedy(linked), skip_special_tokens=True).strip()
+            tokens = self._greedy(linked)
+            if strategy == "full":  # the reference: its answer is what the others are forced on
+                forced = tokens[: self.teacher_tokens] or [int(self.lm.eos_ids[0])]
+                reference_logits = self._teacher_forced(plain, question, "full", forced)
+            answer = tok.decode(tokens, skip_special_tokens=True).strip()
+            # full too, from a fresh link: its agreement with the reference checks determinism
             logits = self._teacher_forced(chunks, question, strategy, forced)
             results.append(
                 ItemResult(
