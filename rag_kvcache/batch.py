@@ -139,9 +139,16 @@ class BatchDecoder:
         leaf = found.nodes[-1] if found.nodes else None
         if rest:
             keys, values = linked_span(linked, found.tokens, linked.context_tokens)
+            if leaf is not None:
+                self.tree.acquire(leaf)  # making room must not evict the path we extend
             self.tree.evict(2 * keys.numel() * keys.element_size())
             sizes = [c.num_tokens for c in rest]
-            leaf = self.tree.insert(leaf, [c.cache_id for c in rest], sizes, keys, values)
+            parent, leaf = (
+                leaf,
+                self.tree.insert(leaf, [c.cache_id for c in rest], sizes, keys, values),
+            )
+            if parent is not None:
+                self.tree.release(parent)
         assert leaf is not None
         self.tree.acquire(leaf)
         q = len(question)

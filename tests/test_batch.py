@@ -84,6 +84,27 @@ def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None
     assert all(a.recomputed_tokens == 0 for a in again.answers)
 
 
+def test_a_tight_budget_never_evicts_the_path_being_extended(tiny64) -> None:
+    """With no byte budget every idle leaf is evicted to make room; the prefix a new request
+    builds on must survive that, or its new node would hang under a node no longer in the
+    tree."""
+    config = EngineConfig(generation=GenerationConfig(max_new_tokens=4), prefix_tree_bytes=0)
+    engine = RagKVCache(config, lm=tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    first = BatchRequest("Who designed it?", (ids[0],))
+    longer = BatchRequest("When was it lit?", (ids[0], ids[1]))
+    engine.generate_batch([first])
+    result = engine.generate_batch([longer])
+    tree = engine.prefix_trees["legolink:2"]
+    in_tree = tree.nodes()
+    assert all(n.parent is None or n.parent in in_tree for n in in_tree)
+    path = [engine.prefix_id, *longer.cache_ids]
+    assert tree.match(path).chunks == len(path)  # the whole path is still reachable
+    assert result.answers[0].reused_tokens > 0  # it did build on the first request's path
+    alone = engine.generate(longer.query, list(longer.cache_ids), max_new_tokens=4)
+    assert result.answers[0].token_ids == alone.token_ids
+
+
 @pytest.mark.slow
 def test_batched_generation_on_smollm2_equals_each_request_alone(smol) -> None:
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=20)), lm=smol)
