@@ -247,7 +247,8 @@ def gqa_sdpa_attention(
     - a tall masked query is attended in blocks of QUERY_BLOCK rows, each over the keys up
       to the last one any of its rows may see: recomputed tokens early in the context skip
       the keys after them, which a mask alone would still multiply. Exact, since the keys
-      skipped are masked for every row of the block.
+      skipped are masked for every row of the block (`forward` works the blocks' extents
+      out once, `query_block_ends`).
     `reference_attention` is the plain version it is tested against.
 
     A forward given `attention_hook` (see `forward`) hands attention to it instead: batched
@@ -259,21 +260,29 @@ def gqa_sdpa_attention(
     if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling")
-    q_len = query.shape[2]
-    if attention_mask is None or attention_mask.shape[0] != 1 or q_len <= QUERY_BLOCK:
+    ends = kwargs.get("query_block_ends")
+    if ends is None or attention_mask is None:
         out = _sdpa(query, key, value, attention_mask, scale)
     else:
-        visible = attention_mask[0, 0] > torch.finfo(attention_mask.dtype).min / 2  # [Q, K]
-        steps = torch.arange(1, visible.shape[1] + 1, device=visible.device)
-        extent = (visible * steps).amax(dim=1)  # [Q]: keys each row needs
         blocks = []
-        for a in range(0, q_len, QUERY_BLOCK):
-            b = min(a + QUERY_BLOCK, q_len)
-            end = int(extent[a:b].max())
+        for a, end in zip(range(0, query.shape[2], QUERY_BLOCK), ends, strict=True):
+            b = a + QUERY_BLOCK
             mask = attention_mask[:, :, a:b, :end]
             blocks.append(_sdpa(query[:, :, a:b], key[:, :, :end], value[:, :, :end], mask, scale))
         out = torch.cat(blocks, dim=2)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
+
+
+def query_block_ends(mask: torch.Tensor) -> list[int] | None:
+    """For an additive mask [1, 1, Q, K] taller than one block: per block of QUERY_BLOCK
+    rows, how many keys it needs (up to the last one any of its rows may see). Worked out
+    once per forward, not per layer."""
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[2] <= QUERY_BLOCK:
+        return None
+    visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2  # [Q, K]
+    steps = torch.arange(1, visible.shape[1] + 1, device=visible.device)
+    extent = (visible * steps).amax(dim=1)  # [Q]: keys each row needs
+    return [int(extent[a : a + QUERY_BLOCK].max()) for a in range(0, len(extent), QUERY_BLOCK)]
 
 
 def _sdpa(
@@ -437,7 +446,18 @@ def forward(
     attention_hook(layer, query [B, heads, T, head_dim], scale) -> [B, T, heads, head_dim]
     replaces every layer's attention (the query is already RoPE'd).
     """
-    extra = {} if attention_hook is None else {"kv_attention_hook": attention_hook}
+    extra: dict[str, Any] = {}
+    if attention_hook is not None:
+        extra["kv_attention_hook"] = attention_hook
+    elif mask is not None and mask.device.type == "cpu":
+        extra["query_block_ends"] = query_block_ends(mask)
+    keep: int | torch.Tensor = logits_to_keep
+    if logits_to_keep > 0:
+        # as positions, not HF's slice: the slice of the last rows is a strided view, and for
+        # it bfloat16 matmul on CPU copies the whole transposed vocab matrix (~65 ms for
+        # SmolLM2's, per call); the gathered rows are compact
+        length = input_ids.shape[1]
+        keep = torch.arange(max(length - logits_to_keep, 0), length, device=input_ids.device)
     with torch.no_grad():  # not inference_mode: the linker edits the returned KV in place
         out = lm.model(
             input_ids=input_ids,
@@ -445,7 +465,7 @@ def forward(
             past_key_values=cache if cache is not None else DynamicCache(config=lm.model.config),
             attention_mask=mask,
             use_cache=True,
-            logits_to_keep=logits_to_keep,
+            logits_to_keep=keep,
             **extra,
         )
     return out.logits, out.past_key_values

@@ -4,7 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from rag_kvcache.model import QUERY_BLOCK, gqa_sdpa_attention, reference_attention
+from rag_kvcache.model import (
+    QUERY_BLOCK,
+    gqa_sdpa_attention,
+    query_block_ends,
+    reference_attention,
+)
 
 
 class Heads(nn.Module):
@@ -35,7 +40,11 @@ def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) ->
         allowed[1, :, :, queries // 2 :] = False
         allowed[1, :, :, 0] = True
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    fast, _ = gqa_sdpa_attention(Heads(), q, k, v, mask, scaling=0.25)
+    ends = None if mask is None else query_block_ends(mask)  # as `forward` passes them
+    if mask_kind == "causal-by-position" and queries > QUERY_BLOCK:
+        assert ends is not None and len(ends) == -(-queries // QUERY_BLOCK)
+        assert ends[0] < keys_len  # the first block really skips keys
+    fast, _ = gqa_sdpa_attention(Heads(), q, k, v, mask, scaling=0.25, query_block_ends=ends)
     slow, _ = reference_attention(Heads(), q, k, v, mask, scaling=0.25)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(fast, slow, rtol=tol, atol=tol)
