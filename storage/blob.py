@@ -1,37 +1,91 @@
-"""A chunk's KV as bytes: safetensors (never pickle), with a sha256 checksum.
+"""A chunk's KV as bytes: safetensors (never pickle), with a checksum.
 
 The blob holds `keys` and `values` ([layers, kv_heads, tokens, head_dim]) and, as metadata,
 the cache ID, model fingerprint and start position, so a blob describes itself.
+
+Reading is on the TTFT path of every chunk not held hot, so it copies nothing it need not:
+the checksum is xxh3-128 (integrity against bit rot and torn writes, ~30 GB/s; blobs from
+before it carry sha256 and are still checked with it), and the tensors are views of the
+buffer the blob was read into (`parse_safetensors`), where safetensors' own `load` copies
+every tensor out of it first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
+from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load, save
+import xxhash
+from safetensors.torch import save
 
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.storage.compress import dequantize, quantize
+
+XXH3 = "xxh3-128:"
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 
 
 class CorruptBlobError(RagKVCacheError):
     """A blob's bytes do not match its checksum or do not parse as a chunk's KV."""
 
 
-def checksum(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def checksum(data: bytes | bytearray) -> str:
+    """'xxh3-128:' and 32 hex digits."""
+    return XXH3 + xxhash.xxh3_128_hexdigest(data)
 
 
-def safe_open_metadata(data: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors buffer (an 8-byte length, then a JSON header)."""
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + length])
-    return dict(header.get("__metadata__") or {})
+def checksum_matches(data: bytes | bytearray, expected: str) -> bool:
+    """Check against a checksum from `checksum`, or a bare sha256 hex digest (older blobs)."""
+    if expected.startswith(XXH3):
+        return checksum(data) == expected
+    return hashlib.sha256(data).hexdigest() == expected
+
+
+def parse_safetensors(data: bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors (views of `data`, no copies) and `__metadata__` of a safetensors buffer.
+
+    Every header entry is checked against the buffer (known dtype, offsets inside the data,
+    size matching the shape), so malformed bytes raise CorruptBlobError, never read out of
+    bounds. `safetensors.torch.load` is the oracle in the tests.
+    """
+    try:
+        (length,) = struct.unpack_from("<Q", data)
+        if length > len(data) - 8:
+            raise ValueError(f"header of {length} bytes in a {len(data)}-byte blob")
+        header: dict[str, Any] = json.loads(data[8 : 8 + length])
+        start, size = 8 + length, len(data) - 8 - length
+        metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
+        tensors = {}
+        for name, entry in header.items():
+            dtype, shape = DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+            count = math.prod(shape)
+            if not 0 <= begin <= end <= size or end - begin != count * dtype.itemsize:
+                raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit {shape}")
+            flat = (
+                torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
+                if count
+                else torch.empty(0, dtype=dtype)
+            )
+            tensors[name] = flat.view(shape)
+        return tensors, metadata
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
+        raise CorruptBlobError(f"not a valid safetensors buffer: {err}") from err
 
 
 def to_blob(kv: ChunkKV, compress: str | None = None) -> bytes:
@@ -51,21 +105,23 @@ def to_blob(kv: ChunkKV, compress: str | None = None) -> bytes:
 
 
 def from_blob(
-    data: bytes,
+    data: bytes | bytearray,
     expected_checksum: str,
     cache_id: str,
     fingerprint: str,
     token_ids: tuple[int, ...],
     sink_ids: tuple[int, ...],
 ) -> ChunkKV:
-    """Parse a blob after checking its checksum; any mismatch is a CorruptBlobError."""
-    if checksum(data) != expected_checksum:
-        raise CorruptBlobError(f"blob of chunk {cache_id} fails its sha256 checksum")
+    """Parse a blob after checking its checksum; any mismatch is a CorruptBlobError.
+
+    The tensors are views of `data` when it is a bytearray (as the disk tier reads it);
+    immutable bytes (from Redis) are copied once first."""
+    if not checksum_matches(data, expected_checksum):
+        raise CorruptBlobError(f"blob of chunk {cache_id} fails its checksum")
     try:
-        tensors = load(data)
-        meta = safe_open_metadata(data)
-    except SafetensorError as err:
-        raise CorruptBlobError(f"blob of chunk {cache_id} is not valid safetensors: {err}") from err
+        tensors, meta = parse_safetensors(data if isinstance(data, bytearray) else bytearray(data))
+    except CorruptBlobError as err:
+        raise CorruptBlobError(f"blob of chunk {cache_id}: {err}") from err
     if meta.get("compression") == "int8":
         dtype = getattr(torch, meta.get("dtype", "float32"))
         keys = dequantize(tensors["keys.int8"], tensors["keys.scale"], dtype)

@@ -76,7 +76,7 @@ _SQLITE_BUSY_MS = 30_000
 # One advisory-lock key for "someone is changing the catalog schema" on a PostgreSQL server.
 _PG_LOCK_KEY = zlib.crc32(b"rag_kvcache.storage.catalog")
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+_CHECKSUM = re.compile(r"xxh3-128:[0-9a-f]{32}|[0-9a-f]{64}")
 _BATCH = 5000  # ids per IN (...) list; far below SQLite's and PostgreSQL's parameter limits
 
 
@@ -728,9 +728,10 @@ class Catalog:
 
     def commit_chunk(self, cache_id: str, nbytes: int, checksum: str, tier: str) -> None:
         """Mark a chunk stored once its blob is on the durable `tier` (one transaction)."""
-        if not _HEX64.fullmatch(checksum):
+        if not _CHECKSUM.fullmatch(checksum):
             raise CatalogError(
-                f"checksum must be 64 lowercase hex digits (sha256), got {checksum!r}"
+                "checksum must be 'xxh3-128:' and 32 lowercase hex digits, or 64 (sha256), "
+                f"got {checksum!r}"
             )
         if nbytes < 0:
             raise CatalogError(f"nbytes must be >= 0, got {nbytes}")

@@ -60,11 +60,15 @@ class DiskTier:
         finally:
             os.close(dir_fd)
 
-    def get(self, cache_id: str) -> bytes | None:
+    def get(self, cache_id: str) -> bytearray | None:
+        """The blob's bytes, read into a mutable buffer that the parsed tensors then share."""
         try:
-            return self.path(cache_id).read_bytes()
+            with open(self.path(cache_id), "rb", buffering=0) as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                read = f.readinto(data)
         except FileNotFoundError:
             return None
+        return data if read == len(data) else data[:read]  # shrank while read: fails checks
 
     def contains(self, cache_id: str) -> bool:
         return self.path(cache_id).exists()

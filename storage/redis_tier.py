@@ -46,9 +46,9 @@ class RedisTier:
     def put(self, cache_id: str, data: bytes) -> None:
         self._call(self._redis.set, self.key(cache_id), data)
 
-    def get(self, cache_id: str) -> bytes | None:
+    def get(self, cache_id: str) -> bytearray | None:
         value = self._call(self._redis.get, self.key(cache_id))
-        return bytes(value) if value is not None else None  # type: ignore[arg-type]
+        return bytearray(value) if value is not None else None  # type: ignore[arg-type]
 
     def contains(self, cache_id: str) -> bool:
         return bool(self._call(self._redis.exists, self.key(cache_id)))

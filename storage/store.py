@@ -21,7 +21,13 @@ from typing import Protocol
 
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
-from rag_kvcache.storage.blob import CorruptBlobError, checksum, from_blob, to_blob
+from rag_kvcache.storage.blob import (
+    CorruptBlobError,
+    checksum,
+    checksum_matches,
+    from_blob,
+    to_blob,
+)
 from rag_kvcache.storage.catalog import Catalog, ChunkRow
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
@@ -36,7 +42,7 @@ class BlobTier(Protocol):
     name: str
 
     def put(self, cache_id: str, data: bytes) -> None: ...
-    def get(self, cache_id: str) -> bytes | None: ...
+    def get(self, cache_id: str) -> bytes | bytearray | None: ...
     def contains(self, cache_id: str) -> bool: ...
     def remove(self, cache_id: str) -> bool: ...
     def ids(self) -> Iterator[str]: ...
@@ -268,7 +274,7 @@ class TieredStore:
             data = self.durable.get(row.cache_id)
             if data is None:
                 missing.append(row.cache_id)
-            elif checksum(data) != row.checksum:
+            elif row.checksum is None or not checksum_matches(data, row.checksum):
                 corrupt.append(row.cache_id)
             else:
                 if on_checked:
