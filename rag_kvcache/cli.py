@@ -133,6 +133,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     _store_options(parser)
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--quantization", default=None, choices=["8bit", "4bit"], help="bitsandbytes weights"
+    )
 
 
 def _open_engine(args: argparse.Namespace, console: Console) -> RagKVCache:
@@ -140,7 +143,7 @@ def _open_engine(args: argparse.Namespace, console: Console) -> RagKVCache:
     from rag_kvcache.engine import RagKVCache
 
     config = EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype),
+        model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
         store=StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url),
         generation=GenerationConfig(max_new_tokens=getattr(args, "max_new_tokens", 64)),
         strategy=getattr(args, "strategy", None) or EngineConfig.strategy,

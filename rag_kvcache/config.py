@@ -38,8 +38,6 @@ class ModelConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS}")
-        if self.quantization and not self.device.startswith("cuda"):
-            raise ConfigError("bitsandbytes quantization needs a CUDA device")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
 

@@ -180,15 +180,27 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
     dtype = TORCH_DTYPES[config.dtype]
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION}
     if config.quantization:
-        from transformers import BitsAndBytesConfig  # needs the bitsandbytes package
+        # bitsandbytes' linear layers: 8-bit LLM.int8 or 4-bit NF4, on CUDA or (since 0.49) CPU
+        from transformers import BitsAndBytesConfig
 
         four = config.quantization == "4bit"
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=four, load_in_8bit=not four, bnb_4bit_compute_dtype=dtype
+            load_in_4bit=four,
+            load_in_8bit=not four,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_type="nf4",
         )
         kwargs["device_map"] = config.device
     hf_config = AutoConfig.from_pretrained(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ImportError as err:
+        if not config.quantization:
+            raise
+        raise ConfigError(
+            f"{config.quantization} quantization needs bitsandbytes: "
+            f"pip install 'rag-kvcache[quant]' ({err})"
+        ) from err
     if not config.quantization:
         model.to(config.device)
     model.eval().requires_grad_(False)

@@ -9,7 +9,6 @@ from rag_kvcache.errors import ConfigError, StrategyError
     [
         (lambda: ModelConfig(dtype="float8"), "dtype 'float8' is not one of"),
         (lambda: ModelConfig(quantization="3bit"), "quantization '3bit'"),
-        (lambda: ModelConfig(quantization="4bit"), "needs a CUDA device"),
         (lambda: ModelConfig(threads=0), "threads must be >= 1"),
         (lambda: EncodeConfig(batch_size=0), "batch_size must be >= 1"),
         (lambda: EncodeConfig(sink_tokens=-1), "sink_tokens must be in 0..64"),
