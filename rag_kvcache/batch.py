@@ -82,6 +82,12 @@ class BatchDecoder:
         fetch: Callable[[list[str]], list[ChunkKV]],
     ):
         self.lm, self.tree, self.strategy, self.fetch = lm, tree, strategy, fetch
+        # the active requests' private KV side by side, [layers, B, kv_heads, capacity, dim]:
+        # each request's keys / values are views of its row, so a step writes every row's new
+        # token in one op and attends to the rows without stacking them; repacked only when
+        # the batch changes
+        self._packed: list[_Active] = []
+        self._keys = self._values = torch.empty(0)
 
     def run(
         self,
@@ -118,6 +124,7 @@ class BatchDecoder:
                 else:
                     self.finish(request, done)
             active = still
+        self._packed, self._keys, self._values = [], torch.empty(0), torch.empty(0)
         done.sort(key=lambda a: a.index)
         return done, BatchStats(steps, decode_tokens, decode_s, peak)
 
@@ -153,10 +160,9 @@ class BatchDecoder:
         self.tree.acquire(leaf)
         q = len(question)
         own_k, own_v = linked_span(linked, linked.context_tokens, linked.length)
-        capacity = q + config.max_new_tokens
-        # zeros, not empty: the batch reads past a request's length (masked, but 0 * NaN = NaN)
-        keys = own_k.new_zeros(*own_k.shape[:2], capacity, own_k.shape[-1])
-        values = torch.zeros_like(keys)
+        capacity = q + config.max_new_tokens  # packed into the batch's buffer (see `pack`)
+        keys = own_k.new_empty(*own_k.shape[:2], capacity, own_k.shape[-1])
+        values = torch.empty_like(keys)
         keys[:, :, :q], values[:, :, :q] = own_k, own_v
         return _Active(
             index=index,
@@ -189,22 +195,43 @@ class BatchDecoder:
         request.keys = request.values = torch.empty(0)
         done.append(request)
 
+    def pack(self, active: list[_Active]) -> None:
+        """Lay the active requests' private KV side by side (see __init__), if the batch
+        changed since the last step."""
+        if len(active) == len(self._packed) and all(
+            a is b for a, b in zip(active, self._packed, strict=True)
+        ):
+            return
+        first = active[0].keys
+        capacity = max(a.keys.shape[2] for a in active)
+        shape = (first.shape[0], len(active), first.shape[1], capacity, first.shape[3])
+        # zeros, not empty: the batch reads past a request's length (masked, but 0 * NaN = NaN)
+        keys = first.new_zeros(shape)
+        values = torch.zeros_like(keys)
+        for row, a in enumerate(active):
+            keys[:, row, :, : a.length] = a.keys[:, :, : a.length]
+            values[:, row, :, : a.length] = a.values[:, :, : a.length]
+            a.keys, a.values = keys[:, row], values[:, row]
+        self._packed, self._keys, self._values = list(active), keys, values
+
     def step(self, active: list[_Active]) -> None:
         """One batched forward: every active request's last token at its own position."""
         device = self.lm.device
+        self.pack(active)
         ids = torch.tensor([[a.tokens[-1]] for a in active], device=device)
         positions = torch.tensor([[a.position] for a in active], device=device)
         rows_of: dict[TreeNode, list[int]] = {}
         for row, request in enumerate(active):
             for node in path_to(request.leaf):
                 rows_of.setdefault(node, []).append(row)
+        every_row = torch.arange(len(active), device=device)
+        at = torch.tensor([a.length for a in active], device=device)  # each row's new slot
 
         def store_new(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            for row, request in enumerate(active):  # keys [B, kv_heads, 1, head_dim]
-                request.keys[layer, :, request.length] = keys[row, :, 0]
-                request.values[layer, :, request.length] = values[row, :, 0]
+            self._keys[layer, every_row, :, at] = keys[:, :, 0]  # keys [B, kv_heads, 1, dim]
+            self._values[layer, every_row, :, at] = values[:, :, 0]
 
-        lengths = torch.tensor([a.length + 1 for a in active], device=device)  # + new token
+        lengths = at + 1  # + the new token
         longest = int(lengths.max())
 
         def attend(layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -212,8 +239,8 @@ class BatchDecoder:
                 (node.keys[layer].transpose(0, 1), node.values[layer].transpose(0, 1), rows)
                 for node, rows in rows_of.items()
             ]
-            own_k = torch.stack([_padded(a.keys[layer], longest) for a in active]).transpose(1, 2)
-            own_v = torch.stack([_padded(a.values[layer], longest) for a in active]).transpose(1, 2)
+            own_k = self._keys[layer, :, :, :longest].transpose(1, 2)  # [B, tokens, kv, dim]
+            own_v = self._values[layer, :, :, :longest].transpose(1, 2)
             out = cascade_attention(query[:, :, 0], shared, scale, (own_k, own_v, lengths))
             return out[:, None]  # [B, 1, heads, head_dim]
 
@@ -233,10 +260,3 @@ class BatchDecoder:
 
 def _nbytes(request: _Active) -> int:
     return 2 * request.keys.numel() * request.keys.element_size()
-
-
-def _padded(kv: torch.Tensor, tokens: int) -> torch.Tensor:
-    """kv [kv_heads, capacity, head_dim] cut or zero-padded to `tokens` positions."""
-    if kv.shape[1] >= tokens:
-        return kv[:, :tokens]
-    return torch.nn.functional.pad(kv, (0, 0, 0, tokens - kv.shape[1]))

@@ -151,16 +151,28 @@ def cascade_attention(
     else:
         out = q.new_zeros(n, heads, dim_v, dtype=acc)
         lse = q.new_full((n, heads), float("-inf"), dtype=acc)
+    solo: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> its own parts
     for keys, values, rows in parts:
         if len(rows) == n:  # the whole batch: no gather / scatter
             v_part, s_part = fused_attention_with_lse(q, keys, values, scale)
             out, lse = merge_state(out, lse, v_part.to(acc), s_part)
+            continue
+        if len(rows) == 1:  # merged below, all rows' at once
+            v_part, s_part = fused_attention_with_lse(q[rows[0] : rows[0] + 1], keys, values, scale)
+            solo.setdefault(rows[0], []).append((v_part.to(acc), s_part))
             continue
         index: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
         if rows != list(range(rows[0], rows[-1] + 1)):
             index = torch.tensor(rows, device=q.device)
         v_part, s_part = fused_attention_with_lse(q[index], keys, values, scale)
         merged_v, merged_s = merge_state(out[index], lse[index], v_part.to(acc), s_part)
+        out[index], lse[index] = merged_v, merged_s
+    if solo:  # parts of one row each (nothing shared): one merge for all of them
+        own = [merge_states([v for v, _ in p], [s for _, s in p]) for p in solo.values()]
+        index = torch.tensor(list(solo), device=q.device)
+        merged_v, merged_s = merge_state(
+            out[index], lse[index], torch.cat([v for v, _ in own]), torch.cat([s for _, s in own])
+        )
         out[index], lse[index] = merged_v, merged_s
     return out.to(q.dtype)
 
