@@ -137,13 +137,14 @@ def run_ttft_bench(
     question_tokens: int = 32,
     repeats: int = 3,
     model_path: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[TTFTRow] = []
     models = {}
     with Progress() as progress:
         for dtype in dtypes:
-            lm = load_model(ModelConfig(path=model_path, dtype=dtype))
+            lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
             lm_rows = bench_dtype(
                 lm, contexts, strategies, chunk_tokens, question_tokens, repeats, progress

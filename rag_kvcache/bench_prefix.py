@@ -66,6 +66,7 @@ def duplicated_decode(
         pos = torch.full((batch, 1), position, device=device)
         logits, cache = forward(lm, token, positions=pos, cache=cache, logits_to_keep=1)
         token, position = logits[:, -1].argmax(-1, keepdim=True), position + 1
+        token.tolist()  # a decode loop reads each step's tokens (stopping rules), as ours does
     seconds = time.perf_counter() - start
     kv = sum(2 * k.numel() * k.element_size() for k, _ in unpack_cache(cache))
     return batch * (new_tokens - 1) / seconds, kv
@@ -103,9 +104,11 @@ def run_prefix_bench(
     new_tokens: int = 64,
     dtype: str = "float32",
     unshared: bool = True,
+    model_path: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    lm = load_model(ModelConfig(dtype=dtype))
+    lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
     config = EngineConfig(generation=GenerationConfig(max_new_tokens=new_tokens))
     engine = RagKVCache(config, lm=lm)
     rows: list[PrefixRow] = []

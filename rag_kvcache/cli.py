@@ -20,6 +20,9 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+MODEL_HELP = "HF folder, .gguf, or random:llama-3-8b (random weights) (default SmolLM2)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rag-kvcache", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -35,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=["naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15"],
     )
     ttft.add_argument("--repeats", type=int, default=3)
-    ttft.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    ttft.add_argument("--model", default=None, help=MODEL_HELP)
+    ttft.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
     store.add_argument("--out", type=Path, default=Path("bench-results"))
     store.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
@@ -48,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--batches", type=_csv, default=["1", "8", "32"])
     prefix.add_argument("--new-tokens", type=int, default=64)
     prefix.add_argument("--dtype", default="float32")
+    prefix.add_argument("--model", default=None, help=MODEL_HELP)
+    prefix.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
     ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
     ingest_bench.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
@@ -105,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--teacher-tokens", type=int, default=16)
     evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
     evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     for name, text in [
@@ -315,7 +322,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         return 2
     if args.needle:
         strategies = args.strategies or ["full", "naive", "legolink:2", "legolink0"]
-        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype))
+        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
         items = [
             ev.needle_item(lm, int(n), float(d), args.chunk_tokens)
             for n in args.lengths
@@ -325,7 +332,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     else:
         strategies = args.strategies or list(ev.DEFAULT_STRATEGIES)
         items = ev.load_dataset(args.dataset)[: args.limit]
-        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype))
+        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
         name = "eval"
     strategies = ev.check_strategies(strategies)
     with Progress(console=console) as progress:
@@ -452,6 +459,8 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             [int(b) for b in args.batches],
             args.new_tokens,
             args.dtype,
+            model_path=args.model,
+            device=args.device,
         )
         columns: dict[str, Callable[[dict[str, Any]], str]] = {
             "prefix": lambda r: str(r["prefix_tokens"]),
@@ -502,6 +511,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             args.strategies,
             repeats=args.repeats,
             model_path=args.model,
+            device=args.device,
         )
         columns = {
             "dtype": lambda r: r["dtype"],

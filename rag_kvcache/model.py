@@ -28,6 +28,8 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
 )
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -169,11 +171,61 @@ def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
     return h.hexdigest()[:24]
 
 
+# Shapes for speed measurements without weights to download (`path="random:NAME"`): the
+# architecture of a real model with random weights, and SmolLM2's tokenizer (vocab resized).
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(  # the same code path at a size any CPU runs (the script's dry run)
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+    ),
+}
+RANDOM_PREFIX = "random:"
+
+
+def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
+    """A Llama with RANDOM_SHAPES[shapes] and random weights (seed 0), built straight on
+    config.device: for TTFT and throughput at real model sizes; its answers mean nothing."""
+    if shapes not in RANDOM_SHAPES:
+        raise ConfigError(f"unknown random model shapes {shapes!r}; one of {sorted(RANDOM_SHAPES)}")
+    tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_path(), config.cache_dir))
+    hf_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **RANDOM_SHAPES[shapes],
+    )
+    torch.manual_seed(0)
+    with torch.device(config.device):
+        model: Any = LlamaForCausalLM._from_config(
+            hf_config, dtype=TORCH_DTYPES[config.dtype], attn_implementation=ATTENTION
+        )
+    model.eval().requires_grad_(False)
+    return describe(model, tokenizer, name=f"random-{shapes}")
+
+
 def load_model(config: ModelConfig | None = None) -> LoadedModel:
     """Load a RoPE causal LM for encoding and linking (see ModelConfig)."""
     config = config or ModelConfig()
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.path and config.path.startswith(RANDOM_PREFIX):
+        return random_model(config.path.removeprefix(RANDOM_PREFIX), config)
     path = Path(config.path) if config.path else default_model_path()
     if path.suffix == ".gguf":
         path = convert_gguf(path, config.cache_dir)
