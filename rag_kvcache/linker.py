@@ -25,10 +25,12 @@ from rag_kvcache.errors import (
     StrategyError,
 )
 from rag_kvcache.kv import ChunkKV
+from rag_kvcache.layer_feed import LayerFeed
 from rag_kvcache.model import (
     Cache,
     LoadedModel,
     additive_mask,
+    before_layer_update,
     buffered_cache,
     build_cache,
     forward,
@@ -73,12 +75,15 @@ def link(
     strategy: str | LinkStrategy,
     reserve: int = 0,
     prefix: LinkedPrefix | None = None,
+    layerwise: bool | None = None,
 ) -> LinkedContext:
     """Link chunks (chunk 0 = system prefix) and prefill the query over them.
 
     `reserve` extra cache slots are allocated for the tokens to be generated. With `prefix`,
     the chunks follow an already linked prefix (which then counts as chunk 0) and only they
     are linked: the result equals linking the prefix's chunks and these in one call.
+    `layerwise` places the chunks one layer at a time as the forward reaches it (`LayerFeed`;
+    by default when their KV is on another device than the model, e.g. CPU-pinned for CUDA).
     """
     strategy = parse_strategy(strategy)
     check_chunks(lm, chunks, strategy, len(query_ids), prefix)
@@ -99,7 +104,11 @@ def link(
     keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
     if prefix is not None:
         keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
-    place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
+    if layerwise is None:
+        layerwise = any(c.keys.device != lm.device for c in chunks)
+    feed = LayerFeed(keys[:, 0], values[:, 0], chunks, lm.inv_freq, P) if layerwise else None
+    if feed is None:
+        place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
     # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
     # its own position (over the stale copy) and attends causally by position
     query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
@@ -107,6 +116,8 @@ def link(
     new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
     mask = additive_mask(link_mask(new_positions, L + q), lm.dtype)  # [1, 1, r+q, L+q]
     cache = buffered_cache(lm, keys, values, L)
+    if feed is not None:
+        before_layer_update(cache, feed.calls())
     write_at(cache, new_positions)
     logits, _ = forward(
         lm, new_ids[None], positions=new_positions[None], cache=cache, mask=mask, logits_to_keep=1

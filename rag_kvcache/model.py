@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -397,6 +398,7 @@ class BufferedLayer(DynamicLayer):
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
         self.write_at: torch.Tensor | None = None  # positions for the next update, else append
+        self.before_update: Callable[[], None] | None = None  # once, before the next update
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self.is_initialized = True
@@ -410,6 +412,9 @@ class BufferedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.before_update is not None:  # e.g. this layer's cached KV arriving (linker)
+            self.before_update()
+            self.before_update = None
         if self.write_at is None:
             where: slice | torch.Tensor = slice(self.length, self.length + key_states.shape[-2])
             end = self.length + key_states.shape[-2]
@@ -441,6 +446,14 @@ def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, le
     cache = DynamicCache(config=lm.model.config)
     cache.layers = [BufferedLayer(k, v, length) for k, v in zip(keys, values, strict=True)]
     return cache
+
+
+def before_layer_update(cache: Cache, calls: Sequence[Callable[[], None]]) -> None:
+    """Run calls[i] when the next forward reaches layer i's cache (before its attention):
+    lets the linker fill each layer's context KV just in time, overlapping the rest."""
+    for layer, call in zip(cache.layers, calls, strict=True):
+        assert isinstance(layer, BufferedLayer)
+        layer.before_update = call
 
 
 def write_at(cache: Cache, positions: torch.Tensor | None) -> None:

@@ -40,15 +40,30 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return rotated if x_pass.shape[-1] == 0 else torch.cat((rotated, x_pass), dim=-1)
 
 
-def rotate_into(out: torch.Tensor, x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> None:
+def delta_angles(
+    delta: int, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [F] of a rotation by `delta` positions, for `rotate_into`."""
+    half = inv_freq.shape[-1]
+    cos, sin = rope_cos_sin(torch.tensor([delta]), inv_freq, dtype)
+    return cos[0, :half].to(device), sin[0, :half].to(device)
+
+
+def rotate_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    delta: int,
+    inv_freq: torch.Tensor,
+    angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """out[...] = apply_rope(x, delta for every token): the linker's fused fast path.
 
     One constant angle per frequency, written straight into `out` (a slice of the linked KV
-    buffer) with no temporaries the size of x. `apply_rope` is its reference.
+    buffer) with no temporaries the size of x. `apply_rope` is its reference. `angles` =
+    `delta_angles(...)` when the caller rotates by the same delta many times.
     """
     half = inv_freq.shape[-1]
-    cos, sin = rope_cos_sin(torch.tensor([delta]), inv_freq, x.dtype)
-    c, s = cos[0, :half].to(x.device), sin[0, :half].to(x.device)  # [F]
+    c, s = angles if angles is not None else delta_angles(delta, inv_freq, x.dtype, x.device)
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     o1, o2 = out[..., :half], out[..., half : 2 * half]
     torch.mul(x1, c, out=o1)

@@ -126,3 +126,31 @@ def test_bad_chunks_give_clear_errors(tiny64, tiny32) -> None:
         link(tiny64, chunks, QUERY, "legolink0")
     with pytest.raises(StrategyError, match="at least one token"):
         link(tiny64, chunks, [], "naive")
+
+
+@pytest.mark.parametrize("strategy", ["naive", "legolink:2", "full", "cacheblend:0.3"])
+def test_placing_layer_by_layer_equals_placing_first(tiny32, strategy: str) -> None:
+    """LayerFeed (each layer's chunk KV placed when the forward reaches that layer, as for
+    CPU-pinned chunks feeding a GPU) gives bit for bit what placing everything first gives."""
+    chunks, _ = _setup(tiny32)
+    eager = link(tiny32, chunks, QUERY, strategy, reserve=3, layerwise=False)
+    fed = link(tiny32, chunks, QUERY, strategy, reserve=3, layerwise=True)
+    assert torch.equal(fed.next_logits, eager.next_logits)
+    for (k1, v1), (k2, v2) in zip(unpack_cache(fed.cache), unpack_cache(eager.cache)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    config = GenerationConfig(max_new_tokens=6)
+    assert list(decode(tiny32, fed.cache, fed.next_logits, fed.length, config)) == list(
+        decode(tiny32, eager.cache, eager.next_logits, eager.length, config)
+    )
+
+
+def test_layer_by_layer_after_a_linked_prefix(tiny32) -> None:
+    from rag_kvcache.linker import LinkedPrefix, linked_span
+
+    chunks, tokens = _setup(tiny32)
+    head = link(tiny32, chunks[:2], QUERY, "legolink:2")
+    keys, values = linked_span(head, 0, head.context_tokens)
+    prefix = LinkedPrefix(keys, values, tuple(tokens[: head.context_tokens]))
+    eager = link(tiny32, chunks[2:], QUERY, "legolink:2", prefix=prefix, layerwise=False)
+    fed = link(tiny32, chunks[2:], QUERY, "legolink:2", prefix=prefix, layerwise=True)
+    assert torch.equal(fed.next_logits, eager.next_logits)
