@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
     store.add_argument("--out", type=Path, default=Path("bench-results"))
     store.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
-    store.add_argument("--context", type=int, default=4096)
+    store.add_argument("--contexts", type=_csv, default=["4096"])
+    store.add_argument("--model", default=None, help=MODEL_HELP)
+    store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     store.add_argument("--repeats", type=int, default=3)
     store.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     prefix = kinds.add_parser("prefix", help="decode with a shared prefix vs duplicated KV")
@@ -489,10 +491,17 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
         from rag_kvcache.bench_store import run_store_bench
 
         report = run_store_bench(
-            args.out, args.dtypes, args.context, repeats=args.repeats, redis_url=args.redis_url
+            args.out,
+            args.dtypes,
+            [int(c) for c in args.contexts],
+            repeats=args.repeats,
+            redis_url=args.redis_url,
+            model_path=args.model,
+            device=args.device,
         )
         columns = {
             "dtype": lambda r: r["dtype"],
+            "context": lambda r: str(r["context_tokens"]),
             "from": lambda r: r["tier"],
             "put ms/chunk": lambda r: _maybe(r["put_ms_per_chunk"], ".1f"),
             "get ms/chunk": lambda r: _maybe(r["get_ms_per_chunk"], ".1f"),
