@@ -3,7 +3,8 @@
 Embeddings are unit vectors, so inner product is cosine similarity. FAISS keys are int64, so a
 cache ID (hex content hash) maps to the integer of its first 15 hex digits; the reverse map is
 kept beside the index. An ID map (`IndexIDMap2`) lets chunks be removed one by one. The file is
-FAISS's own binary format (never pickle), written to a temporary name and renamed.
+FAISS's own binary format (never pickle), written to a temporary name and renamed. FAISS is
+imported when an index is first made or read, so paths without retrieval never load it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import faiss
 import numpy as np
 
 from rag_kvcache.errors import RagKVCacheError
@@ -29,6 +30,12 @@ class Retrieved:
     source: str | None
 
 
+def _faiss() -> Any:
+    import faiss
+
+    return faiss
+
+
 def faiss_id(cache_id: str) -> int:
     """The int64 FAISS key of a cache ID (60 bits of its hash)."""
     try:
@@ -42,6 +49,7 @@ class VectorIndex:
 
     def __init__(self, dim: int):
         self.dim = dim
+        faiss = _faiss()
         self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         self._ids: dict[int, str] = {}
 
@@ -72,7 +80,7 @@ class VectorIndex:
             del self._ids[key]
         if not keys:
             return 0
-        return int(self._index.remove_ids(np.array(keys, dtype=np.int64)))  # type: ignore[arg-type]
+        return int(self._index.remove_ids(np.array(keys, dtype=np.int64)))
 
     def search(self, vector: np.ndarray, k: int) -> list[tuple[str, float]]:
         if k < 1:
@@ -90,7 +98,7 @@ class VectorIndex:
     def save(self, path: Path, cache_ids_path: Path) -> None:
         """Write the index and its key -> cache ID list (each atomically)."""
         tmp = path.with_name(path.name + ".tmp")
-        faiss.write_index(self._index, str(tmp))
+        _faiss().write_index(self._index, str(tmp))
         os.replace(tmp, path)
         tmp_ids = cache_ids_path.with_name(cache_ids_path.name + ".tmp")
         tmp_ids.write_text("\n".join(self._ids.values()) + "\n", encoding="ascii")
@@ -100,7 +108,7 @@ class VectorIndex:
     def load(cls, path: Path, cache_ids_path: Path, dim: int) -> VectorIndex:
         """Read a saved index; a missing, unreadable or mismatched file gives an empty one
         (the corpus rebuilds it from the catalog: the index is only a cache of it)."""
-        index = cls(dim)
+        index, faiss = cls(dim), _faiss()
         try:
             loaded = faiss.read_index(str(path))
             ids = cache_ids_path.read_text(encoding="ascii").split()
