@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -100,31 +101,35 @@ def bench_dtype(
     plain = encode_chunks(lm, chunk_ids)
     sinks = encode_chunks(lm, chunk_ids, EncodeSettings(tuple(prefix_ids[:4])))
     rows: list[TTFTRow] = []
-    task = progress.add_task(f"{lm.dtype}", total=len(contexts) * (len(strategies) + 1))
+    task = progress.add_task(f"{lm.dtype}", total=len(contexts) * repeats)
+    dtype = str(lm.dtype).removeprefix("torch.")
+
+    def prefill_first_token(ids: list[int]) -> int:
+        return int(prefill(lm, ids)[1].argmax())
+
+    def linked_first_token(chunks: list[ChunkKV], strategy: str) -> int:
+        return int(link(lm, chunks, question, strategy).next_logits.argmax())
+
     for context in contexts:
         n = context // chunk_tokens
         ids = prefix_ids + [t for c in chunk_ids[:n] for t in c] + question
-
-        def run_prefill(ids: list[int] = ids) -> None:
-            int(prefill(lm, ids)[1].argmax())
-
-        runs = [first_token_seconds(run_prefill) for _ in range(repeats)]
-        base = statistics.median(runs)
-        rows.append(TTFTRow(str(lm.dtype)[6:], len(ids), PREFILL, base, runs, len(ids), 1.0))
-        progress.advance(task)
+        runs: dict[str, Callable[[], int]] = {PREFILL: partial(prefill_first_token, ids)}
+        recomputed = {PREFILL: len(ids)}
         for strategy in strategies:
             chunks: list[ChunkKV] = [prefix, *(sinks if strategy == "legolink0" else plain)[:n]]
-            recomputed = link(lm, chunks, question, strategy).recomputed  # also a warm-up
-
-            def run_link(chunks: list[ChunkKV] = chunks, strategy: str = strategy) -> None:
-                int(link(lm, chunks, question, strategy).next_logits.argmax())
-
-            runs = [first_token_seconds(run_link) for _ in range(repeats)]
-            ttft = statistics.median(runs)
-            rows.append(
-                TTFTRow(str(lm.dtype)[6:], len(ids), strategy, ttft, runs, recomputed, base / ttft)
-            )
+            recomputed[strategy] = link(lm, chunks, question, strategy).recomputed  # warm-up
+            runs[strategy] = partial(linked_first_token, chunks, strategy)
+        # round-robin: each repeat times prefill and every strategy once, so a machine whose
+        # speed drifts over minutes (shared 2-core VMs do) shifts all of them alike
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(repeats):
+            for name, run in runs.items():
+                seconds[name].append(first_token_seconds(run))
             progress.advance(task)
+        base = statistics.median(seconds[PREFILL])
+        for name, times in seconds.items():
+            ttft = statistics.median(times)
+            rows.append(TTFTRow(dtype, len(ids), name, ttft, times, recomputed[name], base / ttft))
     return rows
 
 
