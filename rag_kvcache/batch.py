@@ -60,6 +60,7 @@ class _Active:
     keys: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
     values: torch.Tensor
     length: int  # filled part of keys / values
+    capacity: int  # its question + max_new_tokens (its view of a packed buffer may be longer)
     position: int  # position of the next token
     prompt_tokens: int
     reused: int
@@ -110,9 +111,10 @@ class BatchDecoder:
                     active.append(request)
                 else:
                     self.finish(request, done)
-            peak = max(peak, self.tree.nbytes + sum(_nbytes(a) for a in active))
             if not active:
                 continue
+            self.pack(active)  # the batch's private KV: one buffer for every active request
+            peak = max(peak, self.tree.nbytes + 2 * self._keys.numel() * self._keys.element_size())
             tick = time.perf_counter()
             self.step(active)
             decode_s += time.perf_counter() - tick
@@ -170,6 +172,7 @@ class BatchDecoder:
             keys=keys,
             values=values,
             length=q,
+            capacity=capacity,
             position=linked.length,
             prompt_tokens=linked.length,
             reused=found.tokens,
@@ -203,7 +206,7 @@ class BatchDecoder:
         ):
             return
         first = active[0].keys
-        capacity = max(a.keys.shape[2] for a in active)
+        capacity = max(a.capacity for a in active)
         shape = (first.shape[0], len(active), first.shape[1], capacity, first.shape[3])
         # zeros, not empty: the batch reads past a request's length (masked, but 0 * NaN = NaN)
         keys = first.new_zeros(shape)
@@ -256,7 +259,3 @@ class BatchDecoder:
             request.logits = logits[row, -1]
             request.length += 1
             request.position += 1
-
-
-def _nbytes(request: _Active) -> int:
-    return 2 * request.keys.numel() * request.keys.element_size()

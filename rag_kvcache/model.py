@@ -204,6 +204,8 @@ RANDOM_PREFIX = "random:"
 def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
     """A Llama with RANDOM_SHAPES[shapes] and random weights (seed 0), built straight on
     config.device: for TTFT and throughput at real model sizes; its answers mean nothing."""
+    if config.quantization:
+        raise ConfigError("random-weight models are not quantized; drop quantization")
     if shapes not in RANDOM_SHAPES:
         raise ConfigError(f"unknown random model shapes {shapes!r}; one of {sorted(RANDOM_SHAPES)}")
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_path(), config.cache_dir))
@@ -246,16 +248,13 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
             bnb_4bit_quant_type="nf4",
         )
         kwargs["device_map"] = config.device
-    hf_config = AutoConfig.from_pretrained(path)
-    try:
-        model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except ImportError as err:
-        if not config.quantization:
-            raise
+    if config.quantization and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(
             f"{config.quantization} quantization needs bitsandbytes: "
-            f"pip install 'rag-kvcache[quant]' ({err})"
-        ) from err
+            "pip install 'rag-kvcache[quant]'"
+        )
+    hf_config = AutoConfig.from_pretrained(path)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not config.quantization:
         model.to(config.device)
     model.eval().requires_grad_(False)
@@ -400,6 +399,7 @@ class BufferedLayer(DynamicLayer):
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
         self.write_at: torch.Tensor | None = None  # positions for the next update, else append
+        self.write_end = 0  # 1 + the largest of write_at (known up front: no device sync)
         self.before_update: Callable[[], None] | None = None  # once, before the next update
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
@@ -421,7 +421,7 @@ class BufferedLayer(DynamicLayer):
             where: slice | torch.Tensor = slice(self.length, self.length + key_states.shape[-2])
             end = self.length + key_states.shape[-2]
         else:
-            where, end = self.write_at, max(self.length, int(self.write_at.max()) + 1)
+            where, end = self.write_at, max(self.length, self.write_end)
         if end > self.key_buffer.shape[-2]:  # out of room: grow by doubling
             grow = max(end, 2 * self.key_buffer.shape[-2]) - self.key_buffer.shape[-2]
             self.key_buffer = F.pad(self.key_buffer, (0, 0, 0, grow))
@@ -461,9 +461,10 @@ def before_layer_update(cache: Cache, calls: Sequence[Callable[[], None]]) -> No
 def write_at(cache: Cache, positions: torch.Tensor | None) -> None:
     """Make the next forward write its K/V at `positions` [T] of a buffered cache (overwriting
     what is there) instead of appending; None goes back to appending."""
+    end = 0 if positions is None else int(positions.max()) + 1  # one sync here, not per layer
     for layer in cache.layers:
         assert isinstance(layer, BufferedLayer)
-        layer.write_at = positions
+        layer.write_at, layer.write_end = positions, end
 
 
 class HookLayer(DynamicLayer):

@@ -70,21 +70,37 @@ def parse_safetensors(data: bytearray) -> tuple[dict[str, torch.Tensor], dict[st
         header: dict[str, Any] = json.loads(data[8 : 8 + length])
         start, size = 8 + length, len(data) - 8 - length
         metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
-        tensors = {}
+        buffer = memoryview(data)  # while views of it live, the bytearray cannot be resized
+        tensors, spans = {}, []
         for name, entry in header.items():
-            dtype, shape = DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
-            begin, end = (int(o) for o in entry["data_offsets"])
+            dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
+            begin, end = entry["data_offsets"]
+            if not all(type(d) is int and d >= 0 for d in (*shape, begin, end)):
+                raise ValueError(f"tensor {name!r}: shape and offsets must be integers >= 0")
             count = math.prod(shape)
-            if not 0 <= begin <= end <= size or end - begin != count * dtype.itemsize:
+            if not begin <= end <= size or end - begin != count * dtype.itemsize:
                 raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit {shape}")
-            flat = (
-                torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
-                if count
-                else torch.empty(0, dtype=dtype)
-            )
+            spans.append((begin, end))
+            if count == 0:
+                flat = torch.empty(0, dtype=dtype)
+            elif (start + begin) % dtype.itemsize:  # not from our writer: copy, aligned
+                flat = torch.frombuffer(bytearray(buffer[start + begin : start + end]), dtype=dtype)
+            else:
+                flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=start + begin)
             tensors[name] = flat.view(shape)
+        spans.sort()
+        if any(b < a_end for (_, a_end), (b, _) in zip(spans, spans[1:])):
+            raise ValueError("tensors overlap")
         return tensors, metadata
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
+    except (
+        struct.error,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        RuntimeError,
+        OverflowError,
+    ) as err:
         raise CorruptBlobError(f"not a valid safetensors buffer: {err}") from err
 
 

@@ -65,7 +65,13 @@ class DiskTier:
         try:
             with open(self.path(cache_id), "rb", buffering=0) as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
-                read = f.readinto(data)
+                view, read = memoryview(data), 0
+                while read < len(data):  # one read() returns at most ~2 GiB, or less
+                    got = f.readinto(view[read:])
+                    if not got:
+                        break
+                    read += got
+                view.release()
         except FileNotFoundError:
             return None
         return data if read == len(data) else data[:read]  # shrank while read: fails checks

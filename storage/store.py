@@ -197,7 +197,8 @@ class TieredStore:
             if isinstance(kv, str):  # missing or corrupt: re-encode (needs the model)
                 kv = self._repair(rows[cid], kv)
             self._keep_hot(kv, rows[cid].pinned)
-            found[cid] = kv
+            # the fastest hot copy (on the GPU, or pinned) if it was kept, else the one read
+            found[cid] = next((h for t in self.hot if (h := t.get(cid)) is not None), kv)
             hits[self.durable.name] += 1
         self.catalog.touch(cache_ids)
         for tier_name, n in hits.items():

@@ -67,6 +67,15 @@ def _with_header(header: dict, payload: bytes) -> bytearray:
         _with_header({"x": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"12345678"),
         _with_header({"x": {"dtype": "F32", "shape": [2]}}, b"12345678"),
         _with_header({"x": {"dtype": "F32", "shape": [-2], "data_offsets": [8, 0]}}, b"1234"),
+        _with_header({"x": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}}, b"1" * 8),
+        _with_header({"x": {"dtype": "F32", "shape": [float("inf")], "data_offsets": [0, 8]}}, b""),
+        _with_header(
+            {
+                "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"1" * 12,
+        ),
     ],
     ids=[
         "empty",
@@ -79,11 +88,27 @@ def _with_header(header: dict, payload: bytes) -> bytearray:
         "unknown-dtype",
         "no-offsets",
         "negative",
+        "fractional-dim",
+        "infinite-dim",
+        "overlapping",
     ],
 )
 def test_malformed_safetensors_is_a_corrupt_blob(data: bytearray) -> None:
     with pytest.raises(CorruptBlobError, match="not a valid safetensors"):
         parse_safetensors(data)
+
+
+def test_a_misaligned_tensor_is_copied_out_right() -> None:
+    """Blobs we write are aligned; one from elsewhere may not be: it is read through a copy."""
+    values = torch.tensor([1.5, -2.25], dtype=torch.float32)
+    data = _with_header(
+        {"x": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}},
+        b"\0" + values.numpy().tobytes(),
+    )
+    header_end = len(data) - 9
+    assert (header_end + 1) % 4  # the tensor really starts off a 4-byte boundary
+    tensors, _ = parse_safetensors(data)
+    assert torch.equal(tensors["x"], values)
 
 
 def test_checksums_new_and_legacy() -> None:

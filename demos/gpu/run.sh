@@ -2,15 +2,16 @@
 # Run ON the lent GPU machine, in the repository root, one stage per device call (a call may
 # carry at most 64 MiB and run at most 10 minutes; the machine keeps /tmp while it is warm, so
 # make the calls back to back). demos/gpu/README.md lists the calls with what each carries.
-#   install   wheels into /tmp/site, first model part          carry .whl + part-aa + sha256
-#   model     the other model parts joined and checked; GPU tests   carry part-ab, -ac + sha256
+#   install   wheels and this tree's package into /tmp/site; model part aa
+#   part      model part ab
+#   model     model part ac; the GGUF joined and checked; the GPU tests
 #   bench8b   Llama-3-8B shapes, random weights: bench ttft, store (per tier), prefix
 #   smollm2   SmolLM2: bench ttft per dtype and the development-set eval
 # Results go under $OUT (json + png, at most 8 files a call), to be committed under
 # demos/results/gpu/. DEVICE=cpu MODEL=random:tiny SMALL=1 dry-runs the bench stages here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-stage=${1:?stage: install | model | bench8b | smollm2}
+stage=${1:?stage: install | part | model | bench8b | smollm2}
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-random:llama-3-8b}
@@ -27,8 +28,14 @@ install)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+    --upgrade --target /tmp/site .  # this package as sent, not a wheel built earlier
   collect_parts
   python3 -P -c 'import torch, transformers, rag_kvcache; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'
+  ;;
+part)
+  collect_parts
+  ls -la "$PARTS"
   ;;
 model)
   collect_parts
