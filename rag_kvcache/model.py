@@ -176,26 +176,28 @@ def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
 
 # Shapes for speed measurements without weights to download (`path="random:NAME"`): the
 # architecture of a real model with random weights, and SmolLM2's tokenizer (vocab resized).
+_LLAMA3_ROPE: dict[str, Any] = dict(
+    max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    tie_word_embeddings=False,
+)
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(
+        _LLAMA3_ROPE,
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False,
     ),
-    "tiny": dict(  # the same code path at a size any CPU runs (the script's dry run)
+    # the same code path at a size any CPU runs (the GPU kit's dry run)
+    "tiny": dict(
+        _LLAMA3_ROPE,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False,
     ),
 }
 RANDOM_PREFIX = "random:"
