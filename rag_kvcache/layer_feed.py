@@ -6,6 +6,9 @@ transfer. `LayerFeed` instead queues every layer's host-to-device copies on a si
 once, in layer order, and the forward waits only for the layer it is about to use: layer i
 computes while layers i+1.. are still in flight. The keys arrive raw in a staging buffer and
 are rotated into place on the compute stream; values need no rotation and land directly.
+The staging buffer holds all layers' raw keys at once (a ring of a few layers' buffers
+would do, at the cost of the copy stream waiting on the compute stream; worth it only if
+the GPU runs show memory, not transfer, is what limits).
 
 Off CUDA there is nothing to overlap; the same per-layer placement runs synchronously, which
 is how the CPU tests check it against `linker.place_into` (the eager reference).
