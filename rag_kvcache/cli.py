@@ -411,7 +411,8 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
             report = store.verify(repair=args.repair, on_checked=lambda: progress.advance(task))
         console.print(
             f"checked {report.checked}: {len(report.corrupt)} corrupt, "
-            f"{len(report.missing)} missing, {report.repaired} repaired"
+            f"{len(report.missing)} missing, {report.repaired} repaired, "
+            f"{report.upgraded} checksums upgraded to xxh3-128"
         )
         bad = (len(report.corrupt) + len(report.missing)) - report.repaired
         return 1 if bad else 0

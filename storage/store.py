@@ -22,6 +22,7 @@ from typing import Protocol
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.storage.blob import (
+    XXH3,
     CorruptBlobError,
     checksum,
     checksum_matches,
@@ -64,6 +65,7 @@ class VerifyReport:
     corrupt: list[str]
     missing: list[str]
     repaired: int
+    upgraded: int = 0  # sha256 checksums (older stores) rewritten as xxh3-128
 
 
 class TieredStore:
@@ -269,8 +271,10 @@ class TieredStore:
     def verify(
         self, repair: bool = True, on_checked: Callable[[], None] | None = None
     ) -> VerifyReport:
-        """Re-read every stored blob and check it; re-encode bad ones when `repair`."""
-        corrupt, missing, repaired, rows = [], [], 0, self.catalog.all_chunks("stored")
+        """Re-read every stored blob and check it; re-encode bad ones when `repair`. A good
+        blob still under an older store's sha256 gets its xxh3-128 checksum (faster reads)."""
+        corrupt, missing, rows = [], [], self.catalog.all_chunks("stored")
+        repaired = upgraded = 0
         for row in rows:
             data = self.durable.get(row.cache_id)
             if data is None:
@@ -278,6 +282,11 @@ class TieredStore:
             elif row.checksum is None or not checksum_matches(data, row.checksum):
                 corrupt.append(row.cache_id)
             else:
+                if not row.checksum.startswith(XXH3):
+                    self.catalog.commit_chunk(
+                        row.cache_id, len(data), checksum(data), self.durable.name
+                    )
+                    upgraded += 1
                 if on_checked:
                     on_checked()
                 continue
@@ -288,7 +297,7 @@ class TieredStore:
                 repaired += 1
             if on_checked:
                 on_checked()
-        return VerifyReport(len(rows), corrupt, missing, repaired)
+        return VerifyReport(len(rows), corrupt, missing, repaired, upgraded)
 
     def nbytes(self) -> int:
         """Bytes of every stored blob (counted in SQL from the durable tier's placements)."""

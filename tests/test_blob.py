@@ -148,5 +148,9 @@ def test_a_store_written_with_sha256_checksums_still_serves(tmp_path, tiny32) ->
         tier.remove(kv.cache_id)
     (served,) = store.get([kv.cache_id])
     assert torch.equal(served.keys, kv.keys)
-    assert store.verify().corrupt == []
+    report = store.verify()
+    assert report.corrupt == [] and report.upgraded == 1  # now xxh3-128
+    row = store.catalog.chunk(kv.cache_id)
+    assert row is not None and row.checksum == checksum(blob)
+    assert store.verify().upgraded == 0
     store.close()
