@@ -113,11 +113,11 @@ class BatchDecoder:
                     self.finish(request, done)
             if not active:
                 continue
-            self.pack(active)  # the batch's private KV: one buffer for every active request
-            peak = max(peak, self.tree.nbytes + 2 * self._keys.numel() * self._keys.element_size())
             tick = time.perf_counter()
             self.step(active)
             decode_s += time.perf_counter() - tick
+            # the tree and the batch's packed private KV (one buffer for every active request)
+            peak = max(peak, self.tree.nbytes + 2 * self._keys.numel() * self._keys.element_size())
             steps, decode_tokens = steps + 1, decode_tokens + len(active)
             still: list[_Active] = []
             for request in active:
@@ -161,18 +161,14 @@ class BatchDecoder:
         assert leaf is not None
         self.tree.acquire(leaf)
         q = len(question)
-        own_k, own_v = linked_span(linked, linked.context_tokens, linked.length)
-        capacity = q + config.max_new_tokens  # packed into the batch's buffer (see `pack`)
-        keys = own_k.new_empty(*own_k.shape[:2], capacity, own_k.shape[-1])
-        values = torch.empty_like(keys)
-        keys[:, :, :q], values[:, :, :q] = own_k, own_v
+        keys, values = linked_span(linked, linked.context_tokens, linked.length)  # a copy
         return _Active(
             index=index,
             leaf=leaf,
-            keys=keys,
+            keys=keys,  # the question's; `pack` gives it room for the answer
             values=values,
             length=q,
-            capacity=capacity,
+            capacity=q + config.max_new_tokens,
             position=linked.length,
             prompt_tokens=linked.length,
             reused=found.tokens,

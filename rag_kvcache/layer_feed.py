@@ -37,14 +37,15 @@ class LayerFeed:
         offset: int = 0,
     ):
         self.keys, self.values, self.chunks, self.inv_freq = keys, values, chunks, inv_freq
-        self.spans: list[slice] = []
+        self.spans: list[slice] = []  # where each chunk goes in the buffers
+        self.staged_spans: list[slice] = []  # where it is staged (from 0, CUDA only)
         self.angles: list[tuple[torch.Tensor, torch.Tensor]] = []
         at = offset
         for c in chunks:
             self.spans.append(slice(at, at + c.num_tokens))
+            self.staged_spans.append(slice(at - offset, at - offset + c.num_tokens))
             self.angles.append(delta_angles(at - c.start, inv_freq, keys.dtype, keys.device))
             at += c.num_tokens
-        self.offset = offset
         self.events: list[torch.cuda.Event] = []
         self.staged: torch.Tensor | None = None  # raw keys on the model's device (CUDA only)
         if keys.device.type == "cuda":
@@ -53,14 +54,13 @@ class LayerFeed:
     def _queue_copies(self) -> None:
         device = self.keys.device
         layers, kv_heads, _, dim = self.keys.shape
-        length = self.spans[-1].stop - self.offset if self.spans else 0
+        length = self.staged_spans[-1].stop if self.staged_spans else 0
         staged = torch.empty(layers, kv_heads, length, dim, dtype=self.keys.dtype, device=device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # the buffers exist first
         with torch.cuda.stream(stream):
             for layer in range(layers):
-                for c, span in zip(self.chunks, self.spans, strict=True):
-                    local = slice(span.start - self.offset, span.stop - self.offset)
+                for c, span, local in zip(self.chunks, self.spans, self.staged_spans, strict=True):
                     staged[layer, :, local].copy_(c.keys[layer], non_blocking=True)
                     self.values[layer, :, span].copy_(c.values[layer], non_blocking=True)
                 event = torch.cuda.Event()
@@ -74,9 +74,11 @@ class LayerFeed:
         """Layer `layer` of every chunk into the buffers (waits for its copies on CUDA)."""
         if self.events:
             torch.cuda.current_stream(self.keys.device).wait_event(self.events[layer])
-        for c, span, angles in zip(self.chunks, self.spans, self.angles, strict=True):
+        for c, span, local, angles in zip(
+            self.chunks, self.spans, self.staged_spans, self.angles, strict=True
+        ):
             if self.staged is not None:
-                raw = self.staged[layer, :, span.start - self.offset : span.stop - self.offset]
+                raw = self.staged[layer, :, local]
             else:
                 raw = c.keys[layer].to(self.keys.device)
                 self.values[layer, :, span] = c.values[layer]

@@ -240,6 +240,11 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION}
     if config.quantization:
         # bitsandbytes' linear layers: 8-bit LLM.int8 or 4-bit NF4, on CUDA or (since 0.49) CPU
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(
+                f"{config.quantization} quantization needs bitsandbytes: "
+                "pip install 'rag-kvcache[quant]'"
+            )
         from transformers import BitsAndBytesConfig
 
         four = config.quantization == "4bit"
@@ -250,11 +255,6 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
             bnb_4bit_quant_type="nf4",
         )
         kwargs["device_map"] = config.device
-    if config.quantization and importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(
-            f"{config.quantization} quantization needs bitsandbytes: "
-            "pip install 'rag-kvcache[quant]'"
-        )
     hf_config = AutoConfig.from_pretrained(path)
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not config.quantization:
