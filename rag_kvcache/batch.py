@@ -5,8 +5,10 @@ as is, only the remaining chunks are linked (given it) and added to the tree, an
 keeps just its question and generated tokens privately. All active requests then decode
 together: one forward per step for the whole batch, where each layer's attention runs in two
 phases (`cascade_attention`): every tree node once for all requests passing through it, then
-each request's own tokens, merged by log-sum-exp. Requests leave the batch when done and
-waiting ones join between steps.
+each request's own tokens, merged by log-sum-exp. A node only one active request uses is
+kept in that request's row of the batch's KV instead (`BatchKV`), so a batch that shares
+nothing attends in one call per layer. Requests leave the batch when done and waiting ones
+join between steps.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rag_kvcache.batch_kv import BatchKV
 from rag_kvcache.cascade import cascade_attention
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.decoding import next_token
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.linker import LinkedPrefix, link, linked_span
+from rag_kvcache.linker import LinkedPrefix, link, linked_layers
 from rag_kvcache.model import LoadedModel, forward, hook_cache
 from rag_kvcache.prefix_tree import PrefixTree, TreeNode, path_to
 
@@ -53,14 +56,15 @@ class BatchStats:
 
 @dataclass(eq=False)
 class _Active:
-    """One request while it decodes: its tree path and its private KV (question + answer)."""
+    """One request while it decodes: its tree path and its own tokens (question + answer),
+    whose KV lives in its row of the batch (`BatchKV`) once it has one."""
 
     index: int
     leaf: TreeNode  # deepest node of its path in the tree
-    keys: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
-    values: torch.Tensor
-    length: int  # filled part of keys / values
-    capacity: int  # its question + max_new_tokens (its view of a packed buffer may be longer)
+    own_keys: list[torch.Tensor]  # the question's KV per layer, until it has a row
+    own_values: list[torch.Tensor]
+    length: int  # own tokens with KV
+    capacity: int  # its question + max_new_tokens
     position: int  # position of the next token
     prompt_tokens: int
     reused: int
@@ -83,12 +87,8 @@ class BatchDecoder:
         fetch: Callable[[list[str]], list[ChunkKV]],
     ):
         self.lm, self.tree, self.strategy, self.fetch = lm, tree, strategy, fetch
-        # the active requests' private KV side by side, [layers, B, kv_heads, capacity, dim]:
-        # each request's keys / values are views of its row, so a step writes every row's new
-        # token in one op and attends to the rows without stacking them; repacked only when
-        # the batch changes
-        self._packed: list[_Active] = []
-        self._keys = self._values = torch.empty(0)
+        self.kv = BatchKV()  # the active requests' rows, laid out again when the batch changes
+        self.peak_bytes = 0  # prefix tree + rows, at the fullest (moves included)
 
     def run(
         self,
@@ -100,7 +100,7 @@ class BatchDecoder:
         waiting = list(enumerate(requests))
         active: list[_Active] = []
         done: list[_Active] = []
-        steps = decode_tokens = peak = 0
+        steps = decode_tokens = 0
         decode_s = 0.0
         while waiting or active:
             while waiting and len(active) < max_batch:
@@ -116,8 +116,7 @@ class BatchDecoder:
             tick = time.perf_counter()
             self.step(active)
             decode_s += time.perf_counter() - tick
-            # the tree and the batch's packed private KV (one buffer for every active request)
-            peak = max(peak, self.tree.nbytes + 2 * self._keys.numel() * self._keys.element_size())
+            self.peak_bytes = max(self.peak_bytes, self.tree_nbytes() + self.kv.nbytes)
             steps, decode_tokens = steps + 1, decode_tokens + len(active)
             still: list[_Active] = []
             for request in active:
@@ -126,9 +125,9 @@ class BatchDecoder:
                 else:
                     self.finish(request, done)
             active = still
-        self._packed, self._keys, self._values = [], torch.empty(0), torch.empty(0)
+        self.pack([])  # inlined nodes get their own copies back; the rows go
         done.sort(key=lambda a: a.index)
-        return done, BatchStats(steps, decode_tokens, decode_s, peak)
+        return done, BatchStats(steps, decode_tokens, decode_s, self.peak_bytes)
 
     def admit(
         self, index: int, path: list[str], question: list[int], config: GenerationConfig
@@ -138,19 +137,20 @@ class BatchDecoder:
         found = self.tree.match(path)
         prefix = None
         if found.nodes:
+            layers = range(len(found.nodes[0].keys))
             prefix = LinkedPrefix(
-                torch.cat([n.keys for n in found.nodes], dim=2),
-                torch.cat([n.values for n in found.nodes], dim=2),
+                torch.stack([torch.cat([n.keys[i] for n in found.nodes], dim=1) for i in layers]),
+                torch.stack([torch.cat([n.values[i] for n in found.nodes], dim=1) for i in layers]),
                 tuple(t for c in chunks[: found.chunks] for t in c.token_ids),
             )
         rest = chunks[found.chunks :]
         linked = link(self.lm, rest, question, self.strategy, prefix=prefix)
         leaf = found.nodes[-1] if found.nodes else None
         if rest:
-            keys, values = linked_span(linked, found.tokens, linked.context_tokens)
+            keys, values = linked_layers(linked, found.tokens, linked.context_tokens)
             if leaf is not None:
                 self.tree.acquire(leaf)  # making room must not evict the path we extend
-            self.tree.evict(2 * keys.numel() * keys.element_size())
+            self.tree.evict(2 * sum(k.numel() * k.element_size() for k in keys))
             sizes = [c.num_tokens for c in rest]
             parent, leaf = (
                 leaf,
@@ -161,12 +161,12 @@ class BatchDecoder:
         assert leaf is not None
         self.tree.acquire(leaf)
         q = len(question)
-        keys, values = linked_span(linked, linked.context_tokens, linked.length)  # a copy
+        keys, values = linked_layers(linked, linked.context_tokens, linked.length)
         return _Active(
             index=index,
             leaf=leaf,
-            keys=keys,  # the question's; `pack` gives it room for the answer
-            values=values,
+            own_keys=keys,  # the question's; its row in the batch gives it room for the answer
+            own_values=values,
             length=q,
             capacity=q + config.max_new_tokens,
             position=linked.length,
@@ -191,27 +191,19 @@ class BatchDecoder:
 
     def finish(self, request: _Active, done: list[_Active]) -> None:
         self.tree.release(request.leaf)
-        request.keys = request.values = torch.empty(0)
+        request.own_keys = request.own_values = []
         done.append(request)
 
     def pack(self, active: list[_Active]) -> None:
-        """Lay the active requests' private KV side by side (see __init__), if the batch
-        changed since the last step."""
-        if len(active) == len(self._packed) and all(
-            a is b for a, b in zip(active, self._packed, strict=True)
-        ):
-            return
-        first = active[0].keys
-        capacity = max(a.capacity for a in active)
-        shape = (first.shape[0], len(active), first.shape[1], capacity, first.shape[3])
-        # zeros, not empty: the batch reads past a request's length (masked, but 0 * NaN = NaN)
-        keys = first.new_zeros(shape)
-        values = torch.zeros_like(keys)
-        for row, a in enumerate(active):
-            keys[:, row, :, : a.length] = a.keys[:, :, : a.length]
-            values[:, row, :, : a.length] = a.values[:, :, : a.length]
-            a.keys, a.values = keys[:, row], values[:, row]
-        self._packed, self._keys, self._values = list(active), keys, values
+        """Give the active requests their rows (if the batch changed), counting the move."""
+        inlined = self.kv.inlined()
+        others = sum(n.nbytes for n in self.tree.nodes() if n not in inlined)
+        self.peak_bytes = max(self.peak_bytes, others + self.kv.pack(list(active)))
+
+    def tree_nbytes(self) -> int:
+        """The tree's nodes not held in the batch's rows."""
+        inlined = self.kv.inlined()
+        return sum(n.nbytes for n in self.tree.nodes() if n not in inlined)
 
     def step(self, active: list[_Active]) -> None:
         """One batched forward: every active request's last token at its own position."""
@@ -219,16 +211,18 @@ class BatchDecoder:
         self.pack(active)
         ids = torch.tensor([[a.tokens[-1]] for a in active], device=device)
         positions = torch.tensor([[a.position] for a in active], device=device)
-        rows_of: dict[TreeNode, list[int]] = {}
-        for row, request in enumerate(active):
+        rows_of: dict[TreeNode, list[int]] = {}  # nodes outside the rows: attended as parts
+        for row, (request, layout) in enumerate(zip(active, self.kv.layouts, strict=True)):
             for node in path_to(request.leaf):
-                rows_of.setdefault(node, []).append(row)
+                if node not in layout.inlined:
+                    rows_of.setdefault(node, []).append(row)
         every_row = torch.arange(len(active), device=device)
-        at = torch.tensor([a.length for a in active], device=device)  # each row's new slot
+        at = torch.tensor(self.kv.ends(), device=device)  # each row's new slot
+        rows_k, rows_v = self.kv.keys, self.kv.values
 
         def store_new(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            self._keys[layer, every_row, :, at] = keys[:, :, 0]  # keys [B, kv_heads, 1, dim]
-            self._values[layer, every_row, :, at] = values[:, :, 0]
+            rows_k[layer][every_row, :, at] = keys[:, :, 0]  # keys [B, kv_heads, 1, dim]
+            rows_v[layer][every_row, :, at] = values[:, :, 0]
 
         lengths = at + 1  # + the new token
         longest = int(lengths.max())
@@ -238,8 +232,8 @@ class BatchDecoder:
                 (node.keys[layer].transpose(0, 1), node.values[layer].transpose(0, 1), rows)
                 for node, rows in rows_of.items()
             ]
-            own_k = self._keys[layer, :, :, :longest].transpose(1, 2)  # [B, tokens, kv, dim]
-            own_v = self._values[layer, :, :, :longest].transpose(1, 2)
+            own_k = rows_k[layer][:, :, :longest].transpose(1, 2)  # [B, tokens, kv, dim]
+            own_v = rows_v[layer][:, :, :longest].transpose(1, 2)
             out = cascade_attention(query[:, :, 0], shared, scale, (own_k, own_v, lengths))
             return out[:, None]  # [B, 1, heads, head_dim]
 

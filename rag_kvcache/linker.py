@@ -134,6 +134,18 @@ def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tens
     return keys, values
 
 
+def linked_layers(
+    linked: LinkedContext, start: int, end: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`linked_span` as one copy per layer, [kv_heads, end - start, head_dim] each (what the
+    prefix tree and the batch keep: KV that can move a layer at a time)."""
+    layers = unpack_cache(linked.cache)
+    return (
+        [k[0, :, start:end].clone() for k, _ in layers],
+        [v[0, :, start:end].clone() for _, v in layers],
+    )
+
+
 def link_mask(new_positions: torch.Tensor, length: int) -> torch.Tensor:
     """Boolean [N, length]: a new token at position p sees every position <= p.
 

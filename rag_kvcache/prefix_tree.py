@@ -10,6 +10,10 @@ A request holds a reference to its path (by its deepest node: `acquire(leaf)` co
 up to the root) while it decodes; eviction removes only unreferenced leaves, least recently used
 first, until the tree fits its byte budget. Splitting keeps the lower part as the same object,
 so a request's deepest node stays valid and `path_to(leaf)` always gives its current nodes.
+
+A node keeps one tensor per layer, so that its KV can move layer by layer (the batch decoder
+lays a node used by one request inside that request's row of the batch buffer, see
+`batch_kv.py`) without ever holding two copies of every layer at once.
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ import torch
 
 @dataclass(eq=False)
 class TreeNode:
-    """A run of chunks' linked KV: keys/values [layers, kv_heads, tokens, head_dim]."""
+    """A run of chunks' linked KV: keys / values per layer, each [kv_heads, tokens, head_dim]."""
 
     cache_ids: tuple[str, ...]
     sizes: tuple[int, ...]  # tokens of each chunk in the run
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
     start: int  # position of the run's first token
     parent: TreeNode | None
     children: dict[str, TreeNode] = field(default_factory=dict)  # by first cache ID
@@ -45,7 +49,11 @@ class TreeNode:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return 2 * sum(k.numel() * k.element_size() for k in self.keys)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as [layers, kv_heads, tokens, head_dim] (a copy)."""
+        return torch.stack(self.keys), torch.stack(self.values)
 
 
 @dataclass(frozen=True)
@@ -108,17 +116,19 @@ class PrefixTree:
         parent: TreeNode | None,
         cache_ids: Sequence[str],
         sizes: Sequence[int],
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
     ) -> TreeNode:
-        """Add a run of chunks (their linked KV) under `parent` (None: a root)."""
+        """Add a run of chunks (their linked KV per layer, [kv_heads, tokens, head_dim] each,
+        or one [layers, ...] tensor) under `parent` (None: a root). The node keeps the
+        tensors given, not copies."""
         siblings = self.roots if parent is None else parent.children
         if cache_ids[0] in siblings:
             raise ValueError(f"a child starting with {cache_ids[0]} exists: match() first")
-        if keys.shape[2] != sum(sizes):
-            raise ValueError(f"{keys.shape[2]} tokens of KV for chunks of {sum(sizes)} tokens")
+        if keys[0].shape[1] != sum(sizes):
+            raise ValueError(f"{keys[0].shape[1]} tokens of KV for chunks of {sum(sizes)} tokens")
         start = parent.end if parent is not None else 0
-        node = TreeNode(tuple(cache_ids), tuple(sizes), keys, values, start, parent)
+        node = TreeNode(tuple(cache_ids), tuple(sizes), list(keys), list(values), start, parent)
         node.last_used = next(self._clock)
         siblings[cache_ids[0]] = node
         return node
@@ -131,8 +141,8 @@ class PrefixTree:
         upper = TreeNode(
             node.cache_ids[:at],
             node.sizes[:at],
-            node.keys[:, :, :cut].clone(),
-            node.values[:, :, :cut].clone(),
+            [k[:, :cut].clone() for k in node.keys],
+            [v[:, :cut].clone() for v in node.values],
             node.start,
             node.parent,
             refs=node.refs,
@@ -141,7 +151,8 @@ class PrefixTree:
         siblings = self.roots if node.parent is None else node.parent.children
         siblings[upper.cache_ids[0]] = upper
         node.cache_ids, node.sizes = node.cache_ids[at:], node.sizes[at:]
-        node.keys, node.values = node.keys[:, :, cut:].clone(), node.values[:, :, cut:].clone()
+        node.keys = [k[:, cut:].clone() for k in node.keys]
+        node.values = [v[:, cut:].clone() for v in node.values]
         node.start, node.parent = node.start + cut, upper
         upper.children = {node.cache_ids[0]: node}
         return upper

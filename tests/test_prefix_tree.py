@@ -53,7 +53,7 @@ def test_match_insert_and_split() -> None:
     for path in [("c0", "c1", "c2", "c3"), ("c0", "c1", "c5")]:
         found = tree.match(path)
         assert found.chunks == len(path)
-        keys = torch.cat([n.keys for n in found.nodes], dim=2)
+        keys = torch.cat([n.stacked()[0] for n in found.nodes], dim=2)
         torch.testing.assert_close(keys, expected_kv(path)[0], rtol=0, atol=0)
     with pytest.raises(ValueError, match="exists"):
         tree.insert(None, ["c0"], [1], *linked_kv(("c0",)))
@@ -106,8 +106,8 @@ def test_random_operations_keep_the_invariants(seed: int) -> None:
             assert nodes[0].parent is None and nodes[0] in tree.roots.values()
         for node in tree.nodes():
             path = tuple(c for n in path_to(node) for c in n.cache_ids)
-            keys = torch.cat([n.keys for n in path_to(node)], dim=2)
-            values = torch.cat([n.values for n in path_to(node)], dim=2)
+            keys = torch.cat([n.stacked()[0] for n in path_to(node)], dim=2)
+            values = torch.cat([n.stacked()[1] for n in path_to(node)], dim=2)
             want_k, want_v = expected_kv(path)
             assert torch.equal(keys, want_k) and torch.equal(values, want_v)
             assert node.start == sum(SIZES[c] for c in path) - node.tokens
