@@ -198,7 +198,7 @@ class BatchDecoder:
         """Give the active requests their rows (if the batch changed), counting the move."""
         inlined = self.kv.inlined()
         others = sum(n.nbytes for n in self.tree.nodes() if n not in inlined)
-        self.peak_bytes = max(self.peak_bytes, others + self.kv.pack(list(active)))
+        self.peak_bytes = max(self.peak_bytes, others + self.kv.pack(active))
 
     def tree_nbytes(self) -> int:
         """The tree's nodes not held in the batch's rows."""

@@ -22,6 +22,7 @@ out copies the batch's KV once, what transformers' DynamicCache does at every st
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +56,7 @@ class BatchKV:
 
     def __init__(self) -> None:
         self.members: list[Member] = []
+        self.paths: list[tuple[TreeNode, ...]] = []  # each member's path when laid out
         self.layouts: list[Layout] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -71,19 +73,19 @@ class BatchKV:
         """Each row's filled length: its inlined tokens and its own."""
         return [lay.offset + m.length for lay, m in zip(self.layouts, self.members, strict=True)]
 
-    def pack(self, members: list[Member]) -> int:
-        """Give `members` (row order) their rows, if the batch changed since the last call;
-        `pack([])` hands every inlined node its own copy back and frees the rows. Returns the
-        most bytes held at once while moving, counting the rows (old and new) and the nodes
-        moving in or out of them (0 if nothing moved); add the tree's other nodes for a peak."""
-        if len(members) == len(self.members) and all(
-            a is b for a, b in zip(members, self.members, strict=True)
-        ):
-            return 0
-        users = Counter(node for m in members for node in path_to(m.leaf))
+    def pack(self, members: Sequence[Member]) -> int:
+        """Give `members` (row order) their rows, if the batch or a member's path (a split)
+        changed since the last call; `pack([])` hands every inlined node its own copy back and
+        frees the rows. Returns the most bytes held at once, counting the rows (old and new)
+        and the nodes moving in or out of them: with the bytes of the tree's nodes outside
+        the rows before the call, the peak."""
+        paths = [tuple(path_to(m.leaf)) for m in members]  # a split changes a path
+        if paths == self.paths and all(a is b for a, b in zip(members, self.members)):
+            return self.nbytes
+        users = Counter(node for path in paths for node in path)
         layouts = []
-        for m in members:
-            inlined = tuple(n for n in path_to(m.leaf) if users[n] == 1)
+        for path in paths:
+            inlined = tuple(n for n in path if users[n] == 1)
             layouts.append(Layout(inlined, sum(n.tokens for n in inlined)))
         capacity = max((lay.offset + m.capacity for lay, m in zip(layouts, members)), default=0)
         staying = {n for lay in layouts for n in lay.inlined}
@@ -116,7 +118,7 @@ class BatchKV:
                 if old is not None:
                     rows[layer] = old.new_empty(0)  # drop the old layer now, not at the end
                     held -= old.numel() * old.element_size()
-        self.members, self.layouts = list(members), layouts
+        self.members, self.paths, self.layouts = list(members), paths, layouts
         self.keys, self.values = new_keys, new_values
         for m in members:
             m.own_keys, m.own_values = [], []
@@ -126,7 +128,7 @@ class BatchKV:
     def _lay_out(
         side: str,
         layer: int,
-        members: list[Member],
+        members: Sequence[Member],
         layouts: list[Layout],
         capacity: int,
         old: torch.Tensor | None,

@@ -1,0 +1,154 @@
+"""BatchKV: through random joins, leaves and node splits, each row holds exactly its request's
+inlined nodes and own tokens, the tree's KV never changes, and nothing is stored twice."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from rag_kvcache.batch_kv import BatchKV, shares_storage
+from rag_kvcache.prefix_tree import PrefixTree, TreeNode, path_to
+
+LAYERS, KV_HEADS, DIM = 3, 2, 4
+
+
+@dataclass(eq=False)
+class Request:
+    leaf: TreeNode
+    length: int
+    capacity: int
+    own_keys: list[torch.Tensor]
+    own_values: list[torch.Tensor]
+    want_keys: torch.Tensor  # [layers, kv_heads, capacity, dim]: what its own tokens hold
+    want_values: torch.Tensor
+
+
+def chunk_kv(path: tuple[str, ...], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The linked KV of the chunk ending `path`: a function of the whole path (as linking is)."""
+    g = torch.Generator().manual_seed(zlib.crc32("/".join(path).encode()))
+    kv = torch.randn(2, LAYERS, KV_HEADS, size, DIM, generator=g, dtype=torch.float64)
+    return kv[0], kv[1]
+
+
+def expected(node: TreeNode) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = [c for n in path_to(node.parent) for c in n.cache_ids]
+    parts = []
+    for cid, size in zip(node.cache_ids, node.sizes, strict=True):
+        ids.append(cid)
+        parts.append(chunk_kv(tuple(ids), size))
+    return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
+
+def build_tree(rng: random.Random) -> tuple[PrefixTree, list[list[str]]]:
+    """Runs of 1-3 chunks: a system prompt, then branches."""
+    tree = PrefixTree(budget_bytes=2**40)
+    paths = [["sys"] + [f"c{rng.randrange(4)}" for _ in range(rng.randint(0, 4))] for _ in range(8)]
+    for path in paths:
+        found = tree.match(path)
+        rest = path[found.chunks :]
+        if not rest:
+            continue
+        parent = found.nodes[-1] if found.nodes else None
+        sizes = [1 + len(c) % 3 + i % 2 for i, c in enumerate(rest)]
+        prefix = tuple(path[: found.chunks])
+        kvs = [chunk_kv(prefix + tuple(rest[: i + 1]), s) for i, s in enumerate(sizes)]
+        keys = torch.cat([k for k, _ in kvs], dim=2)
+        values = torch.cat([v for _, v in kvs], dim=2)
+        tree.insert(parent, rest, sizes, [k.clone() for k in keys], [v.clone() for v in values])
+    return tree, paths
+
+
+def new_request(tree: PrefixTree, path: list[str], rng: random.Random) -> Request:
+    leaf = tree.match(path).nodes[-1]
+    question = rng.randint(1, 3)
+    capacity = question + rng.randint(0, 3)
+    want_k = torch.randn(LAYERS, KV_HEADS, capacity, DIM, dtype=torch.float64)
+    want_v = torch.randn(LAYERS, KV_HEADS, capacity, DIM, dtype=torch.float64)
+    own_k = [k[:, :question].clone() for k in want_k]
+    own_v = [v[:, :question].clone() for v in want_v]
+    return Request(leaf, question, capacity, own_k, own_v, want_k, want_v)
+
+
+def outside(tree: PrefixTree, batch: BatchKV) -> int:
+    """Bytes of the tree's nodes that do not live in the rows."""
+    return sum(n.nbytes for n in tree.nodes() if n not in batch.inlined())
+
+
+def check(batch: BatchKV, tree: PrefixTree, members: list[Request]) -> None:
+    users: dict[TreeNode, int] = {}
+    for m in members:
+        for node in path_to(m.leaf):
+            users[node] = users.get(node, 0) + 1
+    for node in tree.nodes():  # the tree's KV is intact, wherever it lives
+        want_k, want_v = expected(node)
+        assert torch.equal(torch.stack(node.keys), want_k)
+        assert torch.equal(torch.stack(node.values), want_v)
+    assert batch.ends() == [lay.offset + m.length for lay, m in zip(batch.layouts, members)]
+    for row, (m, layout) in enumerate(zip(members, batch.layouts, strict=True)):
+        # inlined: exactly the nodes of its path that no other active request uses
+        assert layout.inlined == tuple(n for n in path_to(m.leaf) if users[n] == 1)
+        for layer in range(LAYERS):
+            for rows, side, want in (
+                (batch.keys, "keys", m.want_keys),
+                (batch.values, "values", m.want_values),
+            ):
+                at = 0
+                for node in layout.inlined:
+                    kv = getattr(node, side)[layer]
+                    assert shares_storage(kv, rows[layer])  # stored once, in the row
+                    assert torch.equal(rows[layer][row, :, at : at + node.tokens], kv)
+                    at += node.tokens
+                assert at == layout.offset
+                own = rows[layer][row, :, at : at + m.length]
+                assert torch.equal(own, want[layer][:, : m.length])
+                assert not rows[layer][row, :, at + m.length :].any()  # zero past its end
+    inlined = batch.inlined()
+    for node in tree.nodes():
+        if node not in inlined:
+            assert all(not shares_storage(k, r) for k in node.keys for r in batch.keys)
+
+
+def test_rows_follow_joins_leaves_and_splits() -> None:
+    rng = random.Random(7)
+    splits = 0
+    for _ in range(5):
+        tree, paths = build_tree(rng)
+        batch = BatchKV()
+        members: list[Request] = []
+        for _ in range(12):
+            members = [m for m in members if rng.random() > 0.3]  # some leave
+            if rng.random() < 0.5:  # a path leaving a run midway splits its node
+                victim = rng.choice(paths)
+                before = len(tree.nodes())
+                tree.match([*victim[: rng.randint(1, len(victim))], "elsewhere"])
+                splits += len(tree.nodes()) - before
+            for _ in range(rng.randint(0, 3)):  # some join
+                members.append(new_request(tree, rng.choice(paths), rng))
+            if not members:
+                continue
+            before = outside(tree, batch) + batch.nbytes
+            moved = outside(tree, batch) + batch.pack(members)  # the peak while moving
+            assert moved >= max(before, outside(tree, batch) + batch.nbytes)
+            rows = batch.keys
+            assert batch.pack(members) == batch.nbytes  # the same batch: nothing moves
+            assert batch.keys is rows
+            check(batch, tree, members)
+            for row, m in enumerate(members):  # a decode step writes one token each
+                if m.length < m.capacity:
+                    at = batch.ends()[row]
+                    for layer in range(LAYERS):
+                        batch.keys[layer][row, :, at] = m.want_keys[layer][:, m.length]
+                        batch.values[layer][row, :, at] = m.want_values[layer][:, m.length]
+                    m.length += 1
+            check(batch, tree, members)
+        batch.pack([])  # the end of a run: every node owns its KV again, the rows are gone
+        assert batch.keys == [] and batch.nbytes == 0
+        for node in tree.nodes():
+            for k in (*node.keys, *node.values):
+                assert k.untyped_storage().nbytes() == k.numel() * k.element_size()
+            want_k, _ = expected(node)
+            assert torch.equal(torch.stack(node.keys), want_k)
+    assert splits > 0  # the splits did happen, some of them to inlined nodes
