@@ -115,14 +115,17 @@ def fused_padded_attention_with_lse(
     float64, without the kernel, or when a row has no keys."""
     if _FLASH_CPU is None or q.device.type != "cpu" or q.dtype == torch.float64:
         return padded_attention_with_lse(q, k, v, lengths, scale)
-    if int(lengths.min()) < 1:
+    shortest = int(lengths.min())
+    if shortest < 1:
         return padded_attention_with_lse(q, k, v, lengths, scale)
     n, heads, dim = q.shape
     _, tokens, kv_heads, _ = k.shape
     group = heads // kv_heads
-    unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
-    mask = torch.zeros(n, 1, 1, tokens, dtype=q.dtype, device=q.device)
-    mask.masked_fill_(unused[:, None, None, :], float("-inf"))
+    mask = None  # every row uses every key: no mask to build or read
+    if shortest < tokens:
+        unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
+        mask = torch.zeros(n, 1, 1, tokens, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(unused[:, None, None, :], float("-inf"))
     qg = q.reshape(n, kv_heads, group, dim)
     out, lse = _FLASH_CPU(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(n, heads, -1), lse.reshape(n, heads)

@@ -140,10 +140,10 @@ def test_the_fused_padded_kernel_equals_the_reference(dtype, tol) -> None:
     q = torch.randn(5, 9, 64, generator=g).to(dtype)
     k = torch.randn(5, 40, 3, 64, generator=g).to(dtype)
     v = torch.randn(5, 40, 3, 64, generator=g).to(dtype)
-    lengths = torch.tensor([40, 1, 17, 3, 39])
-    out, lse = fused_padded_attention_with_lse(q, k, v, lengths, 0.125)
-    want_out, want_lse = padded_attention_with_lse(
-        q.double(), k.double(), v.double(), lengths, 0.125
-    )
-    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+    for lengths in (torch.tensor([40, 1, 17, 3, 39]), torch.full((5,), 40)):  # masked, not
+        out, lse = fused_padded_attention_with_lse(q, k, v, lengths, 0.125)
+        want_out, want_lse = padded_attention_with_lse(
+            q.double(), k.double(), v.double(), lengths, 0.125
+        )
+        torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
