@@ -13,6 +13,10 @@ leaves the other part unchanged.
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+
 import torch
 
 
@@ -73,11 +77,17 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 def fused_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention_with_lse` through torch's fused CPU flash-attention kernel, which also
-    returns the LSE (natural log). The query's head groups are laid out as extra query rows
-    of their KV head, so grouped KV is read once, never repeated. Falls back to the
-    reference off the CPU, in float64, or without the kernel."""
-    if _FLASH_CPU is None or q.device.type != "cpu" or q.dtype == torch.float64 or not len(k):
+    """`attention_with_lse` (the shared phase) on the fastest kernel where q lives, chosen
+    here and nowhere else: our Triton kernel on a CUDA GPU (`cascade_triton.py`; off with
+    RAG_KVCACHE_TRITON=0), torch's fused flash-attention kernel on the CPU, which also
+    returns the LSE (natural log). Either lays the query's head groups out as extra query
+    rows of their KV head, so grouped KV is read once, never repeated. The reference in
+    float64, with no keys, or without a kernel."""
+    if q.dtype == torch.float64 or not len(k):
+        return attention_with_lse(q, k, v, scale)
+    if q.device.type == "cuda" and (kernel := triton_kernel()) is not None:
+        return kernel(q, k, v, scale)
+    if q.device.type != "cpu" or _FLASH_CPU is None:
         return attention_with_lse(q, k, v, scale)
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -86,6 +96,19 @@ def fused_attention_with_lse(
     out, lse = _FLASH_CPU(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale)
     out = out[0].reshape(kv_heads, n, group, -1).transpose(0, 1).reshape(n, heads, -1)
     return out, lse[0].reshape(kv_heads, n, group).transpose(0, 1).reshape(n, heads)
+
+
+@functools.cache
+def triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The Triton shared-phase kernel, or None where Triton is not installed (it comes with
+    torch's CUDA builds) or RAG_KVCACHE_TRITON=0 turns it off."""
+    if os.environ.get("RAG_KVCACHE_TRITON", "1") == "0":
+        return None
+    try:
+        from rag_kvcache.cascade_triton import triton_attention_with_lse
+    except ImportError:
+        return None
+    return triton_attention_with_lse
 
 
 def padded_attention_with_lse(

@@ -1,5 +1,6 @@
 """The CUDA paths, on an NVIDIA GPU: chunks fed layer by layer from CPU-pinned memory, the GPU
-and pinned CPU tiers, the engine and batched decoding on the device.
+and pinned CPU tiers, the cascade's Triton kernel, the engine and batched decoding on the
+device.
 
 Skipped where there is no GPU (CI, the 2-core box); run them on the device machine as
 demos/gpu/README.md says, which is also where they are reported."""
@@ -13,6 +14,7 @@ from transformers import LlamaForCausalLM
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.batch import BatchRequest
+from rag_kvcache.cascade import attention_with_lse, fused_attention_with_lse, triton_kernel
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.decoding import prefill
 from rag_kvcache.encoder import encode_chunks
@@ -89,3 +91,26 @@ def test_smollm2_on_the_gpu_full_link_equals_prefill_and_batches_equal_alone() -
     for request, answer in zip(requests, result.answers, strict=True):
         alone = engine.generate(request.query, list(request.cache_ids))
         assert answer.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_the_triton_shared_phase_kernel_is_chosen_on_the_gpu_and_equals_the_reference(
+    dtype, tol
+) -> None:
+    assert triton_kernel() is not None  # torch's CUDA builds bring Triton: the kernel runs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # (requests, heads, kv_heads, tokens, head_dim): Llama-3-8B's heads at 1 and 2080 keys,
+    # SmolLM2's, and a batch larger than one block of rows
+    for n, heads, kv_heads, tokens, dim in [
+        (1, 32, 8, 1, 128),
+        (32, 32, 8, 2080, 128),
+        (5, 9, 3, 100, 64),
+        (40, 9, 3, 700, 64),
+    ]:
+        q = torch.randn(n, heads, dim, device="cuda", generator=g).to(dtype)
+        k, v = torch.randn(2, kv_heads, tokens, dim, device="cuda", generator=g).to(dtype)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # as tree nodes hold them
+        out, lse = fused_attention_with_lse(q, k, v, dim**-0.5)
+        want_out, want_lse = attention_with_lse(q.double(), k.double(), v.double(), dim**-0.5)
+        torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-3, rtol=1e-3)
