@@ -196,9 +196,8 @@ class BatchDecoder:
 
     def pack(self, active: list[_Active]) -> None:
         """Give the active requests their rows (if the batch changed), counting the move."""
-        inlined = self.kv.inlined()
-        others = sum(n.nbytes for n in self.tree.nodes() if n not in inlined)
-        self.peak_bytes = max(self.peak_bytes, others + self.kv.pack(active))
+        outside = self.tree_nbytes()  # before the move: nodes may move in or out of rows
+        self.peak_bytes = max(self.peak_bytes, outside + self.kv.pack(active))
 
     def tree_nbytes(self) -> int:
         """The tree's nodes not held in the batch's rows."""
