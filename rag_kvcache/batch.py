@@ -196,13 +196,14 @@ class BatchDecoder:
 
     def pack(self, active: list[_Active]) -> None:
         """Give the active requests their rows (if the batch changed), counting the move."""
+        if not self.kv.changed(active):
+            return
         outside = self.tree_nbytes()  # before the move: nodes may move in or out of rows
         self.peak_bytes = max(self.peak_bytes, outside + self.kv.pack(active))
 
     def tree_nbytes(self) -> int:
-        """The tree's nodes not held in the batch's rows."""
-        inlined = self.kv.inlined()
-        return sum(n.nbytes for n in self.tree.nodes() if n not in inlined)
+        """The tree's KV not held in the batch's rows."""
+        return self.kv.outside_nbytes(self.tree.nodes())
 
     def step(self, active: list[_Active]) -> None:
         """One batched forward: every active request's last token at its own position."""

@@ -66,12 +66,30 @@ class BatchKV:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def inlined(self) -> set[TreeNode]:
-        """Tree nodes that live in the rows."""
+        """Tree nodes laid out in the rows."""
         return {node for layout in self.layouts for node in layout.inlined}
+
+    def outside_nbytes(self, nodes: list[TreeNode]) -> int:
+        """Bytes of the nodes' KV that does not live in the rows (checked per tensor, so a
+        node counts wherever its KV really is)."""
+        total = 0
+        for node in nodes:
+            for side, rows in ((node.keys, self.keys), (node.values, self.values)):
+                for layer, t in enumerate(side):
+                    if not (rows and shares_storage(t, rows[layer])):
+                        total += t.numel() * t.element_size()
+        return total
 
     def ends(self) -> list[int]:
         """Each row's filled length: its inlined tokens and its own."""
         return [lay.offset + m.length for lay, m in zip(self.layouts, self.members, strict=True)]
+
+    def changed(self, members: Sequence[Member]) -> bool:
+        """Whether the batch or a member's path (a split) changed since the last layout."""
+        return len(members) != len(self.members) or any(
+            a is not b or tuple(path_to(a.leaf)) != path
+            for a, b, path in zip(members, self.members, self.paths)
+        )
 
     def pack(self, members: Sequence[Member]) -> int:
         """Give `members` (row order) their rows, if the batch or a member's path (a split)
@@ -79,9 +97,9 @@ class BatchKV:
         frees the rows. Returns the most bytes held at once, counting the rows (old and new)
         and the nodes moving in or out of them: with the bytes of the tree's nodes outside
         the rows before the call, the peak."""
-        paths = [tuple(path_to(m.leaf)) for m in members]  # a split changes a path
-        if paths == self.paths and all(a is b for a, b in zip(members, self.members)):
+        if not self.changed(members):
             return self.nbytes
+        paths = [tuple(path_to(m.leaf)) for m in members]
         users = Counter(node for path in paths for node in path)
         layouts = []
         for path in paths:

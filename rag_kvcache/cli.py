@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--prefixes", type=_csv, default=["1024", "2048"])
     prefix.add_argument("--batches", type=_csv, default=["1", "8", "32"])
     prefix.add_argument("--new-tokens", type=int, default=64)
+    prefix.add_argument(
+        "--repeats", type=int, default=1, help="runs of each case, alternating; the best counts"
+    )
     prefix.add_argument("--dtype", default="float32")
     prefix.add_argument("--model", default=None, help=MODEL_HELP)
     prefix.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -464,6 +467,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             args.dtype,
             model_path=args.model,
             device=args.device,
+            repeats=args.repeats,
         )
         columns: dict[str, Callable[[dict[str, Any]], str]] = {
             "prefix": lambda r: str(r["prefix_tokens"]),

@@ -74,7 +74,9 @@ def new_request(tree: PrefixTree, path: list[str], rng: random.Random) -> Reques
 
 def outside(tree: PrefixTree, batch: BatchKV) -> int:
     """Bytes of the tree's nodes that do not live in the rows."""
-    return sum(n.nbytes for n in tree.nodes() if n not in batch.inlined())
+    outside = sum(n.nbytes for n in tree.nodes() if n not in batch.inlined())
+    assert batch.outside_nbytes(tree.nodes()) == outside  # by storage = by layout
+    return outside
 
 
 def check(batch: BatchKV, tree: PrefixTree, members: list[Request]) -> None:

@@ -96,3 +96,24 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
     assert "1 corrupt" in capsys.readouterr().out
     assert main(["gc", "--store", str(tmp_path)]) == 0
     assert "0 orphan blobs" in capsys.readouterr().out
+
+
+def test_bench_prefix_reports_both_methods_and_their_kv_bytes(tmp_path: Path) -> None:
+    args = ["bench", "prefix", "--model", "random:tiny", "--prefixes", "512"]
+    args += ["--batches", "1,4", "--new-tokens", "4", "--repeats", "2", "--out", str(tmp_path)]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "prefix.json").read_text())
+    assert report["repeats"] == 2 and (tmp_path / "prefix.png").stat().st_size > 10_000
+    rows = {(r["batch"], r["shared"], r["method"]): r for r in report["rows"]}
+    assert set(rows) == {
+        (b, s, m)
+        for b, s in ((1, True), (4, True), (4, False))
+        for m in ("prefix tree", "duplicated")
+    }
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+    tree, copies = rows[4, True, "prefix tree"], rows[4, True, "duplicated"]
+    assert tree["peak_kv_bytes"] < copies["peak_kv_bytes"] / 2  # one copy of the prefix
+    # sharing nothing, each request's chunks live once, in its row: as much as the copies,
+    # plus one layer of rows while they are laid out (random:tiny has 4 layers), never twice
+    tree, copies = rows[4, False, "prefix tree"], rows[4, False, "duplicated"]
+    assert tree["peak_kv_bytes"] <= copies["peak_kv_bytes"] * (1 + 1 / 4)
