@@ -216,13 +216,21 @@ class BatchDecoder:
             for node in path_to(request.leaf):
                 if node not in layout.inlined:
                     rows_of.setdefault(node, []).append(row)
-        every_row = torch.arange(len(active), device=device)
-        at = torch.tensor(self.kv.ends(), device=device)  # each row's new slot
+        ends = self.kv.ends()
+        at = torch.tensor(ends, device=device)  # each row's new slot
+        # one slot for every row (the usual case): a plain slice, not an indexed write
+        slot: tuple[slice | torch.Tensor, slice, int | torch.Tensor] = (
+            slice(None),
+            slice(None),
+            ends[0],
+        )
+        if any(e != ends[0] for e in ends):
+            slot = (torch.arange(len(active), device=device), slice(None), at)
         rows_k, rows_v = self.kv.keys, self.kv.values
 
         def store_new(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            rows_k[layer][every_row, :, at] = keys[:, :, 0]  # keys [B, kv_heads, 1, dim]
-            rows_v[layer][every_row, :, at] = values[:, :, 0]
+            rows_k[layer][slot] = keys[:, :, 0]  # keys [B, kv_heads, 1, dim]
+            rows_v[layer][slot] = values[:, :, 0]
 
         lengths = at + 1  # + the new token
         longest = int(lengths.max())
