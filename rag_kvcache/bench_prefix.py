@@ -175,6 +175,15 @@ def plot_prefix(rows: list[PrefixRow], path: Path) -> None:
                 color=f"C{i}",
                 label=label,
             )
+    unshared = [r for r in rows if not r.shared]
+    for method, style in (("prefix tree", "-o"), ("duplicated", "--s")):
+        pts = sorted((r.batch, r) for r in unshared if r.method == method)
+        if not pts:
+            continue
+        label = f"{method}, nothing shared ({pts[0][1].prefix_tokens} each)"
+        xs = [b for b, _ in pts]
+        speed.plot(xs, [r.decode_tokens_per_s for _, r in pts], style, color="C7", label=label)
+        memory.plot(xs, [r.peak_kv_bytes / 2**20 for _, r in pts], style, color="C7", label=label)
     for ax, title, unit in (
         (speed, "decode throughput", "tokens / s"),
         (memory, "peak KV memory", "MiB"),
