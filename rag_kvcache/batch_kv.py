@@ -130,8 +130,9 @@ class BatchKV:
                 held -= moved_in  # nodes' own tensors, now in the rows
                 for node in leaving:  # their own copy, before the old layer goes
                     kv = getattr(node, side)
-                    kv[layer] = kv[layer].clone()
-                    held += kv[layer].numel() * kv[layer].element_size()
+                    if old is not None and shares_storage(kv[layer], old):  # not if split
+                        kv[layer] = kv[layer].clone()
+                        held += kv[layer].numel() * kv[layer].element_size()
                 most = max(most, held)
                 if old is not None:
                     rows[layer] = old.new_empty(0)  # drop the old layer now, not at the end
