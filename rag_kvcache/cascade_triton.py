@@ -30,6 +30,15 @@ TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
 
 
 @triton.jit
+def _load_block(ptr, t, stride_t, d, mask, UPCAST: tl.constexpr):
+    """Keys or values [tokens t, dims d] of one KV head (ptr at the head), 0 where masked."""
+    block = tl.load(ptr + t[:, None] * stride_t + d[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        block = block.to(tl.float32)
+    return block
+
+
+@triton.jit
 def _shared_phase_kernel(
     q_ptr,  # [n, heads, dim]
     k_ptr,  # [tokens, kv_heads, dim]
@@ -80,26 +89,14 @@ def _shared_phase_kernel(
         t = block + tl.arange(0, BLOCK_N)
         t_ok = t < stop
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = _load_block(k_ptr + kv_head * stride_kh, t, stride_kt, d, kv_mask, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         correction = tl.exp(m - m_new)
         total = total * correction + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = _load_block(v_ptr + kv_head * stride_vh, t, stride_vt, d, kv_mask, UPCAST)
         acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 

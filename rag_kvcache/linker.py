@@ -126,24 +126,23 @@ def link(
     return LinkedContext(cache, logits[0, -1], L + q, L, r)
 
 
-def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [layers, kv_heads, end - start, head_dim] of positions start..end-1."""
-    layers = unpack_cache(linked.cache)
-    keys = torch.stack([k[0, :, start:end] for k, _ in layers])
-    values = torch.stack([v[0, :, start:end] for _, v in layers])
-    return keys, values
-
-
 def linked_layers(
     linked: LinkedContext, start: int, end: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`linked_span` as one copy per layer, [kv_heads, end - start, head_dim] each (what the
-    prefix tree and the batch keep: KV that can move a layer at a time)."""
+    """Keys and values of positions start..end-1 as one copy per layer, [kv_heads, end -
+    start, head_dim] each (what the prefix tree and the batch keep: KV that can move a layer
+    at a time)."""
     layers = unpack_cache(linked.cache)
     return (
         [k[0, :, start:end].clone() for k, _ in layers],
         [v[0, :, start:end].clone() for _, v in layers],
     )
+
+
+def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linked_layers` stacked: [layers, kv_heads, end - start, head_dim]."""
+    keys, values = linked_layers(linked, start, end)
+    return torch.stack(keys), torch.stack(values)
 
 
 def link_mask(new_positions: torch.Tensor, length: int) -> torch.Tensor:
