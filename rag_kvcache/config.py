@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rag_kvcache.errors import ConfigError
+from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
+from rag_kvcache.strategy import Strategy
 
+LEGOLINK0_SINKS = 4  # sink tokens per chunk where legolink0 is measured (eval, bench) by default
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 QUANTIZATIONS = (None, "4bit", "8bit")
 
@@ -110,17 +113,16 @@ DEFAULT_SYSTEM_PROMPT = (
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything RagKVCache needs; `strategy` is the default link strategy."""
+    """Everything RagKVCache needs; `strategy` is the default strategy (a spelling such as
+    "legolink:16" is parsed here, once)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     encode: EncodeConfig = field(default_factory=EncodeConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
-    strategy: str = "legolink:2"
+    strategy: Strategy = DEFAULT_STRATEGY
     prefix_tree_bytes: int = 1 << 30  # linked prefixes kept for batched generation
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
-        from rag_kvcache.strategy import parse_strategy
-
-        parse_strategy(self.strategy)  # raises StrategyError on a bad name
+        object.__setattr__(self, "strategy", Strategy.parse(self.strategy))  # StrategyError

@@ -4,44 +4,36 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from rag_kvcache.batch import BatchAnswer, BatchDecoder, BatchRequest, BatchStats
-from rag_kvcache.config import EngineConfig, GenerationConfig, StoreConfig
-from rag_kvcache.corpus import Corpus
-from rag_kvcache.decoding import decode, prefill
-from rag_kvcache.embedding import Embedder
-from rag_kvcache.encoder import encode_chunks
+import torch
+
+from rag_kvcache.answer import (
+    Answer,
+    AnswerStream,
+    Prepared,
+    answer_steps,
+    forced_logits,
+    prepare,
+    prompt_in_position_order,
+)
+from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, StoreConfig
 from rag_kvcache.errors import ConfigError, EmptyChunkError, FingerprintMismatchError
 from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
-from rag_kvcache.linker import link
-from rag_kvcache.model import LoadedModel, load_model
-from rag_kvcache.prefix_tree import PrefixTree
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.prompt import PromptTemplate
-from rag_kvcache.retrieval import Retrieved
+from rag_kvcache.retrieval.corpus import Corpus
+from rag_kvcache.retrieval.embedding import Embedder
+from rag_kvcache.retrieval.index import Retrieved
+from rag_kvcache.serving.batch import BatchAnswer, BatchDecoder, BatchRequest, BatchStats
+from rag_kvcache.serving.prefix_tree import PrefixTree
 from rag_kvcache.storage.catalog import ChunkRow
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.storage.store import TieredStore
-from rag_kvcache.strategy import LinkStrategy, parse_strategy
-
-PREFILL = "prefill"  # not a link strategy: the plain full-prompt baseline, no cached KV used
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A generated answer and what it cost."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    strategy: str
-    prompt_tokens: int  # context + question
-    context_tokens: int
-    recomputed_tokens: int  # context tokens recomputed while linking
-    ttft_s: float  # request start -> first token chosen (store fetch + link + first forward)
-    decode_tokens_per_s: float
-    total_s: float
+from rag_kvcache.strategy import PREFILL, Strategy
 
 
 @dataclass(frozen=True)
@@ -59,17 +51,6 @@ class DocumentIngest:
 class BatchResult:
     answers: list[BatchAnswer]  # in request order
     stats: BatchStats
-
-
-class AnswerStream:
-    """Iterates over text pieces as they are generated; `.answer` is set once exhausted."""
-
-    def __init__(self, steps: Generator[str, None, Answer]):
-        self._steps = steps
-        self.answer: Answer | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        self.answer = yield from self._steps
 
 
 def open_store(config: StoreConfig) -> KVStore:
@@ -111,6 +92,12 @@ class RagKVCache:
         self.prefix_id = self.cache_token_ids([prefix], EncodeSettings(), [self.template.prefix])[
             0
         ][0]
+
+    def with_encoding(self, encode: EncodeConfig) -> RagKVCache:
+        """An engine on the same model and store that encodes chunks with other settings (e.g.
+        sink tokens for legolink0). Chunks of both live side by side: settings are part of
+        the cache ID."""
+        return RagKVCache(replace(self.config, encode=encode), lm=self.lm, store=self.store)
 
     # ------------------------------------------------------------------ ingestion
 
@@ -215,29 +202,33 @@ class RagKVCache:
     def prompt_ids(self, query: str, cache_ids: list[str]) -> list[int]:
         """The full prompt, token for token, that linking reproduces (for the baseline)."""
         chunks = self.store.get([self.prefix_id, *cache_ids])
-        context = [t for c in chunks for t in c.token_ids]
-        return context + self.template.question_ids(self.lm.tokenizer, query)
+        return prompt_in_position_order(
+            chunks, self.template.question_ids(self.lm.tokenizer, query)
+        )
 
     def generate(
         self,
         query: str,
         cache_ids: list[str],
         *,
-        strategy: str | LinkStrategy | None = None,
+        strategy: Strategy | str | None = None,
         max_new_tokens: int | None = None,
         stream: bool = False,
     ) -> Answer | AnswerStream:
         """Answer `query` over the cached chunks, in order, after the system prompt.
 
-        strategy: a link strategy (default: the config's) or "prefill" for the plain baseline.
+        strategy: how the context is computed (default: the config's); `prefill` is the plain
+        baseline. With stream=True, an AnswerStream of text pieces.
         """
-        name = str(strategy or self.config.strategy)
-        if name != PREFILL:
-            name = str(parse_strategy(name))
-        gen = self.config.generation
-        if max_new_tokens is not None:
-            gen = replace(gen, max_new_tokens=max_new_tokens)
-        steps = self._steps(query, list(cache_ids), name, gen)
+        strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
+        question = self.template.question_ids(self.lm.tokenizer, query)
+        gen = self._generation(max_new_tokens)
+        ids = [self.prefix_id, *cache_ids]
+
+        def context() -> Prepared:
+            return prepare(self.lm, self.store.get(ids), question, strategy, gen.max_new_tokens)
+
+        steps = answer_steps(self.lm, context, len(question), strategy, gen)
         return self._finish(AnswerStream(steps), stream)
 
     def complete(
@@ -245,11 +236,26 @@ class RagKVCache:
     ) -> Answer | AnswerStream:
         """Plain generation from an already formatted prompt (no cached chunks): what any LLM
         does. The prompt is tokenized as is (no special tokens added), prefilled, and decoded."""
-        gen = self.config.generation
-        if max_new_tokens is not None:
-            gen = replace(gen, max_new_tokens=max_new_tokens)
-        steps = self._steps(prompt, None, PREFILL, gen)
+        ids = self.template.tokenize(self.lm.tokenizer, prompt)
+        gen = self._generation(max_new_tokens)
+
+        def context() -> Prepared:
+            return prepare(self.lm, [], ids, PREFILL, gen.max_new_tokens)
+
+        steps = answer_steps(self.lm, context, len(ids), PREFILL, gen)
         return self._finish(AnswerStream(steps), stream)
+
+    def forced_logits(
+        self, query: str, cache_ids: list[str], tokens: list[int], strategy: Strategy | str
+    ) -> torch.Tensor:
+        """Next-token logits [len(tokens), vocab] with `tokens` fed in as the answer (teacher
+        forcing), over the context `generate` would compute: how close a strategy's
+        distributions stay to another's."""
+        strategy = Strategy.parse(strategy)
+        question = self.template.question_ids(self.lm.tokenizer, query)
+        chunks = self.store.get([self.prefix_id, *cache_ids])
+        prepared = prepare(self.lm, chunks, question, strategy, reserve=len(tokens))
+        return forced_logits(self.lm, prepared, tokens)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """Render chat messages ({"role", "content"}) with the model's own chat template."""
@@ -259,14 +265,16 @@ class RagKVCache:
         self,
         requests: list[BatchRequest],
         *,
-        strategy: str | LinkStrategy | None = None,
+        strategy: Strategy | str | None = None,
         max_batch: int = 32,
     ) -> BatchResult:
         """Answer many requests together, sharing linked prefixes (system prompt + leading
         chunks in common) in a prefix tree and decoding them as one batch. Each answer equals
         `generate(request.query, request.cache_ids)` alone (greedy: token for token)."""
-        name = str(parse_strategy(strategy or self.config.strategy))
-        tree = self.prefix_trees.setdefault(name, PrefixTree(self.config.prefix_tree_bytes))
+        strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
+        tree = self.prefix_trees.setdefault(
+            str(strategy), PrefixTree(self.config.prefix_tree_bytes)
+        )
         gen, tok = self.config.generation, self.lm.tokenizer
         work = [
             (
@@ -276,7 +284,7 @@ class RagKVCache:
             )
             for r in requests
         ]
-        done, stats = BatchDecoder(self.lm, tree, name, self.store.get).run(work, max_batch)
+        done, stats = BatchDecoder(self.lm, tree, strategy, self.store.get).run(work, max_batch)
         answers = []
         for request in done:
             tokens = [t for t in request.tokens if t not in self.lm.eos_ids]
@@ -292,64 +300,10 @@ class RagKVCache:
             )
         return BatchResult(answers, stats)
 
+    def _generation(self, max_new_tokens: int | None) -> GenerationConfig:
+        gen = self.config.generation
+        return gen if max_new_tokens is None else replace(gen, max_new_tokens=max_new_tokens)
+
     @staticmethod
     def _finish(answer_stream: AnswerStream, stream: bool) -> Answer | AnswerStream:
-        if stream:
-            return answer_stream
-        for _ in answer_stream:
-            pass
-        assert answer_stream.answer is not None
-        return answer_stream.answer
-
-    def _steps(
-        self, query: str, cache_ids: list[str] | None, strategy: str, gen: GenerationConfig
-    ) -> Generator[str, None, Answer]:
-        """cache_ids None: `query` is a whole formatted prompt, prefilled as is."""
-        tok = self.lm.tokenizer
-        start = time.perf_counter()
-        if cache_ids is None:
-            ids = self.template.tokenize(tok, query)
-            cache, logits = prefill(self.lm, ids, reserve=gen.max_new_tokens)
-            context_tokens = recomputed = 0
-            question = ids
-        else:
-            question = self.template.question_ids(tok, query)
-            chunks = self.store.get([self.prefix_id, *cache_ids])
-            context_tokens = sum(c.num_tokens for c in chunks)
-            if strategy == PREFILL:
-                ids = [t for c in chunks for t in c.token_ids] + question
-                cache, logits = prefill(self.lm, ids, reserve=gen.max_new_tokens)
-                recomputed = context_tokens
-            else:
-                linked = link(self.lm, chunks, question, strategy, reserve=gen.max_new_tokens)
-                cache, logits, recomputed = linked.cache, linked.next_logits, linked.recomputed
-        position = context_tokens + len(question)
-        tokens: list[int] = []
-        text, ttft = "", 0.0
-        for token in decode(self.lm, cache, logits, position, gen):
-            if not tokens:
-                ttft = time.perf_counter() - start
-            tokens.append(token)
-            if token in self.lm.eos_ids:
-                break
-            full = tok.decode(tokens, skip_special_tokens=True)
-            if not full.endswith("\ufffd"):  # hold back half a UTF-8 character
-                yield full[len(text) :]
-                text = full
-        total = time.perf_counter() - start
-        answer_tokens = [t for t in tokens if t not in self.lm.eos_ids]
-        final = tok.decode(answer_tokens, skip_special_tokens=True)
-        if final != text:
-            yield final[len(text) :]
-        decode_s = total - ttft
-        return Answer(
-            text=final.strip(),
-            token_ids=tuple(answer_tokens),
-            strategy=strategy,
-            prompt_tokens=context_tokens + len(question),
-            context_tokens=context_tokens,
-            recomputed_tokens=recomputed,
-            ttft_s=ttft,
-            decode_tokens_per_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
-            total_s=total,
-        )
+        return answer_stream if stream else answer_stream.finish()

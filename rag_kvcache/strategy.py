@@ -1,14 +1,22 @@
-"""Link strategies: which cached context tokens are recomputed when chunks are linked.
+"""`Strategy`: how an answer's context is computed, parsed once where a user names it.
 
-Chunk 0 is the system prefix, encoded at position 0 and so already exact; strategies pick
-tokens from the document chunks after it. The query is always computed.
+The spellings a user writes (CLI flags, configs, HTTP bodies) map one to one onto values of
+this type, and `str()` gives the spelling back, so a strategy round-trips through any text
+channel. Everything past the edge takes a `Strategy`, never a string.
 
-- `full`: every context token (the prefix too): must equal a plain prefill.
-- `naive`: none: the rotated chunk KV is used as is.
-- `legolink:k`: the first k tokens of every chunk but the first (Epic's LegoLink).
-- `legolink0`: none, but chunks must have been encoded with sink tokens (Epic's LegoLink-0).
-- `cacheblend:r`: a ratio r of document tokens, those whose layer-1 values deviate most from a
-  fresh prefill (CacheBlend's HKVD selection; a baseline).
+- `prefill`: no cache: a plain prefill of the whole prompt (the baseline).
+- `full`: link the cached chunks, recompute every context token: equals `prefill` (tested).
+- `naive`: link the chunks, recompute nothing: the rotated chunk KV used as is.
+- `legolink:k`: recompute the first k tokens of every chunk after the system prefix (Epic).
+- `legolink0`: recompute nothing, but the chunks must have been encoded after sink tokens
+  (`EncodeConfig(sink_tokens=N)`; Epic's LegoLink-0).
+- `cacheblend:r`: recompute a ratio r of document tokens, those whose layer-1 values deviate
+  most from a fresh prefill (CacheBlend's selection; a baseline).
+- `positions`: Prompt Cache's mode for markup prompts: each cached unit at its schema
+  position, the prompt's own tokens computed at theirs, nothing recomputed.
+
+The question is always computed. A fidelity technique joins as a field of this record (with
+its spelling in `parse` / `__str__`), not as a new string grammar.
 """
 
 from __future__ import annotations
@@ -16,64 +24,65 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 from rag_kvcache.errors import StrategyError
 
-KINDS = ("full", "naive", "legolink", "legolink0", "cacheblend")
+KINDS = ("prefill", "full", "naive", "legolink", "legolink0", "cacheblend", "positions")
+_PLAIN = ("prefill", "full", "naive", "legolink0", "positions")
+SPELLINGS = "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1)"
 
 
 @dataclass(frozen=True)
-class LinkStrategy:
+class Strategy:
+    """One way to compute the context (see the module docstring)."""
+
     kind: str
-    k: int = 0
-    ratio: float = 0.0
+    k: int = 0  # legolink: boundary tokens recomputed per chunk
+    ratio: float = 0.0  # cacheblend: share of document tokens recomputed
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise StrategyError(f"unknown strategy kind {self.kind!r}; one of {KINDS}")
+        if self.k < 0 or (self.k and self.kind != "legolink"):
+            raise StrategyError(f"k={self.k} is only for legolink, and must be >= 0")
+        if not 0 <= self.ratio <= 1 or (self.ratio and self.kind != "cacheblend"):
+            raise StrategyError(f"ratio={self.ratio} is only for cacheblend, in 0..1")
+
+    @classmethod
+    def parse(cls, spec: str | Strategy) -> Strategy:
+        """A user's spelling (case and surrounding blanks ignored) -> Strategy."""
+        if isinstance(spec, Strategy):
+            return spec
+        text = str(spec).strip().lower()
+        if text in _PLAIN:
+            return cls(text)
+        if m := re.fullmatch(r"legolink:(\d+)", text):
+            return cls("legolink", k=int(m.group(1)))
+        if m := re.fullmatch(r"cacheblend:([0-9.e+-]+)", text):
+            try:
+                ratio = float(m.group(1))
+            except ValueError:
+                ratio = -1.0
+            if 0 <= ratio <= 1:
+                return cls("cacheblend", ratio=ratio)
+        raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
 
     def __str__(self) -> str:
         if self.kind == "legolink":
             return f"legolink:{self.k}"
         if self.kind == "cacheblend":
-            return f"cacheblend:{self.ratio:g}"
+            return f"cacheblend:{repr(self.ratio).removesuffix('.0')}"  # exact: parses back
         return self.kind
 
+    @property
+    def uses_cache(self) -> bool:
+        """False for `prefill`, which computes the whole prompt afresh."""
+        return self.kind != "prefill"
 
-def parse_strategy(name: str | LinkStrategy) -> LinkStrategy:
-    """'full' | 'naive' | 'legolink:K' | 'legolink0' | 'cacheblend:R' -> LinkStrategy."""
-    if isinstance(name, LinkStrategy):
-        return name
-    text = name.strip().lower()
-    if text in ("full", "naive", "legolink0"):
-        return LinkStrategy(text)
-    if m := re.fullmatch(r"legolink:(\d+)", text):
-        return LinkStrategy("legolink", k=int(m.group(1)))
-    if m := re.fullmatch(r"cacheblend:([0-9.]+)", text):
-        ratio = float(m.group(1))
-        if 0 <= ratio <= 1:
-            return LinkStrategy("cacheblend", ratio=ratio)
-    raise StrategyError(
-        f"unknown link strategy {name!r}; use full, naive, legolink:K (K >= 0), legolink0 "
-        "or cacheblend:R (0 <= R <= 1)"
-    )
+    @property
+    def needs_sinks(self) -> bool:
+        """The chunks must have been encoded after sink tokens."""
+        return self.kind == "legolink0"
 
 
-def select_positions(
-    strategy: LinkStrategy, lengths: list[int], deviation: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Sorted global positions [R] (int64) of the context tokens to recompute.
-
-    lengths: tokens per chunk, chunk 0 first. deviation [total] is needed by cacheblend only.
-    """
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    total = sum(lengths)
-    if strategy.kind == "full":
-        return torch.arange(total)
-    if strategy.kind in ("naive", "legolink0"):
-        return torch.empty(0, dtype=torch.long)
-    if strategy.kind == "legolink":
-        picks = [torch.arange(s, s + min(strategy.k, n)) for s, n in zip(starts[1:], lengths[1:])]
-        return torch.cat(picks) if picks else torch.empty(0, dtype=torch.long)
-    assert strategy.kind == "cacheblend" and deviation is not None
-    docs = torch.arange(starts[1] if len(starts) > 1 else total, total)
-    count = round(strategy.ratio * len(docs))
-    top = deviation[docs].topk(count).indices if count else torch.empty(0, dtype=torch.long)
-    return docs[top].sort().values
+PREFILL = Strategy("prefill")
+DEFAULT = Strategy("legolink", k=2)  # EngineConfig's default

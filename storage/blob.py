@@ -143,8 +143,11 @@ def from_blob(
         keys = dequantize(tensors["keys.int8"], tensors["keys.scale"], dtype)
         values = dequantize(tensors["values.int8"], tensors["values.scale"], dtype)
     else:
-        keys, values = tensors.get("keys"), tensors.get("values")
-    if keys is None or values is None or keys.shape != values.shape:
+        found_keys, found_values = tensors.get("keys"), tensors.get("values")
+        if found_keys is None or found_values is None:
+            raise CorruptBlobError(f"blob of chunk {cache_id} lacks keys/values")
+        keys, values = found_keys, found_values
+    if keys.shape != values.shape:
         raise CorruptBlobError(f"blob of chunk {cache_id} lacks keys/values of one shape")
     if keys.shape[2] != len(token_ids):
         raise CorruptBlobError(

@@ -6,6 +6,7 @@ Each policy only orders keys; the tier enforces budgets and pins.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -54,4 +55,4 @@ class LFU:
         return sorted(rank, key=lambda k: (self._hits[k], rank[k]))
 
 
-POLICIES = {"lru": LRU, "lfu": LFU}
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "lfu": LFU}

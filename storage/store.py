@@ -181,12 +181,12 @@ class TieredStore:
             for c in cache_ids
             if c not in rows
             or rows[c].state != "stored"
-            or (rows[c].expires_at is not None and rows[c].expires_at <= now)
+            or ((expiry := rows[c].expires_at) is not None and expiry <= now)
         ]
         if unknown:
             raise UnknownCacheIdError(unknown)
         found: dict[str, ChunkKV] = {}
-        hits = {t.name: 0 for t in [*self.hot, self.durable]}
+        hits = {name: 0 for name in [*(t.name for t in self.hot), self.durable.name]}
         for cid in dict.fromkeys(cache_ids):
             for tier in self.hot:
                 if (kv := tier.get(cid)) is not None:
@@ -195,12 +195,12 @@ class TieredStore:
                     break
         misses = [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
         # reading and checksumming release the GIL: fetch cold chunks side by side
-        for cid, kv in zip(misses, self._readers.map(lambda c: self._load(rows[c]), misses)):
-            if isinstance(kv, str):  # missing or corrupt: re-encode (needs the model)
-                kv = self._repair(rows[cid], kv)
-            self._keep_hot(kv, rows[cid].pinned)
+        for cid, loaded in zip(misses, self._readers.map(lambda c: self._load(rows[c]), misses)):
+            # missing or corrupt (a reason): re-encode (needs the model)
+            read = self._repair(rows[cid], loaded) if isinstance(loaded, str) else loaded
+            self._keep_hot(read, rows[cid].pinned)
             # the fastest hot copy (on the GPU, or pinned) if it was kept, else the one read
-            found[cid] = next((h for t in self.hot if (h := t.get(cid)) is not None), kv)
+            found[cid] = next((h for t in self.hot if (h := t.get(cid)) is not None), read)
             hits[self.durable.name] += 1
         self.catalog.touch(cache_ids)
         for tier_name, n in hits.items():

@@ -17,7 +17,7 @@ from sqlalchemy import text as sql_text
 from sqlalchemy.pool import NullPool
 
 from rag_kvcache.config import ModelConfig
-from rag_kvcache.model import LoadedModel, load_model
+from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.storage.catalog import Catalog
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rag_kvcache.model import LoadedModel, describe
+from rag_kvcache.model.loading import LoadedModel, describe
 
 TINY_VOCAB = 49152  # SmolLM2's vocabulary, so the tiny model can share its tokenizer
 

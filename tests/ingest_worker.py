@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from helpers import build_tiny, random_chunks
 
-from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage.store import TieredStore
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from helpers import build_tiny, random_chunks
 
-from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.store import TieredStore
 

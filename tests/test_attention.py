@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from rag_kvcache.model import (
+from rag_kvcache.model.adapter import (
     QUERY_BLOCK,
     gqa_sdpa_attention,
     query_block_ends,

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
-from rag_kvcache.batch import BatchRequest
 from rag_kvcache.errors import StrategyError
-from rag_kvcache.linker import LinkedPrefix, link, linked_span
+from rag_kvcache.link.linker import LinkedPrefix, link, linked_span
+from rag_kvcache.serving.batch import BatchRequest
+from rag_kvcache.strategy import Strategy
 
 DOCS = [
     "The Hallam Point lighthouse was designed by Mara Quell.",
@@ -39,12 +40,18 @@ def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strate
     ids = engine.generate_context_cache(DOCS[:3])
     chunks = engine.store.get([engine.prefix_id, *ids])
     question = engine.template.question_ids(tiny64.tokenizer, "Who designed it?")
-    whole = link(tiny64, chunks, question, strategy)
-    first = link(tiny64, chunks[:2], [1], strategy)
+    whole = link(tiny64, chunks, question, Strategy.parse(strategy))
+    first = link(tiny64, chunks[:2], [1], Strategy.parse(strategy))
     P = first.context_tokens
     keys, values = linked_span(first, 0, P)
     tokens = tuple(t for c in chunks[:2] for t in c.token_ids)
-    rest = link(tiny64, chunks[2:], question, strategy, prefix=LinkedPrefix(keys, values, tokens))
+    rest = link(
+        tiny64,
+        chunks[2:],
+        question,
+        Strategy.parse(strategy),
+        prefix=LinkedPrefix(keys, values, tokens),
+    )
     torch.testing.assert_close(rest.next_logits, whole.next_logits, rtol=1e-10, atol=1e-10)
     for a, b in zip(linked_span(rest, 0, rest.length), linked_span(whole, 0, whole.length)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -54,7 +61,7 @@ def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strate
             tiny64,
             chunks[2:],
             question,
-            "cacheblend:0.5",
+            Strategy.parse("cacheblend:0.5"),
             prefix=LinkedPrefix(keys, values, tokens),
         )
 

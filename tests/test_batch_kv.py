@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rag_kvcache.batch_kv import BatchKV, shares_storage
-from rag_kvcache.prefix_tree import PrefixTree, TreeNode, path_to
+from rag_kvcache.serving.batch_kv import BatchKV, shares_storage
+from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
 
 LAYERS, KV_HEADS, DIM = 3, 2, 4
 

@@ -10,7 +10,7 @@ import torch
 from helpers import random_chunks
 from safetensors.torch import load, save
 
-from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage.blob import (
     CorruptBlobError,
     checksum,

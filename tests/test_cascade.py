@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rag_kvcache.cascade import (
+from rag_kvcache.serving.cascade import (
     attention_with_lse,
     cascade_attention,
     fused_attention_with_lse,

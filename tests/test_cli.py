@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rag_kvcache.cli import main
 from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.tools.cli import main
 
 
 def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys) -> None:
@@ -81,7 +81,7 @@ def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
 def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:
     from helpers import random_chunks
 
-    from rag_kvcache.encoder import encode_chunks
+    from rag_kvcache.link.encoder import encode_chunks
 
     store = TieredStore(tmp_path)
     store.register_model(tiny64.fingerprint, "tiny", "float64", 3, 2, 16)

@@ -1,7 +1,7 @@
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.decoding import next_token
+from rag_kvcache.serving.decoding import next_token
 
 
 def test_greedy_takes_the_argmax() -> None:

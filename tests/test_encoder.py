@@ -2,9 +2,9 @@ import pytest
 import torch
 from helpers import random_chunks
 
-from rag_kvcache.encoder import encode_chunks
 from rag_kvcache.errors import ContextTooLongError, EmptyChunkError
 from rag_kvcache.kv import EncodeSettings, make_cache_id
+from rag_kvcache.link.encoder import encode_chunks
 
 
 @pytest.mark.parametrize("batch_size", [2, 8])

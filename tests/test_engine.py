@@ -15,8 +15,9 @@ from rag_kvcache import (
     RagKVCache,
     UnknownCacheIdError,
 )
-from rag_kvcache.decoding import prefill
-from rag_kvcache.linker import link, link_reference
+from rag_kvcache.link.linker import link, link_reference
+from rag_kvcache.serving.decoding import prefill
+from rag_kvcache.strategy import Strategy
 
 DATA = Path(__file__).resolve().parents[1] / "demos" / "data"
 DOCS = ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three harbor basins."]
@@ -106,7 +107,7 @@ def test_smollm2_full_link_equals_prefill(smol_engine) -> None:
     chunks = engine.store.get([engine.prefix_id, *ids])
     query = engine.template.question_ids(engine.lm.tokenizer, question)
     _, logits = prefill(engine.lm, engine.prompt_ids(question, ids))
-    linked = link(engine.lm, chunks, query, "full")
+    linked = link(engine.lm, chunks, query, Strategy.parse("full"))
     torch.testing.assert_close(linked.next_logits, logits, rtol=1e-4, atol=2e-4)
     full = engine.generate(question, ids, strategy="full")
     plain = engine.generate(question, ids, strategy="prefill")
@@ -120,8 +121,8 @@ def test_smollm2_mask_matches_reference(smol_engine) -> None:
     engine, ids = smol_engine
     chunks = engine.store.get([engine.prefix_id, *ids[:2]])
     query = engine.template.question_ids(engine.lm.tokenizer, "What year was the light built?")
-    fast = link(engine.lm, chunks, query, "legolink:3")
-    slow = link_reference(engine.lm, chunks, query, "legolink:3")
+    fast = link(engine.lm, chunks, query, Strategy.parse("legolink:3"))
+    slow = link_reference(engine.lm, chunks, query, Strategy.parse("legolink:3"))
     torch.testing.assert_close(fast.next_logits, slow.next_logits, rtol=1e-4, atol=2e-4)
 
 

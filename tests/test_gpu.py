@@ -13,14 +13,16 @@ from helpers import random_chunks, tiny_config
 from transformers import LlamaForCausalLM
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
-from rag_kvcache.batch import BatchRequest
-from rag_kvcache.cascade import attention_with_lse, fused_attention_with_lse, triton_kernel
 from rag_kvcache.config import ModelConfig
-from rag_kvcache.decoding import prefill
-from rag_kvcache.encoder import encode_chunks
-from rag_kvcache.linker import link
-from rag_kvcache.model import describe, load_model, unpack_cache
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.link.linker import link
+from rag_kvcache.model.adapter import unpack_cache
+from rag_kvcache.model.loading import describe, load_model
+from rag_kvcache.serving.batch import BatchRequest
+from rag_kvcache.serving.cascade import attention_with_lse, fused_attention_with_lse, triton_kernel
+from rag_kvcache.serving.decoding import prefill
 from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.strategy import Strategy
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs an NVIDIA GPU (see demos/gpu/README.md)"
@@ -43,8 +45,10 @@ def test_pinned_chunks_fed_layer_by_layer_equal_chunks_already_on_the_gpu(tiny_c
     ]
     query = [7, 8, 9, 10]
     for strategy in ("naive", "legolink:2", "full"):
-        on_gpu = link(lm, chunks, query, strategy)
-        fed = link(lm, pinned, query, strategy)  # other device: LayerFeed on a side stream
+        on_gpu = link(lm, chunks, query, Strategy.parse(strategy))
+        fed = link(
+            lm, pinned, query, Strategy.parse(strategy)
+        )  # other device: LayerFeed on a side stream
         torch.testing.assert_close(fed.next_logits, on_gpu.next_logits, rtol=1e-6, atol=1e-6)
         for (k1, v1), (k2, v2) in zip(unpack_cache(fed.cache), unpack_cache(on_gpu.cache)):
             torch.testing.assert_close(k1, k2, rtol=1e-6, atol=1e-6)
@@ -75,7 +79,7 @@ def test_smollm2_on_the_gpu_full_link_equals_prefill_and_batches_equal_alone() -
     lm = load_model(ModelConfig(device="cuda"))
     ids = random_chunks([10, 60, 45], seed=6, vocab=20000)
     query = random_chunks([8], seed=7, vocab=20000)[0]
-    linked = link(lm, encode_chunks(lm, ids), query, "full")
+    linked = link(lm, encode_chunks(lm, ids), query, Strategy.parse("full"))
     _, logits = prefill(lm, [t for c in ids for t in c] + query)
     torch.testing.assert_close(linked.next_logits, logits, rtol=1e-3, atol=1e-3)
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=8)), lm=lm)

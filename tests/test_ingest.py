@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
-from rag_kvcache.cli import main
 from rag_kvcache.config import StoreConfig
-from rag_kvcache.corpus import Corpus
-from rag_kvcache.embedding import Embedder
 from rag_kvcache.ingest import plan_ingest, prune, read_text, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
+from rag_kvcache.retrieval.corpus import Corpus
+from rag_kvcache.retrieval.embedding import Embedder
+from rag_kvcache.tools.cli import main
 
 DATA = Path(__file__).resolve().parents[1] / "demos" / "data"
 PARAGRAPHS = {

@@ -5,8 +5,6 @@ import torch
 from helpers import random_chunks
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.decoding import decode, prefill
-from rag_kvcache.encoder import encode_chunks
 from rag_kvcache.errors import (
     ContextTooLongError,
     DtypeMismatchError,
@@ -14,9 +12,12 @@ from rag_kvcache.errors import (
     StrategyError,
 )
 from rag_kvcache.kv import EncodeSettings
-from rag_kvcache.linker import link, link_mask, link_reference
-from rag_kvcache.model import unpack_cache
-from rag_kvcache.rope import apply_rope
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.link.linker import link, link_mask, link_reference
+from rag_kvcache.model.adapter import unpack_cache
+from rag_kvcache.model.rope import apply_rope
+from rag_kvcache.serving.decoding import decode, prefill
+from rag_kvcache.strategy import Strategy
 
 LENGTHS = [6, 11, 4, 9]  # prefix, then three document chunks
 QUERY = [7, 8, 9, 10, 11]
@@ -38,7 +39,7 @@ def _context_kv(linked, layer=0):
 def test_full_equals_plain_prefill(model, request) -> None:
     lm = request.getfixturevalue(model)
     chunks, tokens = _setup(lm)
-    linked = link(lm, chunks, QUERY, "full")
+    linked = link(lm, chunks, QUERY, Strategy.parse("full"))
     cache, logits = prefill(lm, tokens + QUERY)
     tol = 1e-10 if lm.dtype == torch.float64 else 1e-4
     torch.testing.assert_close(linked.next_logits, logits, rtol=tol, atol=tol)
@@ -56,15 +57,15 @@ def test_full_equals_plain_prefill(model, request) -> None:
 @pytest.mark.parametrize("k", [11, 50])
 def test_legolink_with_k_past_chunk_length_equals_full(tiny64, k: int) -> None:
     chunks, _ = _setup(tiny64)
-    lego = link(tiny64, chunks, QUERY, f"legolink:{k}")
-    full = link(tiny64, chunks, QUERY, "full")
+    lego = link(tiny64, chunks, QUERY, Strategy.parse(f"legolink:{k}"))
+    full = link(tiny64, chunks, QUERY, Strategy.parse("full"))
     torch.testing.assert_close(lego.next_logits, full.next_logits, rtol=1e-10, atol=1e-10)
     assert lego.recomputed == sum(LENGTHS[1:])  # the exact prefix is kept
 
 
 def test_naive_is_plain_concatenation_of_rotated_chunks(tiny64) -> None:
     chunks, _ = _setup(tiny64)
-    linked = link(tiny64, chunks, QUERY, "naive")
+    linked = link(tiny64, chunks, QUERY, Strategy.parse("naive"))
     offsets = torch.tensor([0, 6, 17, 21])
     for layer in range(tiny64.num_layers):
         k, v = _context_kv(linked, layer)
@@ -86,8 +87,8 @@ def test_naive_is_plain_concatenation_of_rotated_chunks(tiny64) -> None:
 def test_one_forward_with_custom_mask_equals_token_by_token_reference(tiny64, strategy) -> None:
     settings = EncodeSettings((1, 2)) if strategy == "legolink0" else EncodeSettings()
     chunks, _ = _setup(tiny64, settings=settings)
-    fast = link(tiny64, chunks, QUERY, strategy)
-    slow = link_reference(tiny64, chunks, QUERY, strategy)
+    fast = link(tiny64, chunks, QUERY, Strategy.parse(strategy))
+    slow = link_reference(tiny64, chunks, QUERY, Strategy.parse(strategy))
     assert fast.recomputed == slow.recomputed
     torch.testing.assert_close(fast.next_logits, slow.next_logits, rtol=1e-10, atol=1e-10)
     for (k1, v1), (k2, v2) in zip(unpack_cache(fast.cache), unpack_cache(slow.cache)):
@@ -98,7 +99,10 @@ def test_one_forward_with_custom_mask_equals_token_by_token_reference(tiny64, st
 def test_recompute_changes_the_context(tiny64) -> None:
     """Guards the tests above against a no-op: recomputed tokens really differ from naive."""
     chunks, _ = _setup(tiny64)
-    naive, lego = link(tiny64, chunks, QUERY, "naive"), link(tiny64, chunks, QUERY, "legolink:2")
+    naive, lego = (
+        link(tiny64, chunks, QUERY, Strategy.parse("naive")),
+        link(tiny64, chunks, QUERY, Strategy.parse("legolink:2")),
+    )
     assert (naive.next_logits - lego.next_logits).abs().max() > 1e-3
 
 
@@ -115,17 +119,17 @@ def test_link_mask_small_case() -> None:
 def test_bad_chunks_give_clear_errors(tiny64, tiny32) -> None:
     chunks, _ = _setup(tiny64)
     with pytest.raises(FingerprintMismatchError, match="re-encode it with this model"):
-        link(tiny32, chunks, QUERY, "naive")
+        link(tiny32, chunks, QUERY, Strategy.parse("naive"))
     other, _ = _setup(tiny32)
     forged = [type(c)(c.cache_id, tiny64.fingerprint, c.token_ids, c.keys, c.values) for c in other]
     with pytest.raises(DtypeMismatchError, match="torch.float32"):
-        link(tiny64, forged, QUERY, "naive")
+        link(tiny64, forged, QUERY, Strategy.parse("naive"))
     with pytest.raises(ContextTooLongError, match="window of 512"):
-        link(tiny64, chunks * 20, QUERY, "naive")
+        link(tiny64, chunks * 20, QUERY, Strategy.parse("naive"))
     with pytest.raises(StrategyError, match="sink tokens"):
-        link(tiny64, chunks, QUERY, "legolink0")
+        link(tiny64, chunks, QUERY, Strategy.parse("legolink0"))
     with pytest.raises(StrategyError, match="at least one token"):
-        link(tiny64, chunks, [], "naive")
+        link(tiny64, chunks, [], Strategy.parse("naive"))
 
 
 @pytest.mark.parametrize("strategy", ["naive", "legolink:2", "full", "cacheblend:0.3"])
@@ -133,8 +137,8 @@ def test_placing_layer_by_layer_equals_placing_first(tiny32, strategy: str) -> N
     """LayerFeed (each layer's chunk KV placed when the forward reaches that layer, as for
     CPU-pinned chunks feeding a GPU) gives bit for bit what placing everything first gives."""
     chunks, _ = _setup(tiny32)
-    eager = link(tiny32, chunks, QUERY, strategy, reserve=3, layerwise=False)
-    fed = link(tiny32, chunks, QUERY, strategy, reserve=3, layerwise=True)
+    eager = link(tiny32, chunks, QUERY, Strategy.parse(strategy), reserve=3, layerwise=False)
+    fed = link(tiny32, chunks, QUERY, Strategy.parse(strategy), reserve=3, layerwise=True)
     assert torch.equal(fed.next_logits, eager.next_logits)
     for (k1, v1), (k2, v2) in zip(unpack_cache(fed.cache), unpack_cache(eager.cache)):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -145,12 +149,16 @@ def test_placing_layer_by_layer_equals_placing_first(tiny32, strategy: str) -> N
 
 
 def test_layer_by_layer_after_a_linked_prefix(tiny32) -> None:
-    from rag_kvcache.linker import LinkedPrefix, linked_span
+    from rag_kvcache.link.linker import LinkedPrefix, linked_span
 
     chunks, tokens = _setup(tiny32)
-    head = link(tiny32, chunks[:2], QUERY, "legolink:2")
+    head = link(tiny32, chunks[:2], QUERY, Strategy.parse("legolink:2"))
     keys, values = linked_span(head, 0, head.context_tokens)
     prefix = LinkedPrefix(keys, values, tuple(tokens[: head.context_tokens]))
-    eager = link(tiny32, chunks[2:], QUERY, "legolink:2", prefix=prefix, layerwise=False)
-    fed = link(tiny32, chunks[2:], QUERY, "legolink:2", prefix=prefix, layerwise=True)
+    eager = link(
+        tiny32, chunks[2:], QUERY, Strategy.parse("legolink:2"), prefix=prefix, layerwise=False
+    )
+    fed = link(
+        tiny32, chunks[2:], QUERY, Strategy.parse("legolink:2"), prefix=prefix, layerwise=True
+    )
     assert torch.equal(fed.next_logits, eager.next_logits)

@@ -37,7 +37,7 @@ from rag_kvcache.integrations.llama_index import (
     token_splitter,
 )
 from rag_kvcache.integrations.llama_index.llm import chat_question
-from rag_kvcache.model import LoadedModel
+from rag_kvcache.model.loading import LoadedModel
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +199,7 @@ def test_streaming_and_async_queries_give_the_same_answer(engine, index) -> None
     assert (
         0 < plain.metadata["usage"]["recomputed_tokens"] < plain.metadata["usage"]["context_tokens"]
     )
-    assert plain.metadata["usage"]["strategy"] == engine.config.strategy
+    assert plain.metadata["usage"]["strategy"] == str(engine.config.strategy)
 
     asynced = asyncio.run(as_query_engine(engine, index=index, similarity_top_k=2).aquery(QUESTION))
     assert asynced.response == plain.response

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
-from rag_kvcache.decoding import prefill
-from rag_kvcache.markup import MarkupError, compile_prompt, compile_schema
-from rag_kvcache.model import additive_mask, build_cache, forward, unpack_cache
-from rag_kvcache.prompt_cache import PromptCache, at_positions, linked_order, prompt_token_ids
+from rag_kvcache.answer import at_positions, prompt_in_position_order
+from rag_kvcache.markup.language import MarkupError, compile_prompt, compile_schema
+from rag_kvcache.markup.prompt_cache import PromptCache, linked_order, schema_placement
+from rag_kvcache.model.adapter import additive_mask, build_cache, forward, unpack_cache
+from rag_kvcache.serving.decoding import prefill
 
 SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"
 
@@ -148,15 +149,16 @@ def test_a_scaffolded_chain_equals_a_plain_prefill(cache) -> None:
         '<prompt schema="chain"><history/><harbor/><festival/>How deep is it?</prompt>'
     )
     assert [u.module for u in compiled.units] == ["#scaffold"]  # one unit, encoded together
-    ids = prompt_token_ids(compiled)
-    assert compiled.new_positions[0] == len(compiled.units[0].token_ids)  # no gap before
     chunks = cache._chunks(compiled.units)
-    _, logits, position = at_positions(cache.engine, compiled, chunks, 8)
+    new_ids, placement = list(compiled.new_ids), schema_placement(compiled)
+    ids = prompt_in_position_order(chunks, new_ids, placement)
+    assert compiled.new_positions[0] == len(compiled.units[0].token_ids)  # no gap before
+    _, logits, position = at_positions(cache.engine.lm, chunks, new_ids, placement, 8)
     _, expected = prefill(cache.engine.lm, ids)
     torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
     assert position == len(ids)
     served = cache.serve(compiled)
-    plain = cache.serve(compiled, mode="prefill")
+    plain = cache.serve(compiled, "prefill")
     assert served.token_ids == plain.token_ids and len(served.token_ids) > 0
 
 
@@ -171,7 +173,8 @@ def test_gaps_and_arguments_equal_a_prefill_with_the_same_positions(cache) -> No
     )
     lm = cache.engine.lm
     chunks = cache._chunks(compiled.units)
-    _, logits, _ = at_positions(cache.engine, compiled, chunks, 0)
+    placement = schema_placement(compiled)
+    _, logits, _ = at_positions(cache.engine.lm, chunks, list(compiled.new_ids), placement, 0)
     # the reference: encode each unit at its own schema positions with a fresh cache, then
     # run the new tokens over all of them with the same visibility rule
     layers_k, layers_v, positions = [], [], []
@@ -226,25 +229,23 @@ def test_position_independent_mode_links_modules_in_prompt_order(cache) -> None:
     compiled = cache.compile(
         '<prompt schema="code-generation"><style-guide/><rust/>Write a parser.</prompt>'
     )
-    full = cache.serve(compiled, mode="full")
-    lego = cache.serve(compiled, mode="legolink:2")
-    assert full.computed_tokens == full.cached_tokens + len(compiled.new_ids)  # all recomputed
-    assert lego.computed_tokens < full.computed_tokens and lego.token_ids
+    full = cache.serve(compiled, "full")
+    lego = cache.serve(compiled, "legolink:2")
+    assert full.recomputed_tokens == full.context_tokens  # all recomputed
+    assert lego.recomputed_tokens < full.recomputed_tokens and lego.token_ids
     order = [u.module for u in linked_order(compiled)]
     assert order.index("style-guide") < order.index("rust")  # the prompt's order, not schema's
     travel = cache.add_schema(schema_source("travel_planning.xml"))
     assert travel.name == "travel"
-    with pytest.raises(MarkupError, match="mode='positions'"):
-        cache.serve(
-            '<prompt schema="travel"><trip-plan duration="2 days"/>x</prompt>', mode="naive"
-        )
+    with pytest.raises(MarkupError, match="strategy='positions'"):
+        cache.serve('<prompt schema="travel"><trip-plan duration="2 days"/>x</prompt>', "naive")
 
 
 # ----------------------------------------------------------------------------- Python front end
 
 
 def test_a_python_function_builds_the_same_kind_of_schema(smol_tokenizer) -> None:
-    from rag_kvcache.schema_builder import Param, schema, system, user
+    from rag_kvcache.markup.builder import Param, schema, system, user
 
     @schema
     def trip_planner(duration: Param(6), destination, season):  # type: ignore[valid-type]
@@ -289,7 +290,7 @@ def test_a_python_function_builds_the_same_kind_of_schema(smol_tokenizer) -> Non
 
 @pytest.mark.slow
 def test_schema_and_prompt_commands(tmp_path: Path, capsys, monkeypatch) -> None:
-    from rag_kvcache.cli import main
+    from rag_kvcache.tools.cli import main
 
     monkeypatch.setenv("COLUMNS", "250")
     store = ["--store", str(tmp_path / "store")]

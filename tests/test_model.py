@@ -11,7 +11,13 @@ from transformers import (
 
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.errors import ConfigError, UnsupportedModelError
-from rag_kvcache.model import check_supported, convert_gguf, default_model_path, model_fingerprint
+from rag_kvcache.model.loading import (
+    check_supported,
+    convert_gguf,
+    default_model_path,
+    model_fingerprint,
+)
+from rag_kvcache.strategy import Strategy
 
 
 def _refusal(model) -> str:
@@ -80,10 +86,10 @@ def test_gguf_is_converted_once_and_reused() -> None:
 def test_random_weight_models_take_real_shapes_and_link_exactly(smol) -> None:
     """`random:NAME` builds a Llama of named shapes with random weights (for speed runs at
     real sizes): deterministic, SmolLM2's tokenizer, and linking stays exact on it."""
-    from rag_kvcache.decoding import prefill
-    from rag_kvcache.encoder import encode_chunks
-    from rag_kvcache.linker import link
-    from rag_kvcache.model import RANDOM_SHAPES, load_model
+    from rag_kvcache.link.encoder import encode_chunks
+    from rag_kvcache.link.linker import link
+    from rag_kvcache.model.loading import RANDOM_SHAPES, load_model
+    from rag_kvcache.serving.decoding import prefill
 
     lm = load_model(ModelConfig(path="random:tiny"))
     shapes = RANDOM_SHAPES["tiny"]
@@ -95,7 +101,7 @@ def test_random_weight_models_take_real_shapes_and_link_exactly(smol) -> None:
     assert lm.model.config.vocab_size == len(smol.tokenizer) and lm.name == "random-tiny"
     assert load_model(ModelConfig(path="random:tiny")).fingerprint == lm.fingerprint
     ids = [[5, 6, 7, 8], list(range(100, 140)), list(range(900, 930))]
-    linked = link(lm, encode_chunks(lm, ids), [11, 12, 13], "full")
+    linked = link(lm, encode_chunks(lm, ids), [11, 12, 13], Strategy.parse("full"))
     _, logits = prefill(lm, [t for c in ids for t in c] + [11, 12, 13])
     torch.testing.assert_close(linked.next_logits, logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(ConfigError, match="unknown random model shapes 'llama-9'"):

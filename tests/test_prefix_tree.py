@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from rag_kvcache.prefix_tree import PrefixTree, path_to
+from rag_kvcache.serving.prefix_tree import PrefixTree, path_to
 
 SIZES = {f"c{i}": 1 + i % 4 for i in range(8)}  # tokens per chunk
 

@@ -7,11 +7,12 @@ from bitsandbytes.nn import Linear4bit, Linear8bitLt
 from helpers import random_chunks
 
 from rag_kvcache.config import GenerationConfig, ModelConfig
-from rag_kvcache.decoding import decode, prefill
-from rag_kvcache.encoder import encode_chunks
 from rag_kvcache.errors import FingerprintMismatchError
-from rag_kvcache.linker import link
-from rag_kvcache.model import LoadedModel, load_model
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.link.linker import link
+from rag_kvcache.model.loading import LoadedModel, load_model
+from rag_kvcache.serving.decoding import decode, prefill
+from rag_kvcache.strategy import Strategy
 
 LAYERS = {"8bit": Linear8bitLt, "4bit": Linear4bit}
 
@@ -33,7 +34,7 @@ def test_full_link_equals_plain_prefill_of_the_quantized_model(quantized) -> Non
     ids = random_chunks([12, 40, 33, 25], seed=3, vocab=20000)
     query = random_chunks([9], seed=4, vocab=20000)[0]
     chunks = encode_chunks(quantized, ids)
-    linked = link(quantized, chunks, query, "full")
+    linked = link(quantized, chunks, query, Strategy.parse("full"))
     cache, logits = prefill(quantized, [t for c in ids for t in c] + query)
     torch.testing.assert_close(linked.next_logits, logits, rtol=1e-4, atol=1e-4)
     config = GenerationConfig(max_new_tokens=10)
@@ -47,4 +48,4 @@ def test_kv_of_the_unquantized_model_is_refused(quantized, smol) -> None:
     ids = random_chunks([8, 10], seed=1)
     chunks = encode_chunks(smol, ids)
     with pytest.raises(FingerprintMismatchError, match="re-encode it with this model"):
-        link(quantized, chunks, [5, 6], "naive")
+        link(quantized, chunks, [5, 6], Strategy.parse("naive"))

@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import random_chunks
 
-from rag_kvcache.encoder import encode_chunks
-from rag_kvcache.rope import apply_rope
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.model.rope import apply_rope
 
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
 

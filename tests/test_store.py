@@ -15,7 +15,7 @@ from conftest import Target
 from helpers import random_chunks
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache, UnknownCacheIdError
-from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage.blob import CorruptBlobError
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
@@ -194,7 +194,7 @@ def test_killed_writer_leaves_a_consistent_store(tmp_path) -> None:
         import os, signal
         from helpers import build_tiny, random_chunks
         import torch
-        from rag_kvcache.encoder import encode_chunks
+        from rag_kvcache.link.encoder import encode_chunks
         from rag_kvcache.storage.store import TieredStore
         lm = build_tiny(torch.float64)
         store = TieredStore({str(root)!r})

@@ -1,30 +1,70 @@
+"""Strategy: parsed once from a user's spelling, printed back to the same spelling; the
+positions each link strategy recomputes."""
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from rag_kvcache.config import EngineConfig
 from rag_kvcache.errors import StrategyError
-from rag_kvcache.strategy import LinkStrategy, parse_strategy, select_positions
+from rag_kvcache.link.selection import select_positions
+from rag_kvcache.strategy import PREFILL, Strategy
 
 
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("full", LinkStrategy("full")),
-        ("naive", LinkStrategy("naive")),
-        ("legolink:4", LinkStrategy("legolink", k=4)),
-        (" LegoLink:0 ", LinkStrategy("legolink", k=0)),
-        ("legolink0", LinkStrategy("legolink0")),
-        ("cacheblend:0.15", LinkStrategy("cacheblend", ratio=0.15)),
+        ("prefill", Strategy("prefill")),
+        ("full", Strategy("full")),
+        ("naive", Strategy("naive")),
+        ("legolink:4", Strategy("legolink", k=4)),
+        (" LegoLink:0 ", Strategy("legolink", k=0)),
+        ("legolink0", Strategy("legolink0")),
+        ("cacheblend:0.15", Strategy("cacheblend", ratio=0.15)),
+        ("cacheblend:1", Strategy("cacheblend", ratio=1.0)),
+        ("positions", Strategy("positions")),
     ],
 )
-def test_parse(name: str, expected: LinkStrategy) -> None:
-    assert parse_strategy(name) == expected
-    assert parse_strategy(str(expected)) == expected
+def test_parse(name: str, expected: Strategy) -> None:
+    assert Strategy.parse(name) == expected
+    assert Strategy.parse(str(expected)) == expected
+    assert Strategy.parse(expected) is expected  # already parsed: passed through
 
 
-@pytest.mark.parametrize("bad", ["", "legolink", "legolink:-1", "cacheblend:2", "blend", "full:1"])
+@given(st.integers(0, 10**6))
+def test_legolink_round_trips(k: int) -> None:
+    strategy = Strategy("legolink", k=k)
+    assert str(strategy) == f"legolink:{k}" and Strategy.parse(str(strategy)) == strategy
+
+
+@given(st.floats(0, 1, allow_nan=False))
+def test_cacheblend_round_trips(ratio: float) -> None:
+    strategy = Strategy("cacheblend", ratio=round(ratio, 6))
+    assert Strategy.parse(str(strategy)) == strategy
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "legolink", "legolink:-1", "cacheblend:2", "blend", "full:1", "prefill:1"]
+)
 def test_parse_rejects_with_allowed_names(bad: str) -> None:
     with pytest.raises(StrategyError, match="legolink:K"):
-        parse_strategy(bad)
+        Strategy.parse(bad)
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(kind="nope"), dict(kind="naive", k=2), dict(kind="legolink", k=-1),
+               dict(kind="full", ratio=0.5), dict(kind="cacheblend", ratio=1.5)]
+)  # fmt: skip
+def test_fields_are_checked_when_built(fields: dict) -> None:
+    with pytest.raises(StrategyError):
+        Strategy(**fields)
+
+
+def test_config_parses_a_spelling_once_and_keeps_a_strategy() -> None:
+    assert EngineConfig(strategy="legolink:16").strategy == Strategy("legolink", k=16)  # type: ignore[arg-type]
+    assert EngineConfig().strategy == Strategy("legolink", k=2)
+    assert not PREFILL.uses_cache and Strategy("legolink0").needs_sinks
 
 
 @pytest.mark.parametrize(
@@ -38,10 +78,15 @@ def test_parse_rejects_with_allowed_names(bad: str) -> None:
     ],
 )
 def test_select_positions(name: str, expected: list[int]) -> None:
-    assert select_positions(parse_strategy(name), [4, 5, 3]).tolist() == expected
+    assert select_positions(Strategy.parse(name), [4, 5, 3]).tolist() == expected
 
 
 def test_cacheblend_picks_the_largest_deviations_among_documents() -> None:
     deviation = torch.tensor([9.0, 9, 0, 0, 5, 1, 7, 0, 2, 0])  # prefix = first 2 tokens
-    picked = select_positions(parse_strategy("cacheblend:0.25"), [2, 4, 4], deviation)
+    picked = select_positions(Strategy.parse("cacheblend:0.25"), [2, 4, 4], deviation)
     assert picked.tolist() == [4, 6]  # 25% of 8 document tokens, prefix ignored
+
+
+def test_positions_are_made_on_the_device_asked_for() -> None:
+    meta = select_positions(Strategy.parse("legolink:2"), [4, 5, 3], device="meta")
+    assert meta.device.type == "meta" and meta.shape == (4,)

@@ -9,9 +9,9 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
 
-import rag_kvcache.cascade as cascade  # noqa: E402
-from rag_kvcache.cascade import attention_with_lse, cascade_attention  # noqa: E402
-from rag_kvcache.cascade_triton import triton_attention_with_lse  # noqa: E402
+import rag_kvcache.serving.cascade as cascade  # noqa: E402
+from rag_kvcache.serving.cascade import attention_with_lse, cascade_attention  # noqa: E402
+from rag_kvcache.serving.cascade_triton import triton_attention_with_lse  # noqa: E402
 
 # (requests, heads, kv_heads, tokens, head_dim, dtype): one key; fewer keys than a block;
 # many key slices for few rows; many row blocks; no grouping; an odd head size; bfloat16

@@ -21,7 +21,7 @@ PARTS=/tmp/rag-kvcache/gguf-parts
 if [ "$DEVICE" != cpu ]; then
   export PYTHONPATH=/tmp/site RAG_KVCACHE_MODEL=/tmp/rag-kvcache/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-cli() { python3 -P -m rag_kvcache.cli "$@"; }  # -P: the installed package, not ./rag_kvcache
+cli() { python3 -P -m rag_kvcache.tools.cli "$@"; }  # -P: the installed package, not ./rag_kvcache
 if [ "$DEVICE" = cpu ]; then cli() { .venv/bin/rag-kvcache "$@"; }; fi
 collect_parts() { mkdir -p "$PARTS" && cp .gpu-model/smollm2.gguf.* "$PARTS"/; }
 case "$stage" in

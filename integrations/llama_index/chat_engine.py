@@ -72,7 +72,7 @@ class KVCacheChatEngine(CondensePlusContextChatEngine):
             raise TypeError("KVCacheChatEngine.from_defaults needs llm=KVCacheLLM(engine)")
         return cls(retriever, llm, **kwargs)
 
-    def _get_response_synthesizer(
+    def _get_response_synthesizer(  # type: ignore[override]  # a synthesizer, not CompactAndRefine
         self, chat_history: list[ChatMessage], streaming: bool = False
     ) -> KVCacheSynthesizer:
         return KVCacheSynthesizer(

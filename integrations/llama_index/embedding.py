@@ -8,7 +8,7 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import PrivateAttr
 
-from rag_kvcache.embedding import Embedder
+from rag_kvcache.retrieval.embedding import Embedder
 
 
 class MiniLMEmbedding(BaseEmbedding):

@@ -31,17 +31,18 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from rag_kvcache.engine import PREFILL, Answer, AnswerStream, RagKVCache
+from rag_kvcache.answer import Answer, AnswerStream
+from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.events import FirstTokenEvent, KVLinkEvent
-from rag_kvcache.strategy import parse_strategy
+from rag_kvcache.strategy import PREFILL, Strategy
 
 dispatcher = get_dispatcher(__name__)
 
 
-def strategy_name(strategy: str) -> str:
-    """The canonical spelling the engine reports (e.g. "legolink:2"), or "prefill"; raises
-    StrategyError on an unknown name."""
-    return strategy if strategy == PREFILL else str(parse_strategy(strategy))
+def strategy_name(strategy: str | Strategy) -> str:
+    """The canonical spelling the engine reports (e.g. "legolink:2"); raises StrategyError on
+    an unknown name."""
+    return str(Strategy.parse(strategy))
 
 
 def chat_question(messages: Sequence[ChatMessage]) -> str:
@@ -79,7 +80,7 @@ def usage(answer: Answer, cache_ids: Sequence[str] | None) -> dict[str, Any]:
         "ttft_s": answer.ttft_s,
         "decode_tokens_per_s": answer.decode_tokens_per_s,
         "total_s": answer.total_s,
-        "strategy": answer.strategy,
+        "strategy": str(answer.strategy),
         "cache_ids": list(cache_ids or []),
         "token_ids": list(answer.token_ids),  # the answer's tokens, for exact comparisons
     }
@@ -125,8 +126,8 @@ class KVCacheLLM(CustomLLM):
         max_new_tokens: int | None = None,
         **kwargs: Any,
     ):
-        if strategy is not None:
-            strategy_name(strategy)  # a bad name fails here, not at the first question
+        if strategy is not None:  # a bad name fails here, not at the first question
+            strategy = strategy_name(strategy)
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         super().__init__(strategy=strategy, max_new_tokens=max_new_tokens, **kwargs)
@@ -209,7 +210,7 @@ class KVCacheLLM(CustomLLM):
         if cache_ids is None:
             text = prompt if formatted else self._as_prompt(prompt)
             run = self._engine.complete(text, max_new_tokens=max_new_tokens, stream=True)
-            name = PREFILL
+            name = str(PREFILL)
         else:
             cache_ids = list(cache_ids)
             strategy = kwargs.get("strategy") or self.strategy or self._engine.config.strategy
@@ -243,7 +244,7 @@ class KVCacheLLM(CustomLLM):
             dispatcher.event(
                 KVLinkEvent(
                     cache_ids=cache_ids,
-                    strategy=answer.strategy,
+                    strategy=str(answer.strategy),
                     prompt_tokens=answer.prompt_tokens,
                     context_tokens=answer.context_tokens,
                     recomputed_tokens=answer.recomputed_tokens,

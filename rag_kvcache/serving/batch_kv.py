@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from rag_kvcache.prefix_tree import TreeNode, path_to
+from rag_kvcache.serving.prefix_tree import TreeNode, path_to
 
 
 class Member(Protocol):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from rag_kvcache.markup import ROLES, MarkupError
+from rag_kvcache.markup.language import ROLES, MarkupError
 
 
 @dataclass(frozen=True)

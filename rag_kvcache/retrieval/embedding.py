@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rag_kvcache.model import default_embedding_path, encoder_hidden_states, load_encoder
+from rag_kvcache.model.loading import default_embedding_path, encoder_hidden_states, load_encoder
 
 
 class Embedder:

@@ -13,21 +13,31 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 from rich.progress import Progress
 
-from rag_kvcache.bench import corpus_tokens, save_report
-from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, ModelConfig
-from rag_kvcache.decoding import prefill
-from rag_kvcache.encoder import encode_chunks
-from rag_kvcache.linker import link
-from rag_kvcache.model import LoadedModel, load_model
-from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.answer import Answer
+from rag_kvcache.config import EngineConfig, ModelConfig
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.storage.disk import DiskTier
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.strategy import PREFILL, Strategy
+from rag_kvcache.tools.bench.report import (
+    bench_engines,
+    cache_chunks,
+    corpus_tokens,
+    question_text,
+    save_report,
+)
+
+LINKED = Strategy("legolink", k=2)  # the strategy timed from every tier
 
 
 @dataclass(frozen=True)
@@ -35,12 +45,12 @@ class TierRow:
     dtype: str
     tier: str  # memory (no store), cpu, disk, redis, or prefill
     context_tokens: int
-    put_ms_per_chunk: float | None
-    get_ms_per_chunk: float | None
     ttft_s: float
-    ttft_vs_cpu: float | None  # this tier's TTFT / the CPU tier's
     speedup_vs_prefill: float
     bytes_per_token: float
+    put_ms_per_chunk: float | None = None
+    get_ms_per_chunk: float | None = None
+    ttft_vs_cpu: float | None = None  # this tier's TTFT / the CPU tier's
     kl_vs_uncompressed: float | None = None  # next-token KL(full-precision || this tier's KV)
     top1_agrees: bool | None = None
 
@@ -63,35 +73,44 @@ def bench_dtype(
     redis_url: str | None,
     root: Path,
 ) -> list[TierRow]:
-    template = PromptTemplate.from_tokenizer(lm.tokenizer, DEFAULT_SYSTEM_PROMPT)
-    prefix_ids = template.prefix_ids(lm.tokenizer)
+    memory, _ = bench_engines(lm)
     pool = corpus_tokens(lm, context + 32)
     n = context // chunk_tokens
     chunk_ids = [pool[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n)]
-    question = pool[-32:]
-    prefix, *docs = encode_chunks(lm, [prefix_ids, *chunk_ids])
-    ids = [kv.cache_id for kv in docs]
+    ids = cache_chunks(memory, chunk_ids)
+    docs = memory.store.get(ids)
+    question = question_text(memory, pool[-32:], 32)
     dtype = str(lm.dtype).removeprefix("torch.")
     per_token = docs[0].nbytes / docs[0].num_tokens
 
-    def ttft(fetch) -> float:
-        start = time.perf_counter()
-        chunks = fetch()
-        int(link(lm, [prefix, *chunks], question, "legolink:2").next_logits.argmax())
-        return time.perf_counter() - start
+    def ttft(
+        engine: RagKVCache, strategy: Strategy = LINKED, before: Callable[[], object] = list
+    ) -> float:
+        """Median TTFT of the public call; `before` (untimed) e.g. empties the hot tiers."""
+        runs = []
+        for _ in range(repeats):
+            before()
+            answer = engine.generate(question, ids, strategy=strategy, max_new_tokens=1)
+            assert isinstance(answer, Answer)
+            runs.append(answer.ttft_s)
+        return statistics.median(runs)
 
-    all_ids = prefix_ids + [t for c in chunk_ids for t in c] + question
-    base_runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        int(prefill(lm, all_ids)[1].argmax())
-        base_runs.append(time.perf_counter() - start)
-    base = statistics.median(base_runs)
-    rows = [TierRow(dtype, "prefill", len(all_ids), None, None, base, None, 1.0, per_token)]
-    memory = statistics.median(ttft(lambda: docs) for _ in range(repeats))
-    rows.append(
-        TierRow(dtype, "memory", len(all_ids), None, None, memory, None, base / memory, per_token)
-    )
+    def first_logits(engine: RagKVCache) -> torch.Tensor:
+        return engine.forced_logits(question, ids, [0], LINKED)[0]
+
+    prompt = memory.generate(question, ids, strategy=PREFILL, max_new_tokens=1)
+    assert isinstance(prompt, Answer)
+    tokens = prompt.prompt_tokens
+
+    def row(tier: str, ttft_s: float, **more: Any) -> TierRow:
+        facts: dict[str, Any] = {"bytes_per_token": per_token, **more}
+        return TierRow(dtype, tier, tokens, ttft_s, base / ttft_s, **facts)
+
+    base = ttft(memory, PREFILL)
+    rows = [row("prefill", base)]
+    in_memory = ttft(memory)
+    rows.append(row("memory", in_memory))
+    exact = first_logits(memory)
 
     # on a GPU the chunks are also kept in GPU memory (the "gpu" row); without it they come
     # from the CPU tier (pinned, fed layer by layer; the "cpu" row)
@@ -104,16 +123,14 @@ def bench_dtype(
     if redis_url:
         try:
             prefix_key = f"rag-kvcache-bench:{os.getpid()}:"
-            tier = RedisTier(redis_url, prefix=prefix_key)
-            store = TieredStore(root / f"redis-{where}", durable=tier, gpu_bytes=gpu_bytes)
+            redis = RedisTier(redis_url, prefix=prefix_key)
+            store = TieredStore(root / f"redis-{where}", durable=redis, gpu_bytes=gpu_bytes)
             durables.append(("redis", store))
         except StoreUnavailableError:
             pass
     cpu_ttft: float | None = None
     for name, store in durables:
-        store.register_model(
-            lm.fingerprint, lm.name, dtype, lm.num_layers, lm.num_kv_heads, lm.head_dim
-        )
+        engine = RagKVCache(EngineConfig(), lm=lm, store=store)
         start = time.perf_counter()
         for kv in docs:
             store.put(kv, "bench")
@@ -126,50 +143,49 @@ def bench_dtype(
                     start = time.perf_counter()
                     store.get(ids)
                     get_runs.append((time.perf_counter() - start) * 1000 / n)
-                runs = [ttft(lambda s=store: s.get(ids)) for _ in range(repeats)]
-                hot_rows.append((tier.name, statistics.median(get_runs), statistics.median(runs)))
+                hot_rows.append((tier.name, statistics.median(get_runs), ttft(engine)))
                 if tier is not store.hot[-1]:
                     for cid in ids:
                         tier.remove(cid)
             cpu_ttft = hot_rows[-1][2]
             rows += [
-                TierRow(
-                    dtype, name, len(all_ids), None, get_ms, t, t / cpu_ttft, base / t, per_token
+                row(
+                    hot,
+                    t,
+                    get_ms_per_chunk=get_ms,
+                    ttft_vs_cpu=t / cpu_ttft,
                 )
-                for name, get_ms, t in hot_rows
+                for hot, get_ms, t in hot_rows
             ]
 
-        def cold(s: TieredStore = store) -> list:
+        def forget_hot(s: TieredStore = store) -> None:
             for hot in s.hot:
                 for cid in ids:
                     hot.remove(cid)
             if isinstance(s.durable, DiskTier):
                 drop_page_cache(s.durable)
-            return s.get(ids)
 
-        get_runs, ttft_runs = [], []
+        get_runs = []
         for _ in range(repeats):
+            forget_hot()
             start = time.perf_counter()
-            cold()
+            store.get(ids)
             get_runs.append((time.perf_counter() - start) * 1000 / n)
-            ttft_runs.append(ttft(cold))
-        tier_ttft = statistics.median(ttft_runs)
-        exact = link(lm, [prefix, *docs], question, "legolink:2").next_logits.float()
-        served = link(lm, [prefix, *cold()], question, "legolink:2").next_logits.float()
+        tier_ttft = ttft(engine, before=forget_hot)
+        forget_hot()
+        served = first_logits(engine)
         p, log_p, log_q = exact.softmax(-1), exact.log_softmax(-1), served.log_softmax(-1)
         rows.append(
-            TierRow(
-                dtype,
+            row(
                 name,
-                len(all_ids),
-                put_ms,
-                statistics.median(get_runs),
                 tier_ttft,
-                tier_ttft / cpu_ttft,
-                base / tier_ttft,
-                sum(len(store.durable.get(c) or b"") for c in ids) / (n * chunk_tokens),
-                float((p * (log_p - log_q)).sum()),
-                bool(exact.argmax() == served.argmax()),
+                put_ms_per_chunk=put_ms,
+                get_ms_per_chunk=statistics.median(get_runs),
+                ttft_vs_cpu=tier_ttft / cpu_ttft,
+                bytes_per_token=sum(len(store.durable.get(c) or b"") for c in ids)
+                / (n * chunk_tokens),
+                kl_vs_uncompressed=float((p * (log_p - log_q)).sum()),
+                top1_agrees=bool(exact.argmax() == served.argmax()),
             )
         )
         if name == "redis":
@@ -206,7 +222,7 @@ def run_store_bench(
         lambda path: plot_store(rows, path),
         contexts=contexts,
         chunk_tokens=chunk_tokens,
-        strategy="legolink:2",
+        strategy=str(LINKED),
         repeats=repeats,
     )
 

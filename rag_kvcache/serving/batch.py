@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rag_kvcache.batch_kv import BatchKV
-from rag_kvcache.cascade import cascade_attention
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.decoding import next_token
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.linker import LinkedPrefix, link, linked_layers
-from rag_kvcache.model import LoadedModel, forward, hook_cache
-from rag_kvcache.prefix_tree import PrefixTree, TreeNode, path_to
+from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
+from rag_kvcache.model.adapter import forward, hook_cache
+from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.serving.batch_kv import BatchKV
+from rag_kvcache.serving.cascade import cascade_attention
+from rag_kvcache.serving.decoding import finished, next_token
+from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
+from rag_kvcache.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class BatchDecoder:
         self,
         lm: LoadedModel,
         tree: PrefixTree,
-        strategy: str,
+        strategy: Strategy,
         fetch: Callable[[list[str]], list[ChunkKV]],
     ):
         self.lm, self.tree, self.strategy, self.fetch = lm, tree, strategy, fetch
@@ -180,14 +182,10 @@ class BatchDecoder:
 
     def choose(self, request: _Active) -> bool:
         """Pick the request's next token from its logits; False once it is finished (the
-        same stopping rules as `decoding.decode`)."""
+        stop rules of every decode loop, `decoding.finished`)."""
         token = next_token(request.logits, request.config, request.generator)
         request.tokens.append(token)
-        return not (
-            token in self.lm.eos_ids
-            or len(request.tokens) >= request.config.max_new_tokens
-            or request.position >= self.lm.max_context
-        )
+        return not finished(self.lm, token, len(request.tokens), request.position, request.config)
 
     def finish(self, request: _Active, done: list[_Active]) -> None:
         self.tree.release(request.leaf)

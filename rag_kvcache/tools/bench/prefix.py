@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from rag_kvcache.batch import BatchRequest
-from rag_kvcache.bench import corpus_tokens, save_report
 from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig
 from rag_kvcache.engine import RagKVCache
-from rag_kvcache.model import LoadedModel, build_cache, forward, load_model, unpack_cache
+from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
+from rag_kvcache.model.loading import LoadedModel, load_model
+from rag_kvcache.serving.batch import BatchRequest
+from rag_kvcache.tools.bench.report import cache_chunks, corpus_tokens, save_report
 
 CHUNK_TOKENS = 256
 
@@ -83,8 +84,7 @@ def bench_case(
     """Ours and the baseline for one (prefix, batch, shared) case, `repeats` times each,
     alternating (so a slow spell of a shared machine hits both); the best run counts."""
     per_request = len(chunks) // (1 if shared else batch)
-    texts = [engine.lm.tokenizer.decode(c) for c in chunks]
-    ids = engine.cache_token_ids(chunks, engine.doc_settings, texts)[0]  # exact token counts
+    ids = cache_chunks(engine, chunks)  # exact token counts
     groups = [
         ids[:per_request] if shared else ids[i * per_request : (i + 1) * per_request]
         for i in range(batch)

@@ -45,7 +45,8 @@ def delta_angles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [F] of a rotation by `delta` positions, for `rotate_into`."""
     half = inv_freq.shape[-1]
-    cos, sin = rope_cos_sin(torch.tensor([delta]), inv_freq, dtype)
+    position = torch.tensor([delta], device=inv_freq.device)  # where inv_freq lives (CUDA too)
+    cos, sin = rope_cos_sin(position, inv_freq, dtype)
     return cos[0, :half].to(device), sin[0, :half].to(device)
 
 

@@ -25,22 +25,22 @@ from rag_kvcache.errors import (
     StrategyError,
 )
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.layer_feed import LayerFeed
-from rag_kvcache.model import (
+from rag_kvcache.link.layer_feed import LayerFeed
+from rag_kvcache.link.selection import choose_recomputed, select_positions
+from rag_kvcache.model.adapter import (
     Cache,
-    LoadedModel,
     additive_mask,
     before_layer_update,
     buffered_cache,
     build_cache,
     forward,
-    layer_values,
     new_buffers,
     unpack_cache,
     write_at,
 )
-from rag_kvcache.rope import apply_rope, rotate_into
-from rag_kvcache.strategy import LinkStrategy, parse_strategy, select_positions
+from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.model.rope import apply_rope, rotate_into
+from rag_kvcache.strategy import Strategy
 
 
 @dataclass
@@ -72,7 +72,7 @@ def link(
     lm: LoadedModel,
     chunks: list[ChunkKV],
     query_ids: list[int],
-    strategy: str | LinkStrategy,
+    strategy: Strategy,
     reserve: int = 0,
     prefix: LinkedPrefix | None = None,
     layerwise: bool | None = None,
@@ -85,7 +85,6 @@ def link(
     `layerwise` places the chunks one layer at a time as the forward reaches it (`LayerFeed`;
     by default when their KV is on another device than the model, e.g. CPU-pinned for CUDA).
     """
-    strategy = parse_strategy(strategy)
     check_chunks(lm, chunks, strategy, len(query_ids), prefix)
     P = prefix.num_tokens if prefix else 0
     token_ids = torch.tensor(
@@ -97,7 +96,7 @@ def link(
         recompute = choose_recomputed(lm, chunks, token_ids, strategy)  # [r] positions
     else:
         lengths = [P, *(c.num_tokens for c in chunks)]
-        recompute = select_positions(strategy, lengths).to(lm.device)
+        recompute = select_positions(strategy, lengths, device=lm.device)
         recompute = recompute[recompute >= P]  # the prefix is linked already
     L, r, q = len(token_ids), len(recompute), len(query_ids)
     # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
@@ -170,28 +169,16 @@ def place_into(
         offset += c.num_tokens
 
 
-def choose_recomputed(
-    lm: LoadedModel, chunks: list[ChunkKV], token_ids: torch.Tensor, strategy: LinkStrategy
-) -> torch.Tensor:
-    """Positions [R] to recompute; cacheblend measures layer-1 value deviation first."""
-    deviation = None
-    if strategy.kind == "cacheblend":
-        layer = min(1, lm.num_layers - 1)
-        fresh = layer_values(lm, token_ids[None], layer)  # [h, L, d]
-        cached = torch.cat([c.values[layer].to(lm.device) for c in chunks], dim=1)  # [h, L, d]
-        deviation = (fresh.float() - cached.float()).norm(dim=(0, 2))  # [L]
-    lengths = [c.num_tokens for c in chunks]
-    return select_positions(strategy, lengths, deviation).to(lm.device)
-
-
 def check_chunks(
     lm: LoadedModel,
     chunks: list[ChunkKV],
-    strategy: LinkStrategy,
+    strategy: Strategy,
     query_tokens: int,
     prefix: LinkedPrefix | None = None,
 ) -> None:
     """Clear errors for KV that cannot be linked into this model's context."""
+    if not strategy.uses_cache or strategy.kind == "positions":
+        raise StrategyError(f"{strategy} is not a link strategy")
     if not chunks and prefix is None:
         raise StrategyError("nothing to link: pass at least the system prefix chunk")
     if prefix is not None and strategy.kind == "cacheblend":
@@ -230,7 +217,7 @@ def check_chunks(
 
 
 def link_reference(
-    lm: LoadedModel, chunks: list[ChunkKV], query_ids: list[int], strategy: str | LinkStrategy
+    lm: LoadedModel, chunks: list[ChunkKV], query_ids: list[int], strategy: Strategy
 ) -> LinkedContext:
     """Oracle for `link`: the same tokens recomputed one at a time, in position order.
 
@@ -238,7 +225,6 @@ def link_reference(
     single-token forward over exactly the KV it may see (all earlier positions, recomputed
     ones already fresh), so no custom mask and no buffer bookkeeping is involved.
     """
-    strategy = parse_strategy(strategy)
     check_chunks(lm, chunks, strategy, len(query_ids))
     token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=lm.device)
     recompute = choose_recomputed(lm, chunks, token_ids, strategy)

@@ -1,0 +1,128 @@
+"""Serving markup prompts (Prompt Cache) from cached module KV.
+
+Every unit of a schema (a run of a module's text, the anonymous text, a scaffold) is encoded
+once, alone, and kept in the engine's store under its content hash, like a RAG chunk: a schema
+edit re-encodes only the units whose tokens changed. Serving a prompt places the imported
+units' KV at their schema positions (keys rotated there: the same as encoding them there),
+computes the parameter arguments and the prompt's text at their positions in one forward
+(each new token sees every token at an earlier position), and decodes. The second mode links
+the imported units back to back with a link strategy instead, so modules can be reordered and
+no positions are left empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rag_kvcache.answer import Answer, AnswerStream, Placement, Prepared, answer_steps, prepare
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.kv import ChunkKV, EncodeSettings
+from rag_kvcache.markup.language import (
+    CompiledPrompt,
+    MarkupError,
+    Schema,
+    Unit,
+    compile_prompt,
+    compile_schema,
+    scaffold_unit,
+)
+from rag_kvcache.strategy import Strategy
+
+POSITIONS = Strategy("positions")  # Prompt Cache: every unit at its schema position
+
+
+@dataclass(frozen=True)
+class SchemaAdded:
+    name: str
+    modules: int
+    units: int
+    encoded: int  # units encoded now (the rest were cached: unchanged since last time)
+
+
+class PromptCache:
+    """Schemas compiled for one engine's model; their units live in the engine's store."""
+
+    def __init__(self, engine: RagKVCache):
+        self.engine = engine
+        self.schemas: dict[str, Schema] = {}
+
+    def add_schema(self, source: str) -> SchemaAdded:
+        """Compile a schema and encode its units (and scaffolds) that are not cached yet."""
+        schema = compile_schema(source, self.engine.lm.tokenizer)
+        units = list(schema.units)
+        for names in schema.scaffolds:
+            covered = [u for u in schema.units if u.module is None or u.module in names]
+            units.append(scaffold_unit(covered))
+        _, encoded = self._cache(units)
+        self.schemas[schema.name] = schema
+        return SchemaAdded(schema.name, len(schema.modules), len(units), encoded)
+
+    def load_folder(self, folder: Path) -> list[SchemaAdded]:
+        """Add every `*.xml` schema in a folder (the CLI keeps them under the store root)."""
+        return [
+            self.add_schema(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("*.xml"))
+        ]
+
+    def compile(self, prompt: str) -> CompiledPrompt:
+        return compile_prompt(prompt, self.schemas, self.engine.lm.tokenizer)
+
+    def serve(
+        self,
+        prompt: str | CompiledPrompt,
+        strategy: Strategy | str = POSITIONS,
+        max_new_tokens: int | None = None,
+    ) -> Answer:
+        """Answer a prompt through the engine's answer path: at schema positions (`positions`,
+        the default), with a link strategy (imported modules back to back, any order), or by a
+        plain prefill of the same tokens in position order (`prefill`), for comparison."""
+        compiled = self.compile(prompt) if isinstance(prompt, str) else prompt
+        strategy = Strategy.parse(strategy)
+        lm = self.engine.lm
+        gen = self.engine.config.generation
+        if max_new_tokens is not None:
+            gen = replace(gen, max_new_tokens=max_new_tokens)
+        new_ids = list(compiled.new_ids)
+        placement: Placement | None = None
+        units = compiled.units
+        if strategy.kind == "positions" or not strategy.uses_cache:
+            placement = schema_placement(compiled)
+        elif compiled.arguments:
+            raise MarkupError(
+                "parameters need their schema positions; serve with strategy='positions'"
+            )
+        else:
+            units = linked_order(compiled)
+
+        def context() -> Prepared:
+            chunks = self._chunks(units)  # encodes only what is missing (e.g. expired)
+            return prepare(lm, chunks, new_ids, strategy, gen.max_new_tokens, placement)
+
+        return AnswerStream(answer_steps(lm, context, len(new_ids), strategy, gen)).finish()
+
+    def _cache(self, units: list[Unit]) -> tuple[list[str], int]:
+        token_lists = [list(u.token_ids) for u in units]
+        texts = [self.engine.lm.tokenizer.decode(t) for t in token_lists]
+        return self.engine.cache_token_ids(token_lists, EncodeSettings(), texts)
+
+    def _chunks(self, units: tuple[Unit, ...]) -> list[ChunkKV]:
+        ids, _ = self._cache(list(units))  # encodes only what is missing (e.g. expired)
+        return self.engine.store.get(ids)
+
+
+def schema_placement(compiled: CompiledPrompt) -> Placement:
+    """Where the prompt's units and its own tokens sit in the schema's positions."""
+    return Placement(tuple(u.start for u in compiled.units), tuple(compiled.new_positions))
+
+
+def linked_order(compiled: CompiledPrompt) -> tuple[Unit, ...]:
+    """Units for position-independent linking: the anonymous text before the first module,
+    then each imported module's units in the prompt's order, then the other anonymous text."""
+    units = compiled.units
+    if any(u.module == "#scaffold" for u in units):
+        return units
+    first = min((u.start for u in units if u.module is not None), default=None)
+    head = [u for u in units if u.module is None and (first is None or u.start < first)]
+    rest = [u for u in units if u.module is None and u not in head]
+    modules = [u for name in compiled.imported for u in units if u.module == name]
+    return tuple(head + modules + rest)

@@ -1,0 +1,160 @@
+"""`rag-kvcache bench ttft`: time to first token, full prefill vs each link strategy, one run.
+
+Contexts are built from 256-token chunks of the sample corpus after the system prefix, with a
+32-token question. Everything is measured side by side in one process, so the speedups are
+ratios on the same machine at the same moment. Writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.progress import Progress
+
+from rag_kvcache.answer import Answer
+from rag_kvcache.config import ModelConfig
+from rag_kvcache.model.loading import LoadedModel, load_model
+from rag_kvcache.strategy import PREFILL, Strategy
+from rag_kvcache.tools.bench.report import (
+    bench_engines,
+    cache_chunks,
+    corpus_tokens,
+    question_text,
+    save_report,
+)
+
+DEFAULT_STRATEGIES = ("naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15")
+
+
+@dataclass(frozen=True)
+class TTFTRow:
+    dtype: str
+    context_tokens: int
+    strategy: str
+    ttft_s: float  # median over repeats
+    ttft_runs: list[float]
+    recomputed_tokens: int
+    speedup: float  # prefill ttft / this ttft, same dtype and context
+
+
+def bench_dtype(
+    lm: LoadedModel,
+    contexts: list[int],
+    strategies: list[Strategy],
+    chunk_tokens: int,
+    question_tokens: int,
+    repeats: int,
+    progress: Progress,
+) -> list[TTFTRow]:
+    """TTFT of `RagKVCache.generate` (the public call users make) per context and strategy,
+    chunks from the in-memory store, prefill beside them."""
+    engine, sink_engine = bench_engines(lm)
+    pool = corpus_tokens(lm, max(contexts) + question_tokens)
+    n_chunks = max(contexts) // chunk_tokens
+    chunk_ids = [pool[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n_chunks)]
+    plain = cache_chunks(engine, chunk_ids)
+    sinks = cache_chunks(sink_engine, chunk_ids)
+    question = question_text(engine, pool[-question_tokens:], question_tokens)
+    rows: list[TTFTRow] = []
+    task = progress.add_task(f"{lm.dtype}", total=len(contexts) * repeats)
+    dtype = str(lm.dtype).removeprefix("torch.")
+
+    def first_token(strategy: Strategy, n: int) -> Answer:
+        on, ids = (sink_engine, sinks) if strategy.needs_sinks else (engine, plain)
+        answer = on.generate(question, ids[:n], strategy=strategy, max_new_tokens=1)
+        assert isinstance(answer, Answer)
+        return answer
+
+    for context in contexts:
+        n = context // chunk_tokens
+        runs = [PREFILL, *strategies]
+        warm = {s: first_token(s, n) for s in runs}  # first calls are slower; not timed
+        # round-robin: each repeat times prefill and every strategy once, so a machine whose
+        # speed drifts over minutes (shared 2-core VMs do) shifts all of them alike
+        seconds: dict[Strategy, list[float]] = {s: [] for s in runs}
+        for _ in range(repeats):
+            for strategy in runs:
+                seconds[strategy].append(first_token(strategy, n).ttft_s)
+            progress.advance(task)
+        base = statistics.median(seconds[PREFILL])
+        for strategy, times in seconds.items():
+            ttft = statistics.median(times)
+            done = warm[strategy]
+            rows.append(
+                TTFTRow(
+                    dtype,
+                    done.prompt_tokens,
+                    str(strategy),
+                    ttft,
+                    times,
+                    done.recomputed_tokens,
+                    base / ttft,
+                )
+            )
+    return rows
+
+
+def run_ttft_bench(
+    out_dir: Path,
+    dtypes: list[str],
+    contexts: list[int],
+    strategies: list[str] | list[Strategy],
+    chunk_tokens: int = 256,
+    question_tokens: int = 32,
+    repeats: int = 3,
+    model_path: str | None = None,
+    device: str = "cpu",
+) -> dict[str, object]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[TTFTRow] = []
+    models = {}
+    with Progress() as progress:
+        for dtype in dtypes:
+            lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
+            models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
+            parsed = [Strategy.parse(s) for s in strategies]
+            lm_rows = bench_dtype(
+                lm, contexts, parsed, chunk_tokens, question_tokens, repeats, progress
+            )
+            rows.extend(lm_rows)
+    return save_report(
+        out_dir,
+        "ttft",
+        rows,
+        lambda path: plot_ttft(rows, path),
+        models=models,
+        chunk_tokens=chunk_tokens,
+        question_tokens=question_tokens,
+        repeats=repeats,
+    )
+
+
+def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r.dtype for r in rows})
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 8), squeeze=False)
+    for col, dtype in enumerate(dtypes):
+        mine = [r for r in rows if r.dtype == dtype]
+        ax = axes[0][col]
+        for strategy in dict.fromkeys(r.strategy for r in mine):
+            pts = [(r.context_tokens, r.ttft_s) for r in mine if r.strategy == strategy]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
+        ax.set(yscale="log", xlabel="context tokens", ylabel="TTFT (s)", title=f"TTFT, {dtype}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        largest = max(r.context_tokens for r in mine)
+        top = [r for r in mine if r.context_tokens == largest and r.strategy != str(PREFILL)]
+        ax = axes[1][col]
+        bars = ax.bar([r.strategy for r in top], [r.speedup for r in top], color="tab:green")
+        ax.bar_label(bars, fmt="%.1fx", fontsize=8)
+        ax.set(ylabel="speedup vs full prefill", title=f"speedup at {largest} tokens, {dtype}")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
