@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from rag_kvcache import EncodeConfig, EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.config import LEGOLINK0_SINKS
 from rag_kvcache.errors import ConfigError
+from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.eval import (
     NEEDLE,
@@ -18,6 +21,7 @@ from rag_kvcache.tools.eval import (
     check_strategies,
     load_dataset,
     needle_item,
+    run_eval,
     summarize,
 )
 from rag_kvcache.tools.metrics import (
@@ -131,6 +135,31 @@ def test_full_agrees_with_itself_and_recomputing_everything_is_full(tiny32) -> N
     assert summary["full"].recomputed_fraction == 1.0 and summary["naive"].items == 1
 
 
+EVERY_STRATEGY = ["prefill", "naive", "legolink:2", "legolink0", "cacheblend:0.5"]
+
+
+def test_eval_answers_are_the_engines_answers_token_for_token(tiny32) -> None:
+    """`rag-kvcache eval` measures what users get: for every strategy its answers equal
+    `RagKVCache.generate` on the same items, token for token."""
+    items = [
+        EvalItem("a", ("The lighthouse was built in 1788.", "Six crews row."), "When?", ("1788",)),
+        EvalItem("b", ("The bakery opens at five.", "Bread.", "Eel."), "Who bakes?", ("x",)),
+    ]
+    results, _ = run_eval(tiny32, items, EVERY_STRATEGY, max_new_tokens=6, teacher_tokens=2)
+    config = EngineConfig(generation=GenerationConfig(max_new_tokens=6))
+    engine = RagKVCache(config, lm=tiny32, store=MemoryStore())
+    sinks = engine.with_encoding(EncodeConfig(sink_tokens=LEGOLINK0_SINKS))
+    checked = set()
+    for item in items:
+        for result in (r for r in results if r.item == item.id):
+            on = sinks if result.strategy == "legolink0" else engine
+            ids = on.generate_context_cache(list(item.documents))
+            answer = on.generate(item.question, ids, strategy=result.strategy)
+            assert answer.token_ids == result.token_ids and answer.text == result.answer
+            checked.add(result.strategy)
+    assert checked == {"full", *EVERY_STRATEGY}
+
+
 def test_needle_item_places_the_needle_at_the_depth(smol) -> None:
     count = lambda s: len(smol.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     start = needle_item(smol, 1024, 0.0, 256)
@@ -145,7 +174,7 @@ def test_needle_item_places_the_needle_at_the_depth(smol) -> None:
 
 
 @pytest.mark.slow
-def test_eval_command_writes_report_table_and_plots(tmp_path: Path) -> None:
+def test_eval_command_writes_report_table_and_plots(tmp_path: Path, smol) -> None:
     out = tmp_path / "out"
     args = ["eval", str(DEV_SET), "--limit", "2", "--strategies", "legolink:2,naive"]
     assert main([*args, "--out", str(out), "--max-new-tokens", "12"]) == 0
@@ -156,6 +185,12 @@ def test_eval_command_writes_report_table_and_plots(tmp_path: Path) -> None:
     assert (full["kl"], full["top1"], full["recomputed_fraction"]) == (0.0, 1.0, 1.0)
     assert 0 < report["summary"][1]["recomputed_fraction"] < 0.1
     assert "| legolink:2 |" in (out / "eval.md").read_text()
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=12)), lm=smol)
+    for item in load_dataset(DEV_SET)[:2]:
+        ids = engine.generate_context_cache(list(item.documents))
+        for row in (r for r in report["items"] if r["item"] == item.id):
+            answer = engine.generate(item.question, ids, strategy=row["strategy"])
+            assert list(answer.token_ids) == row["token_ids"], (item.id, row["strategy"])
     for png in ("eval_ttft_f1.png", "eval_kl_k.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "--out", str(out)]) == 2  # neither a dataset nor --needle

@@ -64,6 +64,7 @@ class ItemResult:
     item: str
     strategy: str
     answer: str
+    token_ids: tuple[int, ...]  # the answer's tokens, as `RagKVCache.generate` gives them
     f1: float
     exact_match: float
     contains: bool
@@ -172,6 +173,7 @@ class Evaluator:
                     item=item.id,
                     strategy=str(strategy),
                     answer=answer.text,
+                    token_ids=answer.token_ids,
                     f1=f1_score(answer.text, item.answers),
                     exact_match=exact_match(answer.text, item.answers),
                     contains=contains_answer(answer.text, item.answers),

@@ -1,0 +1,52 @@
+"""The GPU kit (demos/gpu/run.sh) dry-runs on the CPU: it installs this tree's wheel, runs the
+benchmark stages from that install (not from the source tree) on a tiny random model, and
+packs each stage's results into one archive."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # random:tiny borrows SmolLM2's tokenizer
+
+
+def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "DEVICE": "cpu",
+        "MODEL": "random:tiny",
+        "SMALL": "1",
+        "PYTHON": sys.executable,
+        "OUT": str(out),
+    }
+    stages = ["install", "bench8b", "prefix8b"]
+    run = subprocess.run(
+        ["bash", "demos/gpu/run.sh", *stages],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    installed = (out / "install" / "installed.txt").read_text()
+    assert installed.startswith(str(out / "site")), installed  # the wheel, not ./rag_kvcache
+    expected = {
+        "bench8b": {"ttft.json", "ttft.png", "store.json", "store.png"},
+        "prefix8b": {"prefix.json", "prefix.png", "torch-attention/prefix.json"},
+    }
+    for stage, files in expected.items():
+        with tarfile.open(out / f"{stage}.tar.gz") as archive:
+            names = {n.removeprefix(f"{stage}/") for n in archive.getnames()}
+        assert files <= names, (stage, names)
+    ttft = json.loads((out / "bench8b" / "ttft.json").read_text())
+    strategies = {r["strategy"] for r in ttft["rows"]}
+    assert {"prefill", "legolink:2"} <= strategies and all(r["ttft_s"] > 0 for r in ttft["rows"])
