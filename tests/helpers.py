@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rag_kvcache.link.linker import LinkedContext, linked_layers
 from rag_kvcache.model.loading import LoadedModel, describe
+from rag_kvcache.serving.batch_kv import BatchKV
+from rag_kvcache.serving.prefix_tree import TreeNode
 
 TINY_VOCAB = 49152  # SmolLM2's vocabulary, so the tiny model can share its tokenizer
 
@@ -39,3 +42,15 @@ def build_tiny(dtype: torch.dtype, seed: int = 0, tokenizer: object = None) -> L
 def random_chunks(lengths: list[int], seed: int = 0, vocab: int = 1000) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions start..end-1 of a linked context, stacked:
+    [layers, kv_heads, end - start, head_dim]."""
+    keys, values = linked_layers(linked, start, end)
+    return torch.stack(keys), torch.stack(values)
+
+
+def inlined_nodes(batch: BatchKV) -> set[TreeNode]:
+    """Tree nodes laid out in a batch's rows."""
+    return {node for layout in batch.layouts for node in layout.inlined}

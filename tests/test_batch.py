@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import linked_span
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.errors import StrategyError
-from rag_kvcache.link.linker import LinkedPrefix, link, linked_span
+from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.strategy import Strategy
 

@@ -8,6 +8,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from helpers import inlined_nodes
 
 from rag_kvcache.serving.batch_kv import BatchKV, shares_storage
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
@@ -74,7 +75,7 @@ def new_request(tree: PrefixTree, path: list[str], rng: random.Random) -> Reques
 
 def outside(tree: PrefixTree, batch: BatchKV) -> int:
     """Bytes of the tree's nodes that do not live in the rows."""
-    outside = sum(n.nbytes for n in tree.nodes() if n not in batch.inlined())
+    outside = sum(n.nbytes for n in tree.nodes() if n not in inlined_nodes(batch))
     assert batch.outside_nbytes(tree.nodes()) == outside  # by storage = by layout
     return outside
 
@@ -107,7 +108,7 @@ def check(batch: BatchKV, tree: PrefixTree, members: list[Request]) -> None:
                 own = rows[layer][row, :, at : at + m.length]
                 assert torch.equal(own, want[layer][:, : m.length])
                 assert not rows[layer][row, :, at + m.length :].any()  # zero past its end
-    inlined = batch.inlined()
+    inlined = inlined_nodes(batch)
     for node in tree.nodes():
         if node not in inlined:
             assert all(not shares_storage(k, r) for k in node.keys for r in batch.keys)

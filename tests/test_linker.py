@@ -149,7 +149,9 @@ def test_placing_layer_by_layer_equals_placing_first(tiny32, strategy: str) -> N
 
 
 def test_layer_by_layer_after_a_linked_prefix(tiny32) -> None:
-    from rag_kvcache.link.linker import LinkedPrefix, linked_span
+    from helpers import linked_span
+
+    from rag_kvcache.link.linker import LinkedPrefix
 
     chunks, tokens = _setup(tiny32)
     head = link(tiny32, chunks[:2], QUERY, Strategy.parse("legolink:2"))

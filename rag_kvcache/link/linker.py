@@ -138,12 +138,6 @@ def linked_layers(
     )
 
 
-def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`linked_layers` stacked: [layers, kv_heads, end - start, head_dim]."""
-    keys, values = linked_layers(linked, start, end)
-    return torch.stack(keys), torch.stack(values)
-
-
 def link_mask(new_positions: torch.Tensor, length: int) -> torch.Tensor:
     """Boolean [N, length]: a new token at position p sees every position <= p.
 

@@ -65,10 +65,6 @@ class BatchKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def inlined(self) -> set[TreeNode]:
-        """Tree nodes laid out in the rows."""
-        return {node for layout in self.layouts for node in layout.inlined}
-
     def outside_nbytes(self, nodes: list[TreeNode]) -> int:
         """Bytes of the nodes' KV that does not live in the rows (checked per tensor, so a
         node counts wherever its KV really is)."""
