@@ -30,9 +30,9 @@ from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved
 from rag_kvcache.serving.batch import BatchAnswer, BatchDecoder, BatchRequest, BatchStats
 from rag_kvcache.serving.prefix_tree import PrefixTree
-from rag_kvcache.storage.catalog import ChunkRow
 from rag_kvcache.storage.memory import MemoryStore
-from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.storage.records import ChunkRow
+from rag_kvcache.storage.store import Reencode, TieredStore
 from rag_kvcache.strategy import PREFILL, Strategy
 
 
@@ -53,8 +53,9 @@ class BatchResult:
     stats: BatchStats
 
 
-def open_store(config: StoreConfig) -> KVStore:
-    """The store a StoreConfig describes: in memory, or tiered under config.root."""
+def open_store(config: StoreConfig, reencode: Reencode | None = None) -> KVStore:
+    """The store a StoreConfig describes: in memory, or tiered under config.root. `reencode`
+    (see `reencoder`) rebuilds a tiered store's lost or corrupt blobs; memory loses none."""
     if config.root is None:
         return MemoryStore()
     return TieredStore(
@@ -65,7 +66,24 @@ def open_store(config: StoreConfig) -> KVStore:
         gpu_bytes=config.gpu_bytes,
         policy=config.policy,
         compress=config.compress,
+        reencode=reencode,
     )
+
+
+def reencoder(lm: LoadedModel) -> Reencode:
+    """The re-encode hook a durable store is built with: rebuilds a lost or corrupt blob with
+    `lm` from the token ids the catalog keeps (only chunks of that model)."""
+
+    def reencode(row: ChunkRow) -> ChunkKV:
+        if row.fingerprint != lm.fingerprint:
+            raise FingerprintMismatchError(
+                f"chunk {row.cache_id} belongs to model {row.fingerprint}; only that model "
+                f"can re-encode it (loaded: {lm.fingerprint})"
+            )
+        settings = EncodeSettings.from_key(row.encode_settings)
+        return encode_chunks(lm, [list(row.token_ids)], settings)[0]
+
+    return reencode
 
 
 class RagKVCache:
@@ -80,9 +98,9 @@ class RagKVCache:
     ):
         self.config = config or EngineConfig()
         self.lm = lm or load_model(self.config.model)
-        self.store = store if store is not None else open_store(self.config.store)
-        if isinstance(self.store, TieredStore):
-            self.store.reencode = self._reencode
+        if store is None:  # a store given here was built with its own hook (reencode=...)
+            store = open_store(self.config.store, reencoder(self.lm))
+        self.store = store
         facts = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
         self.store.register_model(self.lm.fingerprint, self.lm.name, str(self.lm.dtype), *facts)
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
@@ -150,12 +168,13 @@ class RagKVCache:
     @cached_property
     def corpus(self) -> Corpus:
         """Documents and their vector index; needs a durable store (StoreConfig.root)."""
-        if not isinstance(self.store, TieredStore):
+        catalog, folder = self.store.catalog, self.store.root
+        if catalog is None or folder is None:
             raise ConfigError(
                 "documents and retrieval need a durable store: "
                 "EngineConfig(store=StoreConfig(root=...))"
             )
-        return Corpus(self.store, Embedder())
+        return Corpus(self.store, catalog, folder, Embedder())
 
     def ingest_document(
         self,
@@ -182,16 +201,6 @@ class RagKVCache:
     def retrieve(self, query: str, top_k: int = 4) -> list[Retrieved]:
         """The ingested chunks most similar to `query` (cosine, best first), with cache IDs."""
         return self.corpus.search(query, top_k)
-
-    def _reencode(self, row: ChunkRow) -> ChunkKV:
-        """Rebuild a lost or corrupt blob from the token ids the catalog keeps."""
-        if row.fingerprint != self.lm.fingerprint:
-            raise FingerprintMismatchError(
-                f"chunk {row.cache_id} belongs to model {row.fingerprint}; only that model "
-                f"can re-encode it (loaded: {self.lm.fingerprint})"
-            )
-        settings = EncodeSettings.from_key(row.encode_settings)
-        return encode_chunks(self.lm, [list(row.token_ids)], settings)[0]
 
     def expire_cache(self, cache_id: str) -> bool:
         """Forget a chunk's KV; later requests naming it get UnknownCacheIdError."""

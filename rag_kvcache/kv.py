@@ -1,4 +1,4 @@
-"""The cached KV of one chunk, and the content hash that names it.
+"""The cached KV of one chunk, the content hash that names it, and the protocol of its stores.
 
 Layout (stated once, used everywhere): `keys` and `values` are `[layers, kv_heads, tokens,
 head_dim]`, batch dimension dropped. Keys are stored after RoPE at positions
@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:  # plain records; storage itself imports this module
+    from rag_kvcache.storage.records import CatalogStats, ChunkRow, DocumentRow, VerifyReport
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,33 @@ class ChunkKV:
         )
 
 
+class DocumentCatalog(Protocol):
+    """The documents of a durable store, as its catalog keeps them: what the corpus, ingestion
+    and the tools read and write (`rag_kvcache.storage.catalog.Catalog` is one)."""
+
+    def documents(self) -> list[DocumentRow]: ...
+    def document(self, source: str) -> DocumentRow | None: ...
+    def document_chunks(self, source: str) -> list[str]: ...
+    def documented_ids(self) -> set[str]: ...
+    def set_document(
+        self, source: str, content_hash: str, cache_ids: Sequence[str]
+    ) -> tuple[DocumentRow, list[str]]: ...
+    def remove_document(self, source: str) -> list[str]: ...
+    def sources(self, cache_ids: Iterable[str]) -> dict[str, str]: ...
+    def chunks(self, cache_ids: Iterable[str]) -> dict[str, ChunkRow]: ...
+    def count(self, name: str, by: int = 1) -> None: ...
+    def counters(self) -> dict[str, int]: ...
+    def stats(self) -> CatalogStats: ...
+
+
 class KVStore(Protocol):
-    """What the engine needs of a store (MemoryStore, TieredStore)."""
+    """What the engine, the corpus and ingestion need of a store (MemoryStore, TieredStore).
+
+    `catalog` and `root` are a store's durable side: a store that keeps documents has both (the
+    catalog, and the folder where the vector index is saved beside it); one that keeps only KV
+    in memory has None for both, and documents and retrieval are then unavailable. How a lost
+    or corrupt blob is re-encoded is given when a store is built (TieredStore's `reencode`).
+    """
 
     def register_model(
         self, fingerprint: str, name: str, dtype: str, layers: int, kv_heads: int, head_dim: int
@@ -88,5 +118,13 @@ class KVStore(Protocol):
     def get(self, cache_ids: list[str]) -> list[ChunkKV]: ...
     def contains(self, cache_id: str) -> bool: ...
     def remove(self, cache_id: str) -> bool: ...
+    def set_pinned(self, cache_id: str, pinned: bool) -> None: ...
+    def verify(
+        self, repair: bool = True, on_checked: Callable[[], None] | None = None
+    ) -> VerifyReport: ...
     def nbytes(self) -> int: ...
     def __len__(self) -> int: ...
+    @property
+    def catalog(self) -> DocumentCatalog | None: ...
+    @property
+    def root(self) -> Path | None: ...

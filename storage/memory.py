@@ -1,12 +1,26 @@
-"""In-process KV store: a dict from cache ID to ChunkKV. Nothing survives the process."""
+"""In-process KV store: a dict from cache ID to ChunkKV. Nothing survives the process.
+
+It has no catalog and no folder (`catalog` and `root` are None), so it holds no documents:
+retrieval needs a durable store (TieredStore).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.kv import ChunkKV
+from rag_kvcache.storage.records import VerifyReport
+
+if TYPE_CHECKING:
+    from rag_kvcache.kv import KVStore
 
 
 class MemoryStore:
+    catalog: None = None  # no documents kept
+    root: None = None  # no files kept
+
     def __init__(self) -> None:
         self._chunks: dict[str, ChunkKV] = {}
 
@@ -31,8 +45,26 @@ class MemoryStore:
     def remove(self, cache_id: str) -> bool:
         return self._chunks.pop(cache_id, None) is not None
 
+    def set_pinned(self, cache_id: str, pinned: bool) -> None:
+        """Nothing here is ever evicted, so a pin changes nothing; an unknown ID is an error."""
+        if cache_id not in self._chunks:
+            raise UnknownCacheIdError([cache_id])
+
+    def verify(
+        self, repair: bool = True, on_checked: Callable[[], None] | None = None
+    ) -> VerifyReport:
+        """Nothing can be corrupt or missing: the chunks are live tensors, never serialized."""
+        for _ in self._chunks:
+            if on_checked:
+                on_checked()
+        return VerifyReport(len(self._chunks), [], [], 0)
+
     def nbytes(self) -> int:
         return sum(kv.nbytes for kv in self._chunks.values())
 
     def __len__(self) -> int:
         return len(self._chunks)
+
+
+if TYPE_CHECKING:  # mypy proves that MemoryStore has everything of the KVStore protocol
+    _satisfies_kvstore: type[KVStore] = MemoryStore

@@ -14,10 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
@@ -29,11 +28,16 @@ from rag_kvcache.storage.blob import (
     from_blob,
     to_blob,
 )
-from rag_kvcache.storage.catalog import Catalog, ChunkRow
+from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
+from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
 
+if TYPE_CHECKING:
+    from rag_kvcache.kv import KVStore
+
+# Rebuilds a lost or corrupt blob from its catalog row (rag_kvcache.engine.reencoder(lm)).
 Reencode = Callable[[ChunkRow], ChunkKV]
 
 
@@ -51,25 +55,13 @@ class BlobTier(Protocol):
     def nbytes(self) -> int: ...
 
 
-@dataclass(frozen=True)
-class GcReport:
-    expired: int
-    pending: int  # rows of writers that died between claiming and storing
-    orphan_blobs: int  # blob files no stored row accounts for
-    temporaries: int  # half-written files of killed writers
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    checked: int
-    corrupt: list[str]
-    missing: list[str]
-    repaired: int
-    upgraded: int = 0  # sha256 checksums (older stores) rewritten as xxh3-128
-
-
 class TieredStore:
-    """Durable, shared KV store. `root` holds the blobs (and the SQLite catalog by default)."""
+    """Durable, shared KV store. `root` holds the blobs (and the SQLite catalog by default).
+
+    `reencode` is how a blob found missing or corrupt is rebuilt from its catalog row (the
+    model's encoder: `rag_kvcache.engine.reencoder(lm)`); without it such a blob is a
+    CorruptBlobError. RagKVCache gives it when it opens the store from a StoreConfig.
+    """
 
     def __init__(
         self,
@@ -225,7 +217,8 @@ class TieredStore:
         if self.reencode is None:
             raise CorruptBlobError(
                 f"blob of chunk {row.cache_id} is {why} and this store has no model to "
-                "re-encode it (open it through RagKVCache)"
+                "re-encode it: build it with TieredStore(..., reencode=reencoder(lm)) "
+                "(rag_kvcache.engine.reencoder), or let RagKVCache open it from a StoreConfig"
             )
         self.catalog.count(f"reencoded:{why}")
         kv = self.reencode(row)
@@ -305,3 +298,7 @@ class TieredStore:
 
     def __len__(self) -> int:
         return self.catalog.stats().chunks_per_state.get("stored", 0)
+
+
+if TYPE_CHECKING:  # mypy proves that TieredStore has everything of the KVStore protocol
+    _satisfies_kvstore: type[KVStore] = TieredStore

@@ -26,15 +26,11 @@ from sqlalchemy import inspect
 from sqlalchemy import text as sql_text
 
 from rag_kvcache.errors import UnknownCacheIdError
-from rag_kvcache.storage import catalog as catalog_module
-from rag_kvcache.storage.catalog import (
-    Base,
-    Catalog,
-    CatalogError,
-    CatalogStats,
-    alembic_config,
-    head_revision,
-)
+from rag_kvcache.storage import database
+from rag_kvcache.storage.catalog import Catalog
+from rag_kvcache.storage.database import alembic_config, head_revision
+from rag_kvcache.storage.records import CatalogError, CatalogStats
+from rag_kvcache.storage.tables import Base
 
 TABLES = {"models", "documents", "document_chunks", "chunks", "placements", "counters"}
 FP = "ab" * 12  # a model fingerprint
@@ -99,7 +95,7 @@ def test_reopen_is_a_no_op_and_keeps_the_data(
     def no_upgrade(*args: object, **kwargs: object) -> None:
         raise AssertionError("reopening an up-to-date catalog ran a migration")
 
-    monkeypatch.setattr(catalog_module.command, "upgrade", no_upgrade)
+    monkeypatch.setattr(database.command, "upgrade", no_upgrade)
     with target.open() as again:
         assert version_rows(again) == [head_revision()]
         assert again.stats().models == 1

@@ -219,9 +219,9 @@ def test_the_index_is_rebuilt_from_the_catalog_and_follows_other_writers(engine,
     ingest(engine, docs)
     expected = engine.retrieve("When does the bakery open?", 3)
     store = engine.store
-    root = store.root  # type: ignore[attr-defined]
+    root, catalog = store.root, store.catalog
     (root / "index.faiss").unlink()
-    rebuilt = Corpus(store, Embedder())  # type: ignore[arg-type]
+    rebuilt = Corpus(store, catalog, root, Embedder())
     assert len(rebuilt.index) == 7
     again = rebuilt.search("When does the bakery open?", 3)
     assert [h.cache_id for h in again] == [h.cache_id for h in expected]

@@ -15,11 +15,14 @@ from conftest import Target
 from helpers import random_chunks
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache, UnknownCacheIdError
+from rag_kvcache.engine import reencoder
+from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage.blob import CorruptBlobError
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
+from rag_kvcache.storage.records import ChunkRow
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
 
@@ -44,8 +47,10 @@ def durable(request: pytest.FixtureRequest, tmp_path: Path):
 
 
 @pytest.fixture
-def store(target: Target, durable, tmp_path: Path):
-    s = TieredStore(tmp_path / "kv", catalog=target.open(), durable=durable)
+def store(target: Target, durable, tmp_path: Path, tiny64):
+    s = TieredStore(
+        tmp_path / "kv", catalog=target.open(), durable=durable, reencode=reencoder(tiny64)
+    )
     yield s
     s.close()
 
@@ -115,6 +120,50 @@ def test_corrupt_blob_without_a_model_is_a_clear_error(store, tiny64) -> None:
         tier.remove(ids[0])
     with pytest.raises(CorruptBlobError, match="no model to re-encode"):
         store.get(ids)
+
+
+def test_the_reencode_hook_given_at_construction_heals_a_corrupt_blob(
+    target: Target, tmp_path, tiny64
+) -> None:
+    """The hook a store is built with is the one called for a bad blob (with that chunk's row),
+    an engine on the store keeps it, and what it returns is served and written back."""
+    rebuild = reencoder(tiny64)
+    asked: list[str] = []
+
+    def hook(row: ChunkRow) -> ChunkKV:
+        asked.append(row.cache_id)
+        return rebuild(row)
+
+    store = TieredStore(tmp_path / "kv", catalog=target.open(), reencode=hook)
+    engine = _engine(store, tiny64)
+    ids = engine.generate_context_cache(DOCS[:1])
+    (kv,) = store.get(ids)
+    before = engine.generate("When?", ids, strategy="full").token_ids
+    store.durable.put(ids[0], b"not safetensors")
+    for tier in store.hot:
+        tier.remove(ids[0])
+    (healed,) = store.get(ids)
+    assert asked == ids and store.reencode is hook
+    assert torch.equal(healed.keys, kv.keys) and torch.equal(healed.values, kv.values)
+    assert store.catalog.counters()["reencoded:corrupt"] == 1
+    assert store.verify().corrupt == []  # the rebuilt blob replaced the bad one
+    assert engine.generate("When?", ids, strategy="full").token_ids == before
+    store.close()
+
+
+def test_an_engine_gives_no_hook_to_a_store_built_without_one(
+    target: Target, tmp_path, tiny64
+) -> None:
+    store = TieredStore(tmp_path / "kv", catalog=target.open())
+    engine = _engine(store, tiny64)
+    ids = engine.generate_context_cache(DOCS[:1])
+    assert store.reencode is None
+    store.durable.remove(ids[0])
+    for tier in store.hot:
+        tier.remove(ids[0])
+    with pytest.raises(CorruptBlobError, match="missing and this store has no model to re-encode"):
+        engine.generate("When?", ids)
+    store.close()
 
 
 def test_expiry_ttl_and_gc(store, tiny64) -> None:

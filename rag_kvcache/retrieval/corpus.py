@@ -10,10 +10,11 @@ the chunk texts the catalog keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from rag_kvcache.kv import DocumentCatalog, KVStore
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
-from rag_kvcache.storage.store import TieredStore
 
 VERSION = "corpus-version"  # catalog counter bumped by every document change
 
@@ -25,14 +26,15 @@ class SyncReport:
 
 
 class Corpus:
-    """Documents -> chunks (catalog) and chunk -> embedding (FAISS), for one TieredStore."""
+    """Documents -> chunks (catalog) and chunk -> embedding (FAISS), for one durable store:
+    `catalog` is its catalog, `folder` where the index files are saved (its `root`)."""
 
-    def __init__(self, store: TieredStore, embedder: Embedder):
+    def __init__(self, store: KVStore, catalog: DocumentCatalog, folder: Path, embedder: Embedder):
         self.store = store
-        self.catalog = store.catalog
+        self.catalog = catalog
         self.embedder = embedder
-        self.index_path = store.root / "index.faiss"
-        self.ids_path = store.root / "index.ids"
+        self.index_path = folder / "index.faiss"
+        self.ids_path = folder / "index.ids"
         self.index = VectorIndex.load(self.index_path, self.ids_path, embedder.dim)
         self._version = -1
         self.sync()

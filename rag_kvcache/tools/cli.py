@@ -374,18 +374,22 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def _open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStore:
-    from rag_kvcache.config import EngineConfig, StoreConfig
-    from rag_kvcache.storage.store import TieredStore
+    """The store under --store; `with_model`: able to re-encode bad blobs (loads the model)."""
+    from rag_kvcache.config import ModelConfig, StoreConfig
+    from rag_kvcache.storage.store import Reencode, TieredStore
 
     config = StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url)
+    reencode: Reencode | None = None
     if with_model:
-        from rag_kvcache.engine import RagKVCache
+        from rag_kvcache.engine import reencoder
+        from rag_kvcache.model.loading import load_model
 
-        store = RagKVCache(EngineConfig(store=config)).store
-        assert isinstance(store, TieredStore)
-        return store
+        reencode = reencoder(load_model(ModelConfig()))
     return TieredStore(
-        config.root or Path(), catalog_url=config.catalog_url, redis_url=config.redis_url
+        config.root or Path(),
+        catalog_url=config.catalog_url,
+        redis_url=config.redis_url,
+        reencode=reencode,
     )
 
 

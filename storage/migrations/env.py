@@ -1,8 +1,9 @@
 """Alembic environment of the catalog.
 
-`Catalog` runs the upgrade itself, passing its open connection (inside the transaction that
-holds the migration lock) as `config.attributes["connection"]`; the tables go wherever that
-connection's search_path points (PostgreSQL schema) and the caller commits. Without one (the
+A catalog (`CatalogDatabase` in database.py) runs the upgrade itself, passing its open
+connection (inside the transaction that holds the migration lock) as
+`config.attributes["connection"]`; the tables (tables.py) go wherever that connection's
+search_path points (PostgreSQL schema) and the caller commits. Without one (the
 `alembic` command line), the URL in `sqlalchemy.url` is used.
 """
 
@@ -14,7 +15,8 @@ from alembic import context
 from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection, TypeDecorator
 
-from rag_kvcache.storage.catalog import Base, create_catalog_engine
+from rag_kvcache.storage.database import create_catalog_engine
+from rag_kvcache.storage.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -1,0 +1,256 @@
+"""The catalog's database: engines with the settings it relies on, migrations, transactions.
+
+SQLite file by default (WAL, busy timeout, foreign keys on every connection), PostgreSQL by URL
+(`postgresql+psycopg://...`, optionally inside one schema, created if missing). The schema is
+owned by the Alembic migrations shipped next to this module (`migrations/`, whose `env.py`
+builds its engine here too) and upgraded to head whenever a `CatalogDatabase` is opened,
+serialized across processes (SQLite `BEGIN IMMEDIATE`, PostgreSQL advisory lock).
+
+`CatalogDatabase` is the opened, migrated database with its one-transaction read and write
+contexts; `Catalog` (`catalog.py`) adds the operations on rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import NullPool
+
+from rag_kvcache.storage.records import CatalogError
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+_SQLITE_BUSY_MS = 30_000
+# One advisory-lock key for "someone is changing the catalog schema" on a PostgreSQL server.
+_PG_LOCK_KEY = zlib.crc32(b"rag_kvcache.storage.catalog")
+_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def create_catalog_engine(url: str | URL, schema: str | None = None) -> Engine:
+    """An engine with the per-connection settings the catalog relies on.
+
+    SQLite: WAL (readers never block the writer), a 30 s busy timeout (writers queue instead of
+    failing), foreign keys (cascades), synchronous=NORMAL (durable at checkpoints, fast), and
+    SQLAlchemy-emitted BEGIN so that DDL is transactional and writers can ask for
+    `BEGIN IMMEDIATE` (execution option `sqlite_begin`). PostgreSQL: `search_path` = `schema`.
+    """
+    url = make_url(url)
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        if schema is not None:
+            raise CatalogError(f"schema={schema!r} is only for PostgreSQL; SQLite has none")
+        if url.database in (None, "", ":memory:"):
+            raise CatalogError(
+                f"SQLite catalog URL {url!s} names no file; give a file path "
+                "(an in-memory catalog would vanish with its connection)"
+            )
+        engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_MS / 1000})
+        event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
+        return engine
+    if backend == "postgresql":
+        engine = create_engine(url, pool_pre_ping=True)
+        if schema is not None:
+            _check_schema_name(schema)
+            event.listen(engine, "connect", functools.partial(_pg_set_search_path, schema))
+        return engine
+    raise CatalogError(
+        f"catalog URL backend {backend!r} is not supported; use sqlite:///path or "
+        "postgresql+psycopg://user@host/db"
+    )
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # no implicit BEGIN; _sqlite_on_begin emits it
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout={_SQLITE_BUSY_MS}")  # first: WAL switch may wait
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    conn.exec_driver_sql(conn.get_execution_options().get("sqlite_begin", "BEGIN"))
+
+
+def _pg_set_search_path(schema: str, dbapi_connection: Any, _record: Any) -> None:
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True  # SET SESSION outside any transaction, so it sticks
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f'SET SESSION search_path TO "{schema}"')
+    finally:
+        cursor.close()
+        dbapi_connection.autocommit = autocommit
+
+
+def _check_schema_name(schema: str) -> None:
+    if not _SCHEMA_NAME.fullmatch(schema):
+        raise CatalogError(
+            f"schema name {schema!r} is not allowed; use letters, digits and '_' "
+            "(not starting with a digit, at most 63 characters)"
+        )
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """Alembic config for the shipped migrations; `connection` is the one env.py migrates."""
+    config = Config()
+    # ConfigParser interpolates '%': escape it in the folder path.
+    config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
+    config.set_main_option("path_separator", "os")
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+@functools.cache
+def head_revision() -> str:
+    """Revision id of the newest shipped migration."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, f"no migrations found in {MIGRATIONS_DIR}"
+    return head
+
+
+def _ensure_pg_schema(url: URL, schema: str) -> None:
+    """Create `schema` if missing, before the catalog engine first connects.
+
+    The engine learns its default schema on first connect, so the schema must exist by then.
+    A session advisory lock serializes concurrent creators.
+    """
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            if conn.scalar(sa.text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": schema}):
+                return
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
+            conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            conn.commit()
+    finally:
+        engine.dispose()
+
+
+# ----------------------------------------------------------------------------- the opened database
+
+
+class CatalogDatabase:
+    """An opened catalog database, migrated to head (see module docstring).
+
+    `url` is an SQLAlchemy URL; without one, an SQLite file at `path`. `schema` (PostgreSQL only)
+    keeps the catalog in its own schema, created if missing. Each method is one transaction.
+    Safe to use from several threads, and from several processes on the same database.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, path: Path | None = None, schema: str | None = None
+    ) -> None:
+        if url is None:
+            if path is None:
+                raise CatalogError("Catalog needs a database URL or an SQLite file path")
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            sa_url = URL.create("sqlite+pysqlite", database=str(path))
+        elif path is not None:
+            raise CatalogError(f"give either url or path, not both (got {url!r} and {path!s})")
+        else:
+            sa_url = make_url(url)
+        if schema is not None and sa_url.get_backend_name() == "postgresql":
+            _check_schema_name(schema)
+            _ensure_pg_schema(sa_url, schema)
+        self._engine = create_catalog_engine(sa_url, schema)
+        self._sqlite = self._engine.dialect.name == "sqlite"
+        self._schema = schema
+        # SQLite: writers take the write lock up front (waiting on busy_timeout) instead of
+        # upgrading a read lock later, which fails at once with "database is locked".
+        self._writer = (
+            self._engine.execution_options(sqlite_begin="BEGIN IMMEDIATE")
+            if self._sqlite
+            else self._engine
+        )
+        try:
+            self._upgrade()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    # -- lifecycle
+
+    @property
+    def url(self) -> str:
+        """The database URL (password hidden)."""
+        return self._engine.url.render_as_string(hide_password=True)
+
+    @property
+    def dialect(self) -> str:
+        """'sqlite' or 'postgresql'."""
+        return self._engine.dialect.name
+
+    @property
+    def engine(self) -> Engine:
+        """The underlying engine (for tooling and tests; the catalog API is the contract)."""
+        return self._engine
+
+    def close(self) -> None:
+        """Close pooled connections (the catalog must not be used afterwards)."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        schema = f", schema={self._schema!r}" if self._schema else ""
+        return f"{type(self).__name__}({self.url!r}{schema})"
+
+    def _upgrade(self) -> None:
+        """Bring the schema to the newest migration; a no-op (one read) when it is there.
+
+        Serialized across processes: SQLite holds the write lock (BEGIN IMMEDIATE) and
+        PostgreSQL an advisory lock for the whole upgrade transaction, and the version is read
+        again under the lock, so a second opener finds the work done.
+        """
+        head = head_revision()
+        with self._engine.connect() as conn:
+            if MigrationContext.configure(conn).get_current_revision() == head:
+                return
+        with self._writer.connect() as conn, conn.begin():
+            if not self._sqlite:
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
+            command.upgrade(alembic_config(conn), "head")
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with self._writer.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self._engine.connect() as conn:
+            yield conn
+
+    def _insert(self, table: Any) -> Any:
+        """The dialect's INSERT, which has `on_conflict_do_nothing/update` on both backends."""
+        return sqlite.insert(table) if self._sqlite else postgresql.insert(table)

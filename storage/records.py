@@ -1,0 +1,79 @@
+"""What the catalog and the tiered store hand back: plain, frozen records, and the catalog's error.
+
+Kept apart from the SQL (no SQLAlchemy here) so that the core's `KVStore` protocol
+(`rag_kvcache.kv`) and the in-memory store can name these types without loading a database
+stack: `ChunkRow` (what re-encoding reads), `DocumentRow`, `CatalogStats`, and the store's
+upkeep reports `VerifyReport` and `GcReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from rag_kvcache.errors import RagKVCacheError
+
+
+class CatalogError(RagKVCacheError):
+    """The catalog was opened or called with a value it cannot use."""
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """One chunk as stored (datetimes UTC-aware; checksum is None while pending)."""
+
+    cache_id: str
+    fingerprint: str
+    text: str
+    token_ids: tuple[int, ...]
+    token_count: int
+    encode_settings: str
+    start: int
+    nbytes: int
+    checksum: str | None
+    created_at: datetime
+    last_used_at: datetime
+    hit_count: int
+    pinned: bool
+    expires_at: datetime | None
+    state: str
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    """One ingested source document."""
+
+    id: int
+    source: str
+    content_hash: str
+    ingested_at: datetime
+    chunk_count: int  # chunks it had when ingested (links vanish when a chunk is removed)
+
+
+@dataclass(frozen=True)
+class CatalogStats:
+    """Counts for `rag-kvcache stats`: rows, bytes held per tier, chunks per state, counters."""
+
+    models: int
+    documents: int
+    chunks: int
+    bytes_per_tier: dict[str, int]
+    chunks_per_state: dict[str, int]
+    counters: dict[str, int]
+
+
+@dataclass(frozen=True)
+class GcReport:
+    expired: int
+    pending: int  # rows of writers that died between claiming and storing
+    orphan_blobs: int  # blob files no stored row accounts for
+    temporaries: int  # half-written files of killed writers
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    checked: int
+    corrupt: list[str]
+    missing: list[str]
+    repaired: int
+    upgraded: int = 0  # sha256 checksums (older stores) rewritten as xxh3-128
