@@ -46,6 +46,7 @@ class Answer:
     ttft_s: float  # request start -> first token chosen (store fetch + context + first forward)
     decode_tokens_per_s: float
     total_s: float
+    reused_tokens: int = 0  # context tokens taken already linked (batched: the prefix tree)
 
     @property
     def computed_tokens(self) -> int:
@@ -134,21 +135,47 @@ def answer_steps(
             yield full[len(text) :]
             text = full
     total = time.perf_counter() - start
-    answer_tokens = [t for t in tokens if t not in lm.eos_ids]
-    final = tok.decode(answer_tokens, skip_special_tokens=True)
+    final = answer_text(lm, tokens)
     if final != text:
         yield final[len(text) :]
-    decode_s = total - ttft
+    cached = prepared.context_tokens
+    return make_answer(
+        lm, tokens, final, strategy, cached + new_tokens, cached, prepared.recomputed, ttft, total
+    )
+
+
+def answer_text(lm: LoadedModel, tokens: list[int]) -> str:
+    """The answer's text (not stripped), end-of-sequence tokens dropped."""
+    kept = [t for t in tokens if t not in lm.eos_ids]
+    return str(lm.tokenizer.decode(kept, skip_special_tokens=True))
+
+
+def make_answer(
+    lm: LoadedModel,
+    tokens: list[int],
+    text: str,
+    strategy: Strategy,
+    prompt_tokens: int,
+    context_tokens: int,
+    recomputed: int,
+    ttft_s: float,
+    total_s: float,
+    reused: int = 0,
+) -> Answer:
+    """The `Answer` record of a decoded request (every decode loop ends here): `tokens` as
+    chosen (end-of-sequence included), `text` from `answer_text`, times from request start."""
+    decode_s = total_s - ttft_s
     return Answer(
-        text=final.strip(),
-        token_ids=tuple(answer_tokens),
+        text=text.strip(),
+        token_ids=tuple(t for t in tokens if t not in lm.eos_ids),
         strategy=strategy,
-        prompt_tokens=prepared.context_tokens + new_tokens,
-        context_tokens=prepared.context_tokens,
-        recomputed_tokens=prepared.recomputed,
-        ttft_s=ttft,
+        prompt_tokens=prompt_tokens,
+        context_tokens=context_tokens,
+        recomputed_tokens=recomputed,
+        ttft_s=ttft_s,
         decode_tokens_per_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
-        total_s=total,
+        total_s=total_s,
+        reused_tokens=reused,
     )
 
 

@@ -15,7 +15,9 @@ from rag_kvcache.answer import (
     AnswerStream,
     Prepared,
     answer_steps,
+    answer_text,
     forced_logits,
+    make_answer,
     prepare,
     prompt_in_position_order,
 )
@@ -28,7 +30,7 @@ from rag_kvcache.prompt import PromptTemplate
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved
-from rag_kvcache.serving.batch import BatchAnswer, BatchDecoder, BatchRequest, BatchStats
+from rag_kvcache.serving.batch import BatchDecoder, BatchRequest, BatchStats
 from rag_kvcache.serving.prefix_tree import PrefixTree
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.storage.records import ChunkRow
@@ -49,7 +51,7 @@ class DocumentIngest:
 
 @dataclass(frozen=True)
 class BatchResult:
-    answers: list[BatchAnswer]  # in request order
+    answers: list[Answer]  # in request order
     stats: BatchStats
 
 
@@ -294,19 +296,21 @@ class RagKVCache:
             for r in requests
         ]
         done, stats = BatchDecoder(self.lm, tree, strategy, self.store.get).run(work, max_batch)
-        answers = []
-        for request in done:
-            tokens = [t for t in request.tokens if t not in self.lm.eos_ids]
-            answers.append(
-                BatchAnswer(
-                    text=tok.decode(tokens, skip_special_tokens=True).strip(),
-                    token_ids=tuple(tokens),
-                    prompt_tokens=request.prompt_tokens,
-                    reused_tokens=request.reused,
-                    recomputed_tokens=request.recomputed,
-                    ttft_s=request.ttft_s,
-                )
+        answers = [
+            make_answer(
+                self.lm,
+                r.tokens,
+                answer_text(self.lm, r.tokens),
+                strategy,
+                r.prompt_tokens,
+                r.context_tokens,
+                r.recomputed,
+                r.ttft_s,
+                r.total_s,
+                reused=r.reused,
             )
+            for r in done
+        ]
         return BatchResult(answers, stats)
 
     def _generation(self, max_new_tokens: int | None) -> GenerationConfig:

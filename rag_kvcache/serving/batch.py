@@ -39,16 +39,6 @@ class BatchRequest:
 
 
 @dataclass(frozen=True)
-class BatchAnswer:
-    text: str
-    token_ids: tuple[int, ...]
-    prompt_tokens: int
-    reused_tokens: int  # context tokens taken from the prefix tree, already linked
-    recomputed_tokens: int
-    ttft_s: float  # from the start of generate_batch to this request's first token
-
-
-@dataclass(frozen=True)
 class BatchStats:
     steps: int  # batched decode forwards
     decode_tokens: int  # tokens produced by them
@@ -69,13 +59,15 @@ class _Active:
     capacity: int  # its question + max_new_tokens
     position: int  # position of the next token
     prompt_tokens: int
+    context_tokens: int
     reused: int
     recomputed: int
     config: GenerationConfig
     generator: torch.Generator
     logits: torch.Tensor
     tokens: list[int] = field(default_factory=list)
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # from the start of the run to its first token
+    total_s: float = 0.0  # from the start of the run to its last token
 
 
 class BatchDecoder:
@@ -90,6 +82,7 @@ class BatchDecoder:
     ):
         self.lm, self.tree, self.strategy, self.fetch = lm, tree, strategy, fetch
         self.kv = BatchKV()  # the active requests' rows, laid out again when the batch changes
+        self.started = 0.0  # when the current run began
         self.peak_bytes = 0  # prefix tree + rows, at the fullest (moves included)
 
     def run(
@@ -98,7 +91,7 @@ class BatchDecoder:
         max_batch: int = 32,
     ) -> tuple[list[_Active], BatchStats]:
         """requests: (path of cache IDs, question ids, generation config) each."""
-        start = time.perf_counter()
+        start = self.started = time.perf_counter()
         waiting = list(enumerate(requests))
         active: list[_Active] = []
         done: list[_Active] = []
@@ -173,6 +166,7 @@ class BatchDecoder:
             capacity=q + config.max_new_tokens,
             position=linked.length,
             prompt_tokens=linked.length,
+            context_tokens=linked.context_tokens,
             reused=found.tokens,
             recomputed=linked.recomputed,
             config=config,
@@ -188,6 +182,7 @@ class BatchDecoder:
         return not finished(self.lm, token, len(request.tokens), request.position, request.config)
 
     def finish(self, request: _Active, done: list[_Active]) -> None:
+        request.total_s = time.perf_counter() - self.started
         self.tree.release(request.leaf)
         request.own_keys = request.own_values = []
         done.append(request)
