@@ -31,6 +31,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
+from rag_kvcache.extras import require
 from rag_kvcache.storage.records import CatalogError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -63,6 +64,8 @@ def create_catalog_engine(url: str | URL, schema: str | None = None) -> Engine:
         event.listen(engine, "begin", _sqlite_on_begin)
         return engine
     if backend == "postgresql":
+        if url.get_driver_name() == "psycopg":  # the `postgres` extra
+            require("psycopg", extra="postgres", purpose="a PostgreSQL catalog")
         engine = create_engine(url, pool_pre_ping=True)
         if schema is not None:
             _check_schema_name(schema)

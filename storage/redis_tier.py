@@ -8,12 +8,16 @@ StoreUnavailableError; the catalog is only updated after a blob is written.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
-
-import redis
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.extras import LazyModule
 from rag_kvcache.storage.disk import CACHE_ID
+
+if TYPE_CHECKING:
+    import redis
+else:  # the `redis` extra, imported when a RedisTier is first made
+    redis = LazyModule("redis", extra="redis", purpose="the Redis blob tier")
 
 T = TypeVar("T")
 

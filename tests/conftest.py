@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random-weight Llamas (float64 and float32) and the real SmolLM2."""
+"""Shared fixtures: tiny random-weight Llamas (float64 and float32) with a small tokenizer built
+here, the real SmolLM2, the databases; and the test tiers: a test that uses SmolLM2 is marked
+`slow`, one that runs against PostgreSQL or Redis `services`, from the fixtures it asks for."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny
+from helpers import TINY_VOCAB, build_tiny
 from sqlalchemy import create_engine
 from sqlalchemy import text as sql_text
 from sqlalchemy.pool import NullPool
+from tiny_tokenizer import build_tokenizer
 
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.model.loading import LoadedModel, load_model
@@ -33,13 +36,38 @@ def smol_tokenizer(smol: LoadedModel) -> object:
 
 
 @pytest.fixture(scope="session")
-def tiny64(smol_tokenizer: object) -> LoadedModel:
-    return build_tiny(torch.float64, tokenizer=smol_tokenizer)
+def tiny_tokenizer() -> object:
+    """Byte-level BPE trained on the sample corpus, with SmolLM2's special tokens and chat
+    template, its vocabulary padded to the tiny models' (tests/tiny_tokenizer.py)."""
+    return build_tokenizer(TINY_VOCAB)
 
 
 @pytest.fixture(scope="session")
-def tiny32(smol_tokenizer: object) -> LoadedModel:
-    return build_tiny(torch.float32, tokenizer=smol_tokenizer)
+def tiny64(tiny_tokenizer: object) -> LoadedModel:
+    return build_tiny(torch.float64, tokenizer=tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny32(tiny_tokenizer: object) -> LoadedModel:
+    return build_tiny(torch.float32, tokenizer=tiny_tokenizer)
+
+
+# ----------------------------------------------------------------------------- test tiers
+
+SMOLLM2_FIXTURES = {"smol", "smol_tokenizer"}  # a test asking for one of these (even through
+# another fixture) loads SmolLM2; tests that load it otherwise carry @pytest.mark.slow themselves
+SERVICE_PARAMS = {"target": "postgresql", "durable": "redis"}  # fixture -> param needing a server
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SMOLLM2_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params if callspec is not None else {}
+        if any(params.get(name) == value for name, value in SERVICE_PARAMS.items()):
+            item.add_marker(pytest.mark.services)
 
 
 # ----------------------------------------------------------------------------- databases

@@ -10,6 +10,7 @@ from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.tools.cli import main
 
 
+@pytest.mark.slow  # the bench's default model is SmolLM2
 def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys) -> None:
     assert (
         main(
@@ -48,6 +49,7 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys) -> None:
     assert report["machine"]["torch"] and "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # SmolLM2 (and Redis where it is reachable)
 def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
     assert (
         main(
@@ -98,6 +100,7 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
     assert "0 orphan blobs" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
 def test_bench_prefix_reports_both_methods_and_their_kv_bytes(tmp_path: Path) -> None:
     args = ["bench", "prefix", "--model", "random:tiny", "--prefixes", "512"]
     args += ["--batches", "1,4", "--new-tokens", "4", "--repeats", "2", "--out", str(tmp_path)]

@@ -1,4 +1,5 @@
-"""The engine end to end: on the tiny model (shares SmolLM2's tokenizer) and on real SmolLM2."""
+"""The engine end to end: on the tiny model (its small tokenizer built in the tests) and on real
+SmolLM2."""
 
 from pathlib import Path
 

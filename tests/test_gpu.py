@@ -24,16 +24,19 @@ from rag_kvcache.serving.decoding import prefill
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.strategy import Strategy
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs an NVIDIA GPU (see demos/gpu/README.md)"
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs an NVIDIA GPU (see demos/gpu/README.md)"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
-def tiny_cuda(smol_tokenizer) -> object:
+def tiny_cuda(tiny_tokenizer) -> object:
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(tiny_config(), attn_implementation="sdpa")
-    return describe(model.float().cuda().eval().requires_grad_(False), smol_tokenizer, "tiny")
+    return describe(model.float().cuda().eval().requires_grad_(False), tiny_tokenizer, "tiny")
 
 
 def test_pinned_chunks_fed_layer_by_layer_equal_chunks_already_on_the_gpu(tiny_cuda) -> None:
@@ -75,6 +78,7 @@ def test_gpu_and_pinned_cpu_tiers(tiny_cuda, tmp_path) -> None:
     store.close()
 
 
+@pytest.mark.slow
 def test_smollm2_on_the_gpu_full_link_equals_prefill_and_batches_equal_alone() -> None:
     lm = load_model(ModelConfig(device="cuda"))
     ids = random_chunks([10, 60, 45], seed=6, vocab=20000)

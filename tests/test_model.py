@@ -74,6 +74,7 @@ def test_default_model_facts(smol) -> None:
     assert smol.tokenizer.convert_ids_to_tokens(list(smol.eos_ids)) == ["<|im_end|>"]
 
 
+@pytest.mark.slow  # converts SmolLM2's GGUF
 def test_gguf_is_converted_once_and_reused() -> None:
     cache_dir = ModelConfig().cache_dir
     folder = convert_gguf(default_model_path(), cache_dir)  # converted by the smol fixture

@@ -14,6 +14,8 @@ from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.serving.decoding import decode, prefill
 from rag_kvcache.strategy import Strategy
 
+pytestmark = pytest.mark.slow  # every test here loads SmolLM2, quantized
+
 LAYERS = {"8bit": Linear8bitLt, "4bit": Linear4bit}
 
 

@@ -267,6 +267,7 @@ def test_killed_writer_leaves_a_consistent_store(tmp_path) -> None:
     store.close()
 
 
+@pytest.mark.stress
 def test_four_writers_and_four_readers_at_once(target: Target, tmp_path) -> None:
     """Overlapping ingest from 4 processes while 4 others read: every chunk stored exactly
     once, every read equal to a local encoding of the same tokens."""
@@ -305,6 +306,7 @@ def test_four_writers_and_four_readers_at_once(target: Target, tmp_path) -> None
     store.close()
 
 
+@pytest.mark.stress
 def test_writers_killed_at_random_points_never_break_the_store(tmp_path) -> None:
     """20 times: SIGKILL an ingesting process at a random moment, reopen, verify, gc.
     Nothing reported stored is lost; no row points at a missing or bad blob; after gc no

@@ -297,9 +297,11 @@ def healthy(url: str) -> bool:
         return False
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(
     not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+    reason="needs Debian's chromium and chromium-driver (`make browser`, or apt-get install "
+    "chromium chromium-driver)",
 )
 def test_in_a_real_browser_ingest_ask_and_screenshot() -> None:
     from selenium import webdriver

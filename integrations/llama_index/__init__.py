@@ -11,8 +11,18 @@ answer with an LLM that links the retrieved chunks' cached KV instead of prefill
     pipeline.run(documents=docs)
     as_query_engine(engine).query("...")  # or as_query_engine(engine, index=my_vector_index)
 
-Only this package imports llama_index (a dependency of rag-kvcache); the engine never does.
+Only this package imports llama_index (the `llama-index` extra: `pip install
+"rag-kvcache[llama-index]"`); the engine never does.
 """
+
+from rag_kvcache.extras import missing_extra
+
+try:
+    import llama_index.core  # noqa: F401
+except ModuleNotFoundError as err:  # the one place that tells a user without the extra
+    if err.name not in ("llama_index", "llama_index.core"):
+        raise
+    raise missing_extra(err, "llama-index", "rag_kvcache.integrations.llama_index") from err
 
 from rag_kvcache.integrations.llama_index.chat_engine import KVCacheChatEngine
 from rag_kvcache.integrations.llama_index.embedding import MiniLMEmbedding
