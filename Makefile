@@ -54,7 +54,7 @@ app: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy rag_kvcache storage integrations
+	$(VENV)/bin/mypy rag_kvcache storage integrations tests/typecheck
 	$(VENV)/bin/lint-imports
 
 # Everything (CI): the lint steps, then every test tier. pytest's exit 5 (no test collected)
