@@ -1,0 +1,73 @@
+"""What the commands share: list-valued flags, the store and model options, and opening an
+engine or a store from them (heavy imports inside, so `--help` stays light)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from rag_kvcache.engine import RagKVCache
+    from rag_kvcache.storage.store import TieredStore
+
+MODEL_HELP = "HF folder, .gguf, or random:llama-3-8b (random weights) (default SmolLM2)"
+
+
+def csv_list(text: str) -> list[str]:
+    """A comma-separated flag value as a list ("a, b," -> ["a", "b"])."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def store_options(parser: argparse.ArgumentParser) -> None:
+    from rag_kvcache.config import default_cache_dir
+
+    parser.add_argument("--store", type=Path, default=default_cache_dir() / "store")
+    parser.add_argument("--catalog-url", default=None, help="e.g. postgresql+psycopg://...")
+    parser.add_argument("--redis-url", default=None, help="durable blobs in Redis")
+
+
+def engine_options(parser: argparse.ArgumentParser) -> None:
+    store_options(parser)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--quantization", default=None, choices=["8bit", "4bit"], help="bitsandbytes weights"
+    )
+
+
+def open_engine(args: argparse.Namespace, console: Console) -> RagKVCache:
+    from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig, StoreConfig
+    from rag_kvcache.engine import RagKVCache
+    from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
+
+    config = EngineConfig(
+        model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
+        store=StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url),
+        generation=GenerationConfig(max_new_tokens=getattr(args, "max_new_tokens", 64)),
+        strategy=getattr(args, "strategy", None) or DEFAULT_STRATEGY,
+    )
+    with console.status("loading the model"):
+        return RagKVCache(config)
+
+
+def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStore:
+    """The store under --store; `with_model`: able to re-encode bad blobs (loads the model)."""
+    from rag_kvcache.config import ModelConfig, StoreConfig
+    from rag_kvcache.storage.store import Reencode, TieredStore
+
+    config = StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url)
+    reencode: Reencode | None = None
+    if with_model:
+        from rag_kvcache.engine import reencoder
+        from rag_kvcache.model.loading import load_model
+
+        reencode = reencoder(load_model(ModelConfig()))
+    return TieredStore(
+        config.root or Path(),
+        catalog_url=config.catalog_url,
+        redis_url=config.redis_url,
+        reencode=reencode,
+    )

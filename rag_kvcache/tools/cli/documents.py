@@ -1,0 +1,146 @@
+"""`ingest`, `query` and `chat`: documents into the store, questions answered from it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from rag_kvcache.tools.cli.common import engine_options, open_engine
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    ingest = commands.add_parser("ingest", help="read, split, KV-encode and index documents")
+    ingest.add_argument("paths", type=Path, nargs="+", metavar="PATH", help="files or folders")
+    ingest.add_argument("--chunk-tokens", type=int, default=256, help="chunk size in LM tokens")
+    ingest.add_argument("--overlap", type=int, default=0, help="chunk overlap in LM tokens")
+    ingest.add_argument(
+        "--prune", action="store_true", help="remove documents under PATH whose file is gone"
+    )
+    ingest.add_argument("--max-bytes", type=int, default=16 << 20, help="skip larger files")
+    engine_options(ingest)
+    ingest.set_defaults(run=ingest_command)
+    query = commands.add_parser("query", help="answer one question from the ingested documents")
+    query.add_argument("question")
+    chat = commands.add_parser("chat", help="interactive questions (empty line or /quit ends)")
+    for sub in (query, chat):
+        sub.add_argument("--top-k", type=int, default=4, help="chunks retrieved per question")
+        sub.add_argument("--strategy", default=None, help="link strategy (default legolink:2)")
+        sub.add_argument(
+            "--compare", action="store_true", help="also run full prefill; print both TTFTs"
+        )
+        sub.add_argument("--max-new-tokens", type=int, default=128)
+        engine_options(sub)
+        sub.set_defaults(run=answer_command)
+
+
+def ingest_command(args: argparse.Namespace, console: Console) -> int:
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from rag_kvcache.ingest import plan_ingest, prune, run_ingest
+    from rag_kvcache.integrations.llama_index.splitter import split_text
+
+    engine = open_engine(args, console)
+    split = split_text(engine.lm.tokenizer, args.chunk_tokens, args.overlap)
+    start = time.perf_counter()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        console=console,
+    ) as progress:
+        reading = progress.add_task("reading files", total=None, rate="")
+        plan = plan_ingest(
+            engine, args.paths, split, args.max_bytes, lambda: progress.advance(reading)
+        )
+        progress.update(reading, total=progress.tasks[reading].completed)
+        encoding = progress.add_task("encoding chunks", total=plan.total_chunks, rate="")
+        began = time.perf_counter()
+
+        def advance(n: int) -> None:
+            progress.advance(encoding, n)
+            done = progress.tasks[encoding].completed
+            progress.update(encoding, rate=f"{done / (time.perf_counter() - began):.1f} chunks/s")
+
+        done = run_ingest(engine, plan, advance)
+    pruned = prune(engine, args.paths) if args.prune else []
+    if plan.skipped:
+        table = Table("skipped", "why", title="not ingested", title_justify="left")
+        for skip in plan.skipped:
+            table.add_row(skip.path, skip.reason)
+        console.print(table)
+    encoded = sum(d.encoded for d in done)
+    encode_s = sum(d.encode_s for d in done)
+    chunks = sum(len(d.cache_ids) for d in done)
+    seconds = time.perf_counter() - start
+    console.print(
+        f"{len(done)} documents ingested ({chunks} chunks: {encoded} encoded, "
+        f"{chunks - encoded} already cached; {sum(d.removed for d in done)} stale removed), "
+        f"{len(plan.unchanged)} unchanged, {len(plan.skipped)} skipped, {len(pruned)} pruned "
+        f"in {seconds:.1f} s ({encoded / max(encode_s, 1e-9):.1f} chunks/s encoded)"
+    )
+    return 0 if done or plan.unchanged or pruned else 1
+
+
+def answer_command(args: argparse.Namespace, console: Console) -> int:
+    from rag_kvcache.answer import Answer, AnswerStream
+    from rag_kvcache.strategy import PREFILL
+
+    engine = open_engine(args, console)
+    if not engine.corpus.catalog.documents():
+        console.print(f"[red]no documents in {args.store}: run `rag-kvcache ingest PATH` first")
+        return 1
+
+    def ask(question: str, history: list[tuple[str, str]]) -> str:
+        hits = engine.retrieve(question, args.top_k)
+        ids = [h.cache_id for h in hits]
+        asked = "".join(f"(earlier) {q}\n(answered) {a}\n" for q, a in history) + question
+        runs = [engine.config.strategy] + ([PREFILL] if args.compare else [])
+        answers: list[Answer] = []
+        for strategy in runs:
+            if args.compare:
+                console.print(f"[bold]{strategy}:[/bold]")
+            stream = engine.generate(asked, ids, strategy=strategy, stream=True)
+            assert isinstance(stream, AnswerStream)
+            for piece in stream:
+                console.print(piece, end="", highlight=False, markup=False)
+            console.print()
+            assert stream.answer is not None
+            answers.append(stream.answer)
+        table = Table("score", "source", "chunk", title="sources", title_justify="left")
+        for hit in hits:
+            table.add_row(f"{hit.score:.2f}", Path(hit.source or "?").name, hit.text[:70])
+        console.print(table)
+        first = answers[0]
+        line = (
+            f"TTFT {first.ttft_s:.3f} s ({first.strategy}, {first.context_tokens} context "
+            f"tokens, {first.recomputed_tokens} recomputed)"
+        )
+        if args.compare:
+            base = answers[1]
+            line += (
+                f" vs {base.ttft_s:.3f} s full prefill: {base.ttft_s / first.ttft_s:.1f}x; "
+                f"answers {'agree' if base.text == first.text else 'differ'}"
+            )
+        console.print(line)
+        return first.text
+
+    if args.command == "query":
+        ask(args.question, [])
+        return 0
+    history: list[tuple[str, str]] = []
+    console.print("Ask about the ingested documents (empty line or /quit to end).")
+    while True:
+        try:
+            question = console.input("[bold]> [/bold]").strip()
+        except EOFError:
+            break
+        if not question or question == "/quit":
+            break
+        history.append((question, ask(question, history[-2:])))
+    return 0

