@@ -102,7 +102,7 @@ import importlib, json, os, pkgutil, sys
 import rag_kvcache
 failed = {}
 for info in pkgutil.walk_packages(rag_kvcache.__path__, "rag_kvcache."):
-    if info.name.endswith(".migrations.env"):  # Alembic's script: runs only inside Alembic
+    if info.name.endswith((".migrations.env", ".__main__")):  # scripts: Alembic's, `python -m`
         continue
     try:
         importlib.import_module(info.name)
