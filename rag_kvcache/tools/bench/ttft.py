@@ -107,6 +107,7 @@ def run_ttft_bench(
     model_path: str | None = None,
     device: str = "cpu",
 ) -> dict[str, object]:
+    parsed = [Strategy.parse(s) for s in strategies]  # a bad name fails before any load
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[TTFTRow] = []
     models = {}
@@ -114,7 +115,6 @@ def run_ttft_bench(
         for dtype in dtypes:
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
-            parsed = [Strategy.parse(s) for s in strategies]
             lm_rows = bench_dtype(
                 lm, contexts, parsed, chunk_tokens, question_tokens, repeats, progress
             )
