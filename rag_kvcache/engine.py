@@ -234,7 +234,7 @@ class RagKVCache:
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
         question = self.template.question_ids(self.lm.tokenizer, query)
         gen = self._generation(max_new_tokens)
-        ids = [self.prefix_id, *cache_ids]
+        ids = [self.prefix_id, *strategy.arrange(cache_ids)]
 
         def context() -> Prepared:
             return prepare(self.lm, self.store.get(ids), question, strategy, gen.max_new_tokens)
@@ -264,7 +264,7 @@ class RagKVCache:
         distributions stay to another's."""
         strategy = Strategy.parse(strategy)
         question = self.template.question_ids(self.lm.tokenizer, query)
-        chunks = self.store.get([self.prefix_id, *cache_ids])
+        chunks = self.store.get([self.prefix_id, *strategy.arrange(cache_ids)])
         prepared = prepare(self.lm, chunks, question, strategy, reserve=len(tokens))
         return forced_logits(self.lm, prepared, tokens)
 
@@ -289,7 +289,7 @@ class RagKVCache:
         gen, tok = self.config.generation, self.lm.tokenizer
         work = [
             (
-                [self.prefix_id, *r.cache_ids],
+                [self.prefix_id, *strategy.arrange(r.cache_ids)],
                 self.template.question_ids(tok, r.query),
                 replace(gen, max_new_tokens=r.max_new_tokens or gen.max_new_tokens),
             )

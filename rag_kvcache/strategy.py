@@ -15,6 +15,13 @@ channel. Everything past the edge takes a `Strategy`, never a string.
 - `positions`: Prompt Cache's mode for markup prompts: each cached unit at its schema
   position, the prompt's own tokens computed at theirs, nothing recomputed.
 
+Placement is a part of any strategy that links or prefills chunks, spelled after a `+`:
+- `+reversed`: the document chunks in the reverse of the order given. Cache IDs are given best
+  first (as retrieval returns them), so this puts the most relevant chunk nearest the question.
+- `+rotated`: the first chunk moved to the end (the order given, rotated by one).
+Prefill with another order is how the noise floor of "kept" answers is measured: a cache that
+changes answers no more than reordering the chunks does is as good as prefill for a user.
+
 The question is always computed. A fidelity technique joins as a field of this record (with
 its spelling in `parse` / `__str__`), not as a new string grammar.
 """
@@ -22,13 +29,20 @@ its spelling in `parse` / `__str__`), not as a new string grammar.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rag_kvcache.errors import StrategyError
 
 KINDS = ("prefill", "full", "naive", "legolink", "legolink0", "cacheblend", "positions")
 _PLAIN = ("prefill", "full", "naive", "legolink0", "positions")
-SPELLINGS = "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1)"
+ORDERS = ("given", "reversed", "rotated")
+SPELLINGS = (
+    "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
+    "each optionally +reversed or +rotated"
+)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,7 @@ class Strategy:
     kind: str
     k: int = 0  # legolink: boundary tokens recomputed per chunk
     ratio: float = 0.0  # cacheblend: share of document tokens recomputed
+    order: str = "given"  # placement of the document chunks (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -46,13 +61,22 @@ class Strategy:
             raise StrategyError(f"k={self.k} is only for legolink, and must be >= 0")
         if not 0 <= self.ratio <= 1 or (self.ratio and self.kind != "cacheblend"):
             raise StrategyError(f"ratio={self.ratio} is only for cacheblend, in 0..1")
+        if self.order not in ORDERS:
+            raise StrategyError(f"unknown order {self.order!r}; one of {ORDERS}")
+        if self.order != "given" and self.kind == "positions":
+            raise StrategyError("`positions` places units at their schema positions: no order")
 
     @classmethod
     def parse(cls, spec: str | Strategy) -> Strategy:
         """A user's spelling (case and surrounding blanks ignored) -> Strategy."""
         if isinstance(spec, Strategy):
             return spec
-        text = str(spec).strip().lower()
+        text, _, order = str(spec).strip().lower().partition("+")
+        if order:
+            if order not in ORDERS[1:] or text == "positions":
+                raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
+            base = cls.parse(text)
+            return cls(base.kind, base.k, base.ratio, order)
         if text in _PLAIN:
             return cls(text)
         if m := re.fullmatch(r"legolink:(\d+)", text):
@@ -67,11 +91,20 @@ class Strategy:
         raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
 
     def __str__(self) -> str:
+        base = self.kind
         if self.kind == "legolink":
-            return f"legolink:{self.k}"
-        if self.kind == "cacheblend":
-            return f"cacheblend:{repr(self.ratio).removesuffix('.0')}"  # exact: parses back
-        return self.kind
+            base = f"legolink:{self.k}"
+        elif self.kind == "cacheblend":
+            base = f"cacheblend:{repr(self.ratio).removesuffix('.0')}"  # exact: parses back
+        return base if self.order == "given" else f"{base}+{self.order}"
+
+    def arrange(self, chunks: Sequence[T]) -> list[T]:
+        """The document chunks (or their cache IDs) in this strategy's order."""
+        if self.order == "reversed":
+            return list(reversed(chunks))
+        if self.order == "rotated":
+            return [*chunks[1:], *chunks[:1]]
+        return list(chunks)
 
     @property
     def uses_cache(self) -> bool:

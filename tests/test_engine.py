@@ -38,6 +38,22 @@ def test_full_link_answers_exactly_like_plain_prefill(tiny_engine) -> None:
     assert full.recomputed_tokens == full.context_tokens
 
 
+@pytest.mark.parametrize("base", ["prefill", "full", "legolink:2"])
+def test_an_order_answers_like_the_chunks_given_in_that_order(tiny_engine, base: str) -> None:
+    """`+reversed` / `+rotated` only move the document chunks: the same as passing the cache
+    IDs in that order (the system prefix stays first)."""
+    docs = [*DOCS, "The ferry leaves at dawn.", "Eels are smoked in May."]
+    ids = tiny_engine.generate_context_cache(docs)
+    for order, arranged in (("reversed", ids[::-1]), ("rotated", [*ids[1:], ids[0]])):
+        ordered = tiny_engine.generate("When?", ids, strategy=f"{base}+{order}")
+        plain = tiny_engine.generate("When?", arranged, strategy=base)
+        assert ordered.token_ids == plain.token_ids and ordered.prompt_tokens == plain.prompt_tokens
+        assert str(ordered.strategy) == f"{base}+{order}"
+    given = tiny_engine.generate("When?", ids, strategy=base)
+    reversed_ = tiny_engine.generate("When?", ids, strategy=f"{base}+reversed")
+    assert given.token_ids != reversed_.token_ids  # the order really reaches the model
+
+
 def test_streaming_yields_the_same_text(tiny_engine) -> None:
     ids = tiny_engine.generate_context_cache(DOCS)
     stream = tiny_engine.generate("How many basins?", ids, stream=True)

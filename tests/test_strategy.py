@@ -24,6 +24,9 @@ from rag_kvcache.strategy import PREFILL, Strategy
         ("cacheblend:0.15", Strategy("cacheblend", ratio=0.15)),
         ("cacheblend:1", Strategy("cacheblend", ratio=1.0)),
         ("positions", Strategy("positions")),
+        ("legolink:2+reversed", Strategy("legolink", k=2, order="reversed")),
+        (" Prefill+Rotated", Strategy("prefill", order="rotated")),
+        ("cacheblend:0.25+reversed", Strategy("cacheblend", ratio=0.25, order="reversed")),
     ],
 )
 def test_parse(name: str, expected: Strategy) -> None:
@@ -45,7 +48,20 @@ def test_cacheblend_round_trips(ratio: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["", "legolink", "legolink:-1", "cacheblend:2", "blend", "full:1", "prefill:1"]
+    "bad",
+    [
+        "",
+        "legolink",
+        "legolink:-1",
+        "cacheblend:2",
+        "blend",
+        "full:1",
+        "prefill:1",
+        "full+backwards",
+        "full+reversed+rotated",
+        "positions+reversed",
+        "+reversed",
+    ],
 )
 def test_parse_rejects_with_allowed_names(bad: str) -> None:
     with pytest.raises(StrategyError, match="legolink:K"):
@@ -59,6 +75,14 @@ def test_parse_rejects_with_allowed_names(bad: str) -> None:
 def test_fields_are_checked_when_built(fields: dict) -> None:
     with pytest.raises(StrategyError):
         Strategy(**fields)
+
+
+def test_orders_arrange_the_document_chunks() -> None:
+    chunks = ["a", "b", "c"]
+    assert Strategy.parse("naive").arrange(chunks) == ["a", "b", "c"]
+    assert Strategy.parse("naive+reversed").arrange(chunks) == ["c", "b", "a"]
+    assert Strategy.parse("naive+rotated").arrange(chunks) == ["b", "c", "a"]
+    assert Strategy.parse("naive+rotated").arrange([]) == []
 
 
 def test_config_parses_a_spelling_once_and_keeps_a_strategy() -> None:

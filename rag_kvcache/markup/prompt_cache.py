@@ -78,6 +78,8 @@ class PromptCache:
         plain prefill of the same tokens in position order (`prefill`), for comparison."""
         compiled = self.compile(prompt) if isinstance(prompt, str) else prompt
         strategy = Strategy.parse(strategy)
+        if strategy.order != "given":
+            raise MarkupError("a prompt imports its modules in its own order; drop the +order")
         lm = self.engine.lm
         gen = self.engine.config.generation
         if max_new_tokens is not None:
