@@ -4,6 +4,7 @@ needle builder, and `rag-kvcache eval` end to end on SmolLM2."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,12 @@ from rag_kvcache.tools.eval import (
     summarize,
 )
 from rag_kvcache.tools.metrics import (
+    Estimate,
+    accuracy,
     contains_answer,
     exact_match,
     f1_score,
+    kept,
     kl_per_step,
     normalize_answer,
     top1_agreement,
@@ -78,6 +82,33 @@ def test_kl_and_top1() -> None:
     assert top1_agreement(logits, other) == pytest.approx(3 / 5)
 
 
+def test_the_bootstrap_interval_of_a_constant_is_a_point() -> None:
+    for right in ([True] * 40, [False] * 40):
+        estimate = accuracy(right)
+        assert estimate.low == estimate.value == estimate.high == 100.0 * right[0]
+    assert kept([True] * 30, [True] * 30) == Estimate(100.0, 100.0, 100.0, 30)
+
+
+def test_kept_counts_only_the_items_the_baseline_gets_right() -> None:
+    baseline = [True, True, True, True, False, False]
+    right = [True, False, True, True, True, True]  # right where prefill was wrong: not counted
+    estimate = kept(baseline, right)
+    assert estimate.value == 75.0 and estimate.n == 4
+    assert 0 <= estimate.low <= 75.0 <= estimate.high <= 100
+    assert kept(baseline, right) == estimate  # seeded: the same resamples every time
+    assert accuracy(right).value == pytest.approx(100 * 5 / 6)
+    nothing = kept([False, False], [True, True])
+    assert nothing.n == 0 and math.isnan(nothing.value)
+    with pytest.raises(ValueError):
+        kept([True], [True, False])
+
+
+def test_interval_narrows_with_more_items() -> None:
+    small, large = accuracy([True, False] * 10), accuracy([True, False] * 200)
+    assert small.value == large.value == 50.0
+    assert large.high - large.low < (small.high - small.low) / 3
+
+
 # ----------------------------------------------------------------------------- datasets
 
 
@@ -122,7 +153,7 @@ def test_full_agrees_with_itself_and_recomputing_everything_is_full(tiny32) -> N
     )
     evaluator = Evaluator(tiny32, max_new_tokens=6, teacher_tokens=4)
     strategies = check_strategies(["naive", "legolink:64", "legolink0", "full"])
-    assert [str(s) for s in strategies] == ["full", "naive", "legolink:64", "legolink0"]
+    assert [str(s) for s in strategies] == ["full", "prefill", "naive", "legolink:64", "legolink0"]
     results = {r.strategy: r for r in evaluator.run_item(item, strategies)}
     full = results["full"]
     assert (full.kl, full.top1) == (0.0, 1.0)
@@ -133,6 +164,9 @@ def test_full_agrees_with_itself_and_recomputing_everything_is_full(tiny32) -> N
     assert results["naive"].recomputed_tokens == 0 and results["naive"].kl > 0
     summary = {s.strategy: s for s in summarize(list(results.values()), strategies)}
     assert summary["full"].recomputed_fraction == 1.0 and summary["naive"].items == 1
+    prefill = summary["prefill"]  # prefill keeps all its own right answers, if it has any
+    assert prefill.kept_of == int(results["prefill"].contains)
+    assert prefill.kept == 100.0 or (prefill.kept_of == 0 and math.isnan(prefill.kept))
 
 
 EVERY_STRATEGY = ["prefill", "naive", "legolink:2", "legolink0", "cacheblend:0.5"]
@@ -179,11 +213,11 @@ def test_eval_command_writes_report_table_and_plots(tmp_path: Path, smol) -> Non
     args = ["eval", str(DEV_SET), "--limit", "2", "--strategies", "legolink:2,naive"]
     assert main([*args, "--out", str(out), "--max-new-tokens", "12"]) == 0
     report = json.loads((out / "eval.json").read_text())
-    assert [s["strategy"] for s in report["summary"]] == ["full", "legolink:2", "naive"]
-    assert len(report["items"]) == 6
+    assert [s["strategy"] for s in report["summary"]] == ["full", "prefill", "legolink:2", "naive"]
+    assert len(report["items"]) == 8
     full = report["summary"][0]
     assert (full["kl"], full["top1"], full["recomputed_fraction"]) == (0.0, 1.0, 1.0)
-    assert 0 < report["summary"][1]["recomputed_fraction"] < 0.1
+    assert 0 < report["summary"][2]["recomputed_fraction"] < 0.1
     assert "| legolink:2 |" in (out / "eval.md").read_text()
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=12)), lm=smol)
     for item in load_dataset(DEV_SET)[:2]:
@@ -191,6 +225,6 @@ def test_eval_command_writes_report_table_and_plots(tmp_path: Path, smol) -> Non
         for row in (r for r in report["items"] if r["item"] == item.id):
             answer = engine.generate(item.question, ids, strategy=row["strategy"])
             assert list(answer.token_ids) == row["token_ids"], (item.id, row["strategy"])
-    for png in ("eval_ttft_f1.png", "eval_kl_k.png"):
+    for png in ("eval_pareto.png", "eval_kl_k.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "--out", str(out)]) == 2  # neither a dataset nor --needle

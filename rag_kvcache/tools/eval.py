@@ -34,9 +34,11 @@ from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import PREFILL, Strategy
 from rag_kvcache.tools.metrics import (
+    accuracy,
     contains_answer,
     exact_match,
     f1_score,
+    kept,
     kl_per_step,
     top1_agreement,
 )
@@ -44,6 +46,9 @@ from rag_kvcache.tools.metrics import (
 FULL = Strategy("full")
 DEFAULT_STRATEGIES = (
     "full",
+    "prefill",
+    "prefill+reversed",  # the noise floor: prefill's own answers with the chunks reordered
+    "prefill+rotated",
     "naive",
     *(f"legolink:{k}" for k in (1, 2, 4, 8, 16, 32)),
     "legolink0",
@@ -80,9 +85,15 @@ class ItemResult:
 class StrategySummary:
     strategy: str
     items: int
-    f1: float  # mean, in points (0-100)
+    contains: float  # accuracy: % of items whose output holds a gold answer
+    contains_low: float  # its 95% bootstrap interval
+    contains_high: float
+    kept: float  # % of the items prefill answers right that this strategy answers right too
+    kept_low: float  # its 95% bootstrap interval
+    kept_high: float
+    kept_of: int  # items prefill answers right
+    f1: float  # mean, in points (0-100); only beside accuracy: F1 over sentences hides losses
     exact_match: float
-    contains: float
     kl: float
     top1: float
     ttft_s: float  # median
@@ -139,8 +150,11 @@ class Evaluator:
         self._warm = False
 
     def run_item(self, item: EvalItem, strategies: list[Strategy]) -> list[ItemResult]:
-        if strategies[0] != FULL:
-            raise ConfigError(f"the reference strategy 'full' must come first, got {strategies}")
+        if strategies[:2] != [FULL, PREFILL]:
+            raise ConfigError(
+                f"'full' (the KL reference) and 'prefill' (the accuracy baseline) come first, "
+                f"got {[str(s) for s in strategies]}"
+            )
         documents = list(item.documents)
         plain = self.engine.generate_context_cache(documents)
         sinks = None
@@ -150,9 +164,7 @@ class Evaluator:
             self.engine.generate(item.question, plain, strategy="naive", max_new_tokens=1)
             self.engine.generate(item.question, plain, strategy=PREFILL, max_new_tokens=1)
             self._warm = True
-        baseline = self.engine.generate(item.question, plain, strategy=PREFILL, max_new_tokens=1)
-        assert isinstance(baseline, Answer)
-        results = []
+        runs: list[tuple[Strategy, Answer, torch.Tensor]] = []
         forced: list[int] = []
         reference = torch.empty(0)
         for strategy in strategies:
@@ -168,38 +180,52 @@ class Evaluator:
                 reference = self.engine.forced_logits(item.question, plain, forced, FULL)
             # full too, from a fresh context: its agreement with the reference checks determinism
             logits = engine.forced_logits(item.question, ids, forced, strategy)
-            results.append(
-                ItemResult(
-                    item=item.id,
-                    strategy=str(strategy),
-                    answer=answer.text,
-                    token_ids=answer.token_ids,
-                    f1=f1_score(answer.text, item.answers),
-                    exact_match=exact_match(answer.text, item.answers),
-                    contains=contains_answer(answer.text, item.answers),
-                    kl=float(kl_per_step(reference, logits).mean()),
-                    top1=top1_agreement(reference, logits),
-                    ttft_s=answer.ttft_s,
-                    prefill_ttft_s=baseline.ttft_s,
-                    context_tokens=answer.context_tokens,
-                    recomputed_tokens=answer.recomputed_tokens,
-                )
+            runs.append((strategy, answer, logits))
+        prefill_ttft = runs[1][1].ttft_s
+        return [
+            ItemResult(
+                item=item.id,
+                strategy=str(strategy),
+                answer=answer.text,
+                token_ids=answer.token_ids,
+                f1=f1_score(answer.text, item.answers),
+                exact_match=exact_match(answer.text, item.answers),
+                contains=contains_answer(answer.text, item.answers),
+                kl=float(kl_per_step(reference, logits).mean()),
+                top1=top1_agreement(reference, logits),
+                ttft_s=answer.ttft_s,
+                prefill_ttft_s=prefill_ttft,
+                context_tokens=answer.context_tokens,
+                recomputed_tokens=answer.recomputed_tokens,
             )
-        return results
+            for strategy, answer, logits in runs
+        ]
 
 
 def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[StrategySummary]:
+    """Per strategy: accuracy and "kept" (against prefill on the same items) with 95% bootstrap
+    intervals, F1 / EM beside them, fidelity (KL, top-1 vs full), TTFT and recompute share."""
+    prefill = {r.item: r.contains for r in results if r.strategy == str(PREFILL)}
     out = []
     for strategy in strategies:
         rows = [r for r in results if r.strategy == str(strategy)]
         ttft = statistics.median(r.ttft_s for r in rows)
+        right = [r.contains for r in rows]
+        acc = accuracy(right)
+        keep = kept([prefill[r.item] for r in rows], right)
         out.append(
             StrategySummary(
                 strategy=str(strategy),
                 items=len(rows),
+                contains=acc.value,
+                contains_low=acc.low,
+                contains_high=acc.high,
+                kept=keep.value,
+                kept_low=keep.low,
+                kept_high=keep.high,
+                kept_of=keep.n,
                 f1=100 * statistics.fmean(r.f1 for r in rows),
                 exact_match=100 * statistics.fmean(r.exact_match for r in rows),
-                contains=100 * statistics.fmean(float(r.contains) for r in rows),
                 kl=statistics.fmean(r.kl for r in rows),
                 top1=statistics.fmean(r.top1 for r in rows),
                 ttft_s=ttft,
@@ -212,9 +238,10 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
 
 
 def check_strategies(strategies: list[str] | list[Strategy]) -> list[Strategy]:
-    """Parsed strategies, each once, `full` first (it is the reference)."""
+    """Parsed strategies, each once, `full` (the KL reference) and `prefill` (the accuracy
+    baseline) first."""
     parsed = [Strategy.parse(s) for s in strategies]
-    return [FULL, *[s for s in dict.fromkeys(parsed) if s != FULL]]
+    return [FULL, PREFILL, *[s for s in dict.fromkeys(parsed) if s not in (FULL, PREFILL)]]
 
 
 def run_eval(
@@ -237,13 +264,15 @@ def run_eval(
 
 def markdown_table(summary: list[StrategySummary]) -> str:
     lines = [
-        "| strategy | F1 | EM | answer in output | KL vs full | top-1 vs full "
-        "| TTFT s | speedup | recomputed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| strategy | accuracy [95% CI] | kept of prefill's right [95% CI] | F1 | EM "
+        "| KL vs full | top-1 vs full | TTFT s | speedup | recomputed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summary:
         lines.append(
-            f"| {s.strategy} | {s.f1:.1f} | {s.exact_match:.1f} | {s.contains:.1f}% "
+            f"| {s.strategy} | {s.contains:.1f}% [{s.contains_low:.1f}, {s.contains_high:.1f}] "
+            f"| {s.kept:.1f}% [{s.kept_low:.1f}, {s.kept_high:.1f}] of {s.kept_of} "
+            f"| {s.f1:.1f} | {s.exact_match:.1f} "
             f"| {s.kl:.4f} | {s.top1:.1%} | {s.ttft_s:.3f} | {s.speedup:.1f}x "
             f"| {s.recomputed_fraction:.1%} |"
         )
@@ -251,35 +280,47 @@ def markdown_table(summary: list[StrategySummary]) -> str:
 
 
 def save_eval(out_dir: Path, name: str, report: dict[str, object], summary: list[StrategySummary]):
-    """NAME.json, NAME.md (the table) and two plots: TTFT vs F1, KL vs k."""
+    """NAME.json, NAME.md (the table) and two plots: speed vs accuracy and kept, KL vs k."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     (out_dir / f"{name}.md").write_text(markdown_table(summary))
-    plot_pareto(summary, out_dir / f"{name}_ttft_f1.png")
+    plot_pareto(summary, out_dir / f"{name}_pareto.png")
     plot_kl(summary, out_dir / f"{name}_kl_k.png")
 
 
 def plot_pareto(summary: list[StrategySummary], path: Path) -> None:
-    """TTFT against answer F1 and against the share of answers containing the reference."""
+    """Speedup over prefill against accuracy and against "kept", each with its 95% interval;
+    the noise floor (prefill with its chunks reordered) as a band on the "kept" panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    floor = [s for s in summary if s.strategy.startswith("prefill+")]
     for ax, metric, label in (
-        (axes[0], "f1", "answer F1 (SQuAD)"),
-        (axes[1], "contains", "answers containing the reference (%)"),
+        (axes[0], "contains", "accuracy: gold answer in the output (%)"),
+        (axes[1], "kept", "kept: of prefill's right answers, % still right"),
     ):
         for s in summary:
             value = getattr(s, metric)
-            ax.scatter(s.ttft_s, value)
-            ax.annotate(s.strategy, (s.ttft_s, value), textcoords="offset points", xytext=(4, 4))
+            low, high = getattr(s, f"{metric}_low"), getattr(s, f"{metric}_high")
+            ax.errorbar(s.speedup, value, yerr=[[value - low], [high - value]], fmt="o", capsize=3)
+            ax.annotate(s.strategy, (s.speedup, value), textcoords="offset points", xytext=(4, 4))
+        if metric == "kept" and floor:
+            ax.axhspan(
+                min(s.kept for s in floor),
+                max(s.kept for s in floor),
+                color="grey",
+                alpha=0.2,
+                label="noise floor: prefill, chunks reordered",
+            )
+            ax.legend(loc="lower left", fontsize=8)
         ax.set_xscale("log")
-        ax.set_xlabel("median TTFT (s, log scale)")
+        ax.set_xlabel("TTFT speedup over prefill (median, log scale)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    fig.suptitle("TTFT vs answer quality per link strategy")
+    fig.suptitle("speed vs answer quality per strategy (95% bootstrap intervals)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

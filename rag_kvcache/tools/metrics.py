@@ -1,5 +1,7 @@
-"""Answer-quality and fidelity metrics: SQuAD-style F1 / exact match, and how far a linked
-cache's next-token distributions drift from the fully recomputed one (KL, top-1 agreement)."""
+"""Answer-quality and fidelity metrics: whether the gold answer is in the output (accuracy)
+and how many of prefill's right answers a strategy keeps, each with a bootstrap interval;
+SQuAD-style F1 / exact match (only beside accuracy: F1 over sentences hides losses); and how
+far a linked cache's next-token distributions drift from the fully recomputed one (KL, top-1)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import re
 import string
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -57,3 +61,45 @@ def kl_per_step(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 def top1_agreement(reference: torch.Tensor, other: torch.Tensor) -> float:
     """Share of steps where both logits [steps, vocab] pick the same most likely token."""
     return float((reference.argmax(-1) == other.argmax(-1)).double().mean())
+
+
+# ----------------------------------------------------------------------------- answers kept
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A share in percent with its 95% bootstrap interval (percentile method, over items)."""
+
+    value: float
+    low: float
+    high: float
+    n: int  # items it is measured on
+
+    def __str__(self) -> str:
+        return f"{self.value:.1f}% [{self.low:.1f}, {self.high:.1f}] (n={self.n})"
+
+
+def accuracy(right: Sequence[bool], samples: int = 2000, seed: int = 0) -> Estimate:
+    """Share of items answered right (gold answer in the output), with its interval."""
+    return kept([True] * len(right), right, samples, seed)
+
+
+def kept(
+    baseline: Sequence[bool], right: Sequence[bool], samples: int = 2000, seed: int = 0
+) -> Estimate:
+    """Of the items the baseline (prefill) answers right, the share also answered right, with
+    a 95% interval from resampling the items (the same resamples for every caller with one
+    seed, so intervals of strategies compared on one item set are comparable)."""
+    if len(baseline) != len(right):
+        raise ValueError(f"{len(baseline)} baseline results for {len(right)} items")
+    base = np.asarray(baseline, dtype=bool)
+    hit = np.asarray(right, dtype=bool) & base
+    n = int(base.sum())
+    if n == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(base), size=(samples, len(base)))  # [samples, items]
+    counted, kept_ = base[picks].sum(axis=1), hit[picks].sum(axis=1)
+    shares = kept_[counted > 0] / counted[counted > 0]
+    low, high = np.percentile(100 * shares, [2.5, 97.5])
+    return Estimate(100 * hit.sum() / n, float(low), float(high), n)
