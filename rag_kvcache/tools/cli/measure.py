@@ -55,6 +55,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
 
     bench.set_defaults(run=bench_command)
+    dataset = commands.add_parser(
+        "dataset", help="write the dev and test QA sets about invented towns (for eval)"
+    )
+    dataset.add_argument("--out", type=Path, default=Path("qa-sets"), help="(default qa-sets)")
+    dataset.add_argument(
+        "--repeats", type=int, default=4, help="items per design cell, 54 cells (default 4)"
+    )
+    dataset.set_defaults(run=dataset_command)
     evaluate = commands.add_parser(
         "eval", help="answer quality and TTFT per link strategy (QA set or --needle)"
     )
@@ -73,6 +81,18 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     evaluate.set_defaults(run=eval_command)
+
+
+def dataset_command(args: argparse.Namespace, console: Console) -> int:
+    from rag_kvcache.tools.qa_set import write_sets
+
+    if args.repeats < 1:
+        console.print("[red]--repeats must be >= 1")
+        return 2
+    for split, path in write_sets(args.out, args.repeats).items():
+        console.print(f"{split}: {sum(1 for _ in path.open())} items -> {path}")
+    console.print("tune on dev; report test (eval DATASET.jsonl)")
+    return 0
 
 
 def eval_command(args: argparse.Namespace, console: Console) -> int:
