@@ -98,9 +98,7 @@ def bench_dtype(
     def first_logits(engine: RagKVCache) -> torch.Tensor:
         return engine.forced_logits(question, ids, [0], LINKED)[0]
 
-    prompt = memory.generate(question, ids, strategy=PREFILL, max_new_tokens=1)
-    assert isinstance(prompt, Answer)
-    tokens = prompt.prompt_tokens
+    tokens = len(memory.prompt_ids(question, ids))  # context + question
 
     def row(tier: str, ttft_s: float, **more: Any) -> TierRow:
         facts: dict[str, Any] = {"bytes_per_token": per_token, **more}
