@@ -22,6 +22,13 @@ Placement is a part of any strategy that links or prefills chunks, spelled after
 Prefill with another order is how the noise floor of "kept" answers is measured: a cache that
 changes answers no more than reordering the chunks does is as good as prefill for a user.
 
+Query-aware recompute is a part of any link strategy that leaves tokens stale, spelled last:
+- `+top:N`: the N best-ranked document chunks (the first N cache IDs given) are recomputed
+  whole, wherever the order places them; the rest as the strategy says. Where linking goes
+  wrong, a distractor's stale KV usually outvotes the chunk that holds the answer; recomputing
+  the chunks the question needs most takes that vote away. `+top:0` is the strategy alone, and
+  `top` past the number of chunks recomputes every document chunk (equal to `full`).
+
 The question is always computed. A fidelity technique joins as a field of this record (with
 its spelling in `parse` / `__str__`), not as a new string grammar.
 """
@@ -37,10 +44,11 @@ from rag_kvcache.errors import StrategyError
 
 KINDS = ("prefill", "full", "naive", "legolink", "legolink0", "cacheblend", "positions")
 _PLAIN = ("prefill", "full", "naive", "legolink0", "positions")
+_STALE = ("naive", "legolink", "legolink0", "cacheblend")  # kinds that leave tokens stale
 ORDERS = ("given", "reversed", "rotated")
 SPELLINGS = (
     "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
-    "each optionally +reversed or +rotated"
+    "each optionally +reversed or +rotated, then (not prefill or full) +top:N"
 )
 T = TypeVar("T")
 
@@ -53,6 +61,7 @@ class Strategy:
     k: int = 0  # legolink: boundary tokens recomputed per chunk
     ratio: float = 0.0  # cacheblend: share of document tokens recomputed
     order: str = "given"  # placement of the document chunks (see the module docstring)
+    top: int = 0  # best-ranked document chunks recomputed whole (query-aware recompute)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -65,18 +74,25 @@ class Strategy:
             raise StrategyError(f"unknown order {self.order!r}; one of {ORDERS}")
         if self.order != "given" and self.kind == "positions":
             raise StrategyError("`positions` places units at their schema positions: no order")
+        if self.top < 0 or (self.top and self.kind not in _STALE):
+            raise StrategyError(f"top={self.top} is for {', '.join(_STALE)}, and must be >= 0")
 
     @classmethod
     def parse(cls, spec: str | Strategy) -> Strategy:
         """A user's spelling (case and surrounding blanks ignored) -> Strategy."""
         if isinstance(spec, Strategy):
             return spec
-        text, _, order = str(spec).strip().lower().partition("+")
-        if order:
-            if order not in ORDERS[1:] or text == "positions":
+        text, *parts = str(spec).strip().lower().split("+")
+        if parts:
+            top = re.fullmatch(r"top:(\d+)", parts[-1])
+            order = parts[0] if parts[0] in ORDERS[1:] else "given"
+            if parts != [p for p in (order, top and parts[-1]) if p and p != "given"]:
                 raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
             base = cls.parse(text)
-            return cls(base.kind, base.k, base.ratio, order)
+            try:
+                return cls(base.kind, base.k, base.ratio, order, int(top.group(1)) if top else 0)
+            except StrategyError as e:
+                raise StrategyError(f"{spec!r}: {e}; use {SPELLINGS}") from None
         if text in _PLAIN:
             return cls(text)
         if m := re.fullmatch(r"legolink:(\d+)", text):
@@ -96,7 +112,9 @@ class Strategy:
             base = f"legolink:{self.k}"
         elif self.kind == "cacheblend":
             base = f"cacheblend:{repr(self.ratio).removesuffix('.0')}"  # exact: parses back
-        return base if self.order == "given" else f"{base}+{self.order}"
+        if self.order != "given":
+            base += f"+{self.order}"
+        return f"{base}+top:{self.top}" if self.top else base
 
     def arrange(self, chunks: Sequence[T]) -> list[T]:
         """The document chunks (or their cache IDs) in this strategy's order."""
@@ -105,6 +123,10 @@ class Strategy:
         if self.order == "rotated":
             return [*chunks[1:], *chunks[:1]]
         return list(chunks)
+
+    def in_full(self, documents: int) -> list[bool]:
+        """Per placed document chunk (after `arrange`): is it recomputed whole (`top`)?"""
+        return [rank < self.top for rank in self.arrange(range(documents))]
 
     @property
     def uses_cache(self) -> bool:

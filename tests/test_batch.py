@@ -35,23 +35,25 @@ def mixed_requests(ids: list[str]) -> list[BatchRequest]:
     ]
 
 
-@pytest.mark.parametrize("strategy", ["legolink:2", "full", "naive"])
+@pytest.mark.parametrize("strategy", ["legolink:2", "full", "naive", "naive+top:2"])
 def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strategy) -> None:
     engine = RagKVCache(EngineConfig(), lm=tiny64)
     ids = engine.generate_context_cache(DOCS[:3])
     chunks = engine.store.get([engine.prefix_id, *ids])
     question = engine.template.question_ids(tiny64.tokenizer, "Who designed it?")
     whole = link(tiny64, chunks, question, Strategy.parse(strategy))
-    first = link(tiny64, chunks[:2], [1], Strategy.parse(strategy))
+    first = link(tiny64, chunks[:2], [1], Strategy.parse(strategy))  # chunk 1 is ranked first
     P = first.context_tokens
     keys, values = linked_span(first, 0, P)
     tokens = tuple(t for c in chunks[:2] for t in c.token_ids)
+    in_full = Strategy.parse(strategy).in_full(len(chunks) - 1)  # the whole request's ranks
     rest = link(
         tiny64,
         chunks[2:],
         question,
         Strategy.parse(strategy),
         prefix=LinkedPrefix(keys, values, tokens),
+        in_full=in_full[1:],
     )
     torch.testing.assert_close(rest.next_logits, whole.next_logits, rtol=1e-10, atol=1e-10)
     for a, b in zip(linked_span(rest, 0, rest.length), linked_span(whole, 0, whole.length)):
@@ -90,6 +92,45 @@ def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None
     again = engine.generate_batch(requests[:2], max_batch=max_batch)
     assert [a.token_ids for a in again.answers] == [a.token_ids for a in result.answers[:2]]
     assert all(a.recomputed_tokens == 0 for a in again.answers)
+
+
+@pytest.mark.parametrize(
+    "strategy, shared", [("legolink:1+top:1", True), ("naive+reversed+top:1", False)]
+)
+def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, shared) -> None:
+    """A chunk recomputed whole in one request (ranked first) and stale in another (ranked
+    lower) is linked to different KV: sharing them would change answers."""
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    requests = [*mixed_requests(ids), BatchRequest("Who lit it?", (ids[0],))]
+    result = engine.generate_batch(requests, strategy=strategy, max_batch=4)
+    for request, answer in zip(requests, result.answers, strict=True):
+        alone = engine.generate(
+            request.query,
+            list(request.cache_ids),
+            strategy=strategy,
+            max_new_tokens=request.max_new_tokens,
+        )
+        assert answer.token_ids == alone.token_ids
+        assert answer.prompt_tokens == alone.prompt_tokens
+    # the last request's one chunk is ranked first (whole). In the given order an earlier
+    # request linked it whole at the same place: shared. Reversed, an earlier request placed
+    # it first but ranked it second (stale): it must be recomputed, not taken from the tree.
+    last = result.answers[-1]
+    assert last.recomputed_tokens == (0 if shared else alone.recomputed_tokens)
+    assert alone.recomputed_tokens > 0
+    with pytest.raises(StrategyError, match="in_full"):
+        whole = engine.store.get([engine.prefix_id, *ids[:2]])
+        first = link(tiny64, whole[:2], [1], Strategy.parse(strategy))
+        keys, values = linked_span(first, 0, first.context_tokens)
+        tokens = tuple(t for c in whole[:2] for t in c.token_ids)
+        link(
+            tiny64,
+            whole[2:],
+            [1],
+            Strategy.parse(strategy),
+            prefix=LinkedPrefix(keys, values, tokens),
+        )
 
 
 def test_a_tight_budget_never_evicts_the_path_being_extended(tiny64) -> None:

@@ -63,6 +63,25 @@ def test_legolink_with_k_past_chunk_length_equals_full(tiny64, k: int) -> None:
     assert lego.recomputed == sum(LENGTHS[1:])  # the exact prefix is kept
 
 
+@pytest.mark.parametrize("strategy", ["naive+top:3", "legolink:1+reversed+top:7"])
+def test_top_past_the_chunk_count_equals_full(tiny64, strategy: str) -> None:
+    chunks, _ = _setup(tiny64)
+    top = link(tiny64, chunks, QUERY, Strategy.parse(strategy))
+    full = link(tiny64, chunks, QUERY, Strategy.parse("full"))
+    torch.testing.assert_close(top.next_logits, full.next_logits, rtol=1e-10, atol=1e-10)
+    assert top.recomputed == sum(LENGTHS[1:])
+
+
+def test_top_recomputes_the_best_ranked_chunk_whole(tiny64) -> None:
+    chunks, _ = _setup(tiny64)
+    for spelling, whole in (("naive+top:1", 1), ("naive+rotated+top:1", 3)):
+        linked = link(tiny64, chunks, QUERY, Strategy.parse(spelling))
+        assert linked.recomputed == LENGTHS[whole]  # the chunk ranked first, where placed
+    plain = link(tiny64, chunks, QUERY, Strategy.parse("legolink:1"))
+    topped = link(tiny64, chunks, QUERY, Strategy.parse("legolink:1+top:1"))
+    assert not torch.allclose(plain.next_logits, topped.next_logits)
+
+
 def test_naive_is_plain_concatenation_of_rotated_chunks(tiny64) -> None:
     chunks, _ = _setup(tiny64)
     linked = link(tiny64, chunks, QUERY, Strategy.parse("naive"))
@@ -82,8 +101,10 @@ def test_naive_is_plain_concatenation_of_rotated_chunks(tiny64) -> None:
 
 
 @pytest.mark.parametrize(
-    "strategy", ["full", "naive", "legolink:1", "legolink:3", "cacheblend:0.3", "legolink0"]
-)
+    "strategy",
+    ["full", "naive", "legolink:1", "legolink:3", "cacheblend:0.3", "legolink0",
+     "legolink:1+top:1", "naive+reversed+top:2"],
+)  # fmt: skip
 def test_one_forward_with_custom_mask_equals_token_by_token_reference(tiny64, strategy) -> None:
     settings = EncodeSettings((1, 2)) if strategy == "legolink0" else EncodeSettings()
     chunks, _ = _setup(tiny64, settings=settings)

@@ -27,6 +27,9 @@ from rag_kvcache.strategy import PREFILL, Strategy
         ("legolink:2+reversed", Strategy("legolink", k=2, order="reversed")),
         (" Prefill+Rotated", Strategy("prefill", order="rotated")),
         ("cacheblend:0.25+reversed", Strategy("cacheblend", ratio=0.25, order="reversed")),
+        ("legolink:2+top:1", Strategy("legolink", k=2, top=1)),
+        ("naive+reversed+top:3", Strategy("naive", order="reversed", top=3)),
+        ("legolink0+top:2", Strategy("legolink0", top=2)),
     ],
 )
 def test_parse(name: str, expected: Strategy) -> None:
@@ -61,6 +64,11 @@ def test_cacheblend_round_trips(ratio: float) -> None:
         "full+reversed+rotated",
         "positions+reversed",
         "+reversed",
+        "naive+top:",
+        "naive+top:1+reversed",
+        "naive+top:1+top:2",
+        "naive+given",
+        "naive+",
     ],
 )
 def test_parse_rejects_with_allowed_names(bad: str) -> None:
@@ -70,7 +78,8 @@ def test_parse_rejects_with_allowed_names(bad: str) -> None:
 
 @pytest.mark.parametrize(
     "fields", [dict(kind="nope"), dict(kind="naive", k=2), dict(kind="legolink", k=-1),
-               dict(kind="full", ratio=0.5), dict(kind="cacheblend", ratio=1.5)]
+               dict(kind="full", ratio=0.5), dict(kind="cacheblend", ratio=1.5),
+               dict(kind="full", top=1), dict(kind="prefill", top=1), dict(kind="naive", top=-1)]
 )  # fmt: skip
 def test_fields_are_checked_when_built(fields: dict) -> None:
     with pytest.raises(StrategyError):
@@ -83,6 +92,14 @@ def test_orders_arrange_the_document_chunks() -> None:
     assert Strategy.parse("naive+reversed").arrange(chunks) == ["c", "b", "a"]
     assert Strategy.parse("naive+rotated").arrange(chunks) == ["b", "c", "a"]
     assert Strategy.parse("naive+rotated").arrange([]) == []
+
+
+def test_top_ranks_follow_the_given_order_wherever_placed() -> None:
+    assert Strategy.parse("naive+top:1").in_full(3) == [True, False, False]
+    assert Strategy.parse("naive+reversed+top:1").in_full(3) == [False, False, True]
+    assert Strategy.parse("naive+rotated+top:2").in_full(3) == [True, False, True]
+    assert Strategy.parse("naive+top:9").in_full(2) == [True, True]
+    assert Strategy.parse("legolink:2+top:0") == Strategy.parse("legolink:2")
 
 
 def test_config_parses_a_spelling_once_and_keeps_a_strategy() -> None:
@@ -99,6 +116,9 @@ def test_config_parses_a_spelling_once_and_keeps_a_strategy() -> None:
         ("legolink0", []),
         ("legolink:2", [4, 5, 9, 10]),  # chunk 0 (prefix, 4 tokens) is never recomputed
         ("legolink:9", [4, 5, 6, 7, 8, 9, 10, 11]),  # k past a chunk's length takes it whole
+        ("legolink:2+top:1", [4, 5, 6, 7, 8, 9, 10]),  # the first-ranked chunk whole
+        ("naive+reversed+top:1", [9, 10, 11]),  # ranked first, placed last
+        ("legolink0+top:5", [4, 5, 6, 7, 8, 9, 10, 11]),
     ],
 )
 def test_select_positions(name: str, expected: list[int]) -> None:

@@ -14,6 +14,7 @@ token at position p sees positions <= p, recomputed ones already fresh.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,12 +77,15 @@ def link(
     reserve: int = 0,
     prefix: LinkedPrefix | None = None,
     layerwise: bool | None = None,
+    in_full: Sequence[bool] | None = None,
 ) -> LinkedContext:
     """Link chunks (chunk 0 = system prefix) and prefill the query over them.
 
     `reserve` extra cache slots are allocated for the tokens to be generated. With `prefix`,
     the chunks follow an already linked prefix (which then counts as chunk 0) and only they
-    are linked: the result equals linking the prefix's chunks and these in one call.
+    are linked: the result equals linking the prefix's chunks and these in one call; a
+    strategy with `+top:N` then needs `in_full`, the `Strategy.in_full` flags of these chunks
+    (their ranks are the whole request's).
     `layerwise` places the chunks one layer at a time as the forward reaches it (`LayerFeed`;
     by default when their KV is on another device than the model, e.g. CPU-pinned for CUDA).
     """
@@ -95,8 +99,10 @@ def link(
     if prefix is None:
         recompute = choose_recomputed(lm, chunks, token_ids, strategy)  # [r] positions
     else:
+        if strategy.top and in_full is None:
+            raise StrategyError(f"{strategy} after a linked prefix needs the chunks' in_full")
         lengths = [P, *(c.num_tokens for c in chunks)]
-        recompute = select_positions(strategy, lengths, device=lm.device)
+        recompute = select_positions(strategy, lengths, device=lm.device, in_full=in_full)
         recompute = recompute[recompute >= P]  # the prefix is linked already
     L, r, q = len(token_ids), len(recompute), len(query_ids)
     # 1. place: chunks back to back in one buffer, keys rotated to their new offsets

@@ -1,11 +1,14 @@
 """Which cached context tokens a strategy recomputes when chunks are linked.
 
 Chunk 0 is the system prefix, encoded at position 0 and so already exact; strategies pick
-tokens from the document chunks after it (`full` takes the prefix too). Positions are made on
-the device of the tensors they will index (the model's), CUDA included.
+tokens from the document chunks after it (`full` takes the prefix too), and a `+top:N` part adds
+whole chunks (`Strategy.in_full`). Positions are made on the device of the tensors they will
+index (the model's), CUDA included.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -20,14 +23,37 @@ def select_positions(
     lengths: list[int],
     deviation: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
+    in_full: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Sorted global positions [R] (int64, on `device`) of the context tokens to recompute.
 
     lengths: tokens per chunk, chunk 0 first. deviation [total] is needed by cacheblend only
-    (and then gives the device).
+    (and then gives the device). in_full: per chunk after chunk 0, recomputed whole (default:
+    `strategy.in_full`, which holds when `lengths` are all of a request's chunks).
     """
     if deviation is not None:
         device = deviation.device
+    picked = _by_kind(strategy, lengths, deviation, device)
+    if in_full is None:
+        in_full = strategy.in_full(len(lengths) - 1)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    whole = [
+        torch.arange(s, s + n, device=device)
+        for s, n, full in zip(starts[1:], lengths[1:], in_full, strict=True)
+        if full
+    ]
+    if not whole:
+        return picked
+    return torch.cat((picked, *whole)).unique()  # sorted
+
+
+def _by_kind(
+    strategy: Strategy,
+    lengths: list[int],
+    deviation: torch.Tensor | None,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The positions the strategy's kind picks (sorted), before `top`."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     total = sum(lengths)
     none = torch.empty(0, dtype=torch.long, device=device)

@@ -129,6 +129,10 @@ class BatchDecoder:
     ) -> _Active:
         """Link the request over the longest shared prefix; add its new chunks to the tree."""
         chunks = self.fetch(path)
+        # a chunk recomputed whole (`+top:N`, by its rank in this request) links to other KV
+        # than the same chunk left stale: the tree tells the two apart
+        in_full = [False, *self.strategy.in_full(len(path) - 1)]
+        path = [f"{c}+whole" if full else c for c, full in zip(path, in_full, strict=True)]
         found = self.tree.match(path)
         prefix = None
         if found.nodes:
@@ -139,7 +143,8 @@ class BatchDecoder:
                 tuple(t for c in chunks[: found.chunks] for t in c.token_ids),
             )
         rest = chunks[found.chunks :]
-        linked = link(self.lm, rest, question, self.strategy, prefix=prefix)
+        flags = in_full[found.chunks :] if prefix else in_full[1:]  # link's: after chunk 0
+        linked = link(self.lm, rest, question, self.strategy, prefix=prefix, in_full=flags)
         leaf = found.nodes[-1] if found.nodes else None
         if rest:
             keys, values = linked_layers(linked, found.tokens, linked.context_tokens)
@@ -149,7 +154,7 @@ class BatchDecoder:
             sizes = [c.num_tokens for c in rest]
             parent, leaf = (
                 leaf,
-                self.tree.insert(leaf, [c.cache_id for c in rest], sizes, keys, values),
+                self.tree.insert(leaf, path[found.chunks :], sizes, keys, values),
             )
             if parent is not None:
                 self.tree.release(parent)

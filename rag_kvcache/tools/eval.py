@@ -7,15 +7,22 @@ prompt, the question is prefilled and the answer decoded greedily: F1 / exact ma
 contained, TTFT (link + first token), tokens recomputed. Fidelity is measured against `full`
 (every token recomputed, equal to a plain prefill): the strategy's cache is teacher-forced on
 `full`'s answer and its next-token distributions compared (KL, top-1 agreement).
+
+"Kept" is counted against prefill with the same placement: a strategy spelled `+reversed` is
+compared with `prefill+reversed`, since placement is a choice prefill can make as well. The
+noise-floor rows (prefill reordered) are compared with prefill as given. `in_retrieval_order`
+puts each item's documents in the order a retriever returns them (best first), so that
+`+reversed` means "most relevant nearest the question".
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,6 +38,7 @@ from rag_kvcache.config import (
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import PREFILL, Strategy
 from rag_kvcache.tools.metrics import (
@@ -73,8 +81,8 @@ class ItemResult:
     f1: float
     exact_match: float
     contains: bool
-    kl: float  # mean next-token KL(full || strategy) over the teacher-forced steps
-    top1: float  # share of those steps with the same most likely token as full
+    kl: float  # mean next-token KL(full || strategy) over the teacher-forced steps (nan: none)
+    top1: float  # share of those steps with the same most likely token as full (nan: none)
     ttft_s: float
     prefill_ttft_s: float  # a plain prefill of the same prompt, timed alongside
     context_tokens: int
@@ -91,7 +99,8 @@ class StrategySummary:
     kept: float  # % of the items prefill answers right that this strategy answers right too
     kept_low: float  # its 95% bootstrap interval
     kept_high: float
-    kept_of: int  # items prefill answers right
+    kept_of: int  # items the baseline answers right
+    baseline: str  # the prefill "kept" is counted against: the same placement
     f1: float  # mean, in points (0-100); only beside accuracy: F1 over sentences hides losses
     exact_match: float
     kl: float
@@ -174,12 +183,16 @@ class Evaluator:
             assert ids is not None
             answer = engine.generate(item.question, ids, strategy=strategy)
             assert isinstance(answer, Answer)
-            if strategy == FULL:  # the reference: its answer is what the others are forced on
+            if strategy == FULL and self.teacher_tokens:  # the reference for the others
                 forced = list(answer.token_ids[: self.teacher_tokens])
                 forced = forced or [int(self.engine.lm.eos_ids[0])]
                 reference = self.engine.forced_logits(item.question, plain, forced, FULL)
             # full too, from a fresh context: its agreement with the reference checks determinism
-            logits = engine.forced_logits(item.question, ids, forced, strategy)
+            logits = (
+                engine.forced_logits(item.question, ids, forced, strategy)
+                if self.teacher_tokens
+                else torch.empty(0)
+            )
             runs.append((strategy, answer, logits))
         prefill_ttft = runs[1][1].ttft_s
         return [
@@ -191,8 +204,8 @@ class Evaluator:
                 f1=f1_score(answer.text, item.answers),
                 exact_match=exact_match(answer.text, item.answers),
                 contains=contains_answer(answer.text, item.answers),
-                kl=float(kl_per_step(reference, logits).mean()),
-                top1=top1_agreement(reference, logits),
+                kl=float(kl_per_step(reference, logits).mean()) if len(logits) else math.nan,
+                top1=top1_agreement(reference, logits) if len(logits) else math.nan,
                 ttft_s=answer.ttft_s,
                 prefill_ttft_s=prefill_ttft,
                 context_tokens=answer.context_tokens,
@@ -203,16 +216,18 @@ class Evaluator:
 
 
 def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[StrategySummary]:
-    """Per strategy: accuracy and "kept" (against prefill on the same items) with 95% bootstrap
-    intervals, F1 / EM beside them, fidelity (KL, top-1 vs full), TTFT and recompute share."""
-    prefill = {r.item: r.contains for r in results if r.strategy == str(PREFILL)}
+    """Per strategy: accuracy and "kept" (against prefill with the same placement, on the same
+    items) with 95% bootstrap intervals, F1 / EM beside them, fidelity (KL, top-1 vs full),
+    TTFT and recompute share."""
+    right_by = {(r.strategy, r.item): r.contains for r in results}
     out = []
     for strategy in strategies:
         rows = [r for r in results if r.strategy == str(strategy)]
         ttft = statistics.median(r.ttft_s for r in rows)
         right = [r.contains for r in rows]
         acc = accuracy(right)
-        keep = kept([prefill[r.item] for r in rows], right)
+        base = str(baseline(strategy))
+        keep = kept([right_by[base, r.item] for r in rows], right)
         out.append(
             StrategySummary(
                 strategy=str(strategy),
@@ -224,6 +239,7 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
                 kept_low=keep.low,
                 kept_high=keep.high,
                 kept_of=keep.n,
+                baseline=base,
                 f1=100 * statistics.fmean(r.f1 for r in rows),
                 exact_match=100 * statistics.fmean(r.exact_match for r in rows),
                 kl=statistics.fmean(r.kl for r in rows),
@@ -237,11 +253,30 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
     return out
 
 
+def baseline(strategy: Strategy) -> Strategy:
+    """The prefill a strategy's "kept" is counted against: the same placement (prefill itself,
+    in any order, against prefill as given: that is the noise floor)."""
+    return PREFILL if not strategy.uses_cache else Strategy("prefill", order=strategy.order)
+
+
 def check_strategies(strategies: list[str] | list[Strategy]) -> list[Strategy]:
     """Parsed strategies, each once, `full` (the KL reference) and `prefill` (the accuracy
-    baseline) first."""
+    baseline) first, and the prefill of every placement used (each one's baseline)."""
     parsed = [Strategy.parse(s) for s in strategies]
+    parsed += [baseline(s) for s in parsed]
     return [FULL, PREFILL, *[s for s in dict.fromkeys(parsed) if s not in (FULL, PREFILL)]]
+
+
+def in_retrieval_order(items: list[EvalItem], embedder: Embedder) -> list[EvalItem]:
+    """Each item's documents as a retriever returns them: most similar to the question first
+    (cosine of the library's retrieval embeddings; ties keep the given order)."""
+    out = []
+    for item in items:
+        vectors = embedder.embed([item.question, *item.documents])
+        scores = vectors[1:] @ vectors[0]
+        ranked = sorted(range(len(item.documents)), key=lambda i: -float(scores[i]))
+        out.append(replace(item, documents=tuple(item.documents[i] for i in ranked)))
+    return out
 
 
 def run_eval(
@@ -264,7 +299,7 @@ def run_eval(
 
 def markdown_table(summary: list[StrategySummary]) -> str:
     lines = [
-        "| strategy | accuracy [95% CI] | kept of prefill's right [95% CI] | F1 | EM "
+        "| strategy | accuracy [95% CI] | kept of the baseline's right [95% CI] | F1 | EM "
         "| KL vs full | top-1 vs full | TTFT s | speedup | recomputed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -272,11 +307,16 @@ def markdown_table(summary: list[StrategySummary]) -> str:
         lines.append(
             f"| {s.strategy} | {s.contains:.1f}% [{s.contains_low:.1f}, {s.contains_high:.1f}] "
             f"| {s.kept:.1f}% [{s.kept_low:.1f}, {s.kept_high:.1f}] of {s.kept_of} "
-            f"| {s.f1:.1f} | {s.exact_match:.1f} "
-            f"| {s.kl:.4f} | {s.top1:.1%} | {s.ttft_s:.3f} | {s.speedup:.1f}x "
+            f"({s.baseline}) | {s.f1:.1f} | {s.exact_match:.1f} "
+            f"| {_or_dash(s.kl, '.4f')} | {_or_dash(s.top1, '.1%')} | {s.ttft_s:.3f} "
+            f"| {s.speedup:.1f}x "
             f"| {s.recomputed_fraction:.1%} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _or_dash(value: float, spec: str) -> str:
+    return "–" if math.isnan(value) else format(value, spec)
 
 
 def save_eval(out_dir: Path, name: str, report: dict[str, object], summary: list[StrategySummary]):
@@ -300,7 +340,7 @@ def plot_pareto(summary: list[StrategySummary], path: Path) -> None:
     floor = [s for s in summary if s.strategy.startswith("prefill+")]
     for ax, metric, label in (
         (axes[0], "contains", "accuracy: gold answer in the output (%)"),
-        (axes[1], "kept", "kept: of prefill's right answers, % still right"),
+        (axes[1], "kept", "kept: of prefill's right answers (same placement), % still right"),
     ):
         for s in summary:
             value = getattr(s, metric)

@@ -74,7 +74,15 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--chunk-tokens", type=int, default=256, help="needle mode chunks")
     evaluate.add_argument("--limit", type=int, default=None, help="first N items only")
     evaluate.add_argument("--max-new-tokens", type=int, default=32)
-    evaluate.add_argument("--teacher-tokens", type=int, default=16)
+    evaluate.add_argument(
+        "--teacher-tokens", type=int, default=16, help="KL / top-1 steps (0: skip, 2x faster)"
+    )
+    evaluate.add_argument(
+        "--retrieval-order",
+        action="store_true",
+        help="put each item's documents in retrieval order (most similar first), so that "
+        "+reversed means most relevant nearest the question",
+    )
     evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
     evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -117,6 +125,10 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     else:
         strategies = args.strategies or list(ev.DEFAULT_STRATEGIES)
         items = ev.load_dataset(args.dataset)[: args.limit]
+        if args.retrieval_order:
+            from rag_kvcache.retrieval.embedding import Embedder
+
+            items = ev.in_retrieval_order(items, Embedder())
         lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
         name = "eval"
     strategies = ev.check_strategies(strategies)
@@ -137,6 +149,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         "strategies": [str(s) for s in strategies],
         "max_new_tokens": args.max_new_tokens,
         "teacher_tokens": args.teacher_tokens,
+        "document_order": "retrieval" if args.retrieval_order else "as in the dataset",
     }
     report = ev.report_dict(name, results, summary, **facts)
     ev.save_eval(args.out, name, report, summary)
