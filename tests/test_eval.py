@@ -19,7 +19,9 @@ from rag_kvcache.tools.eval import (
     NEEDLE,
     EvalItem,
     Evaluator,
+    ItemResult,
     check_strategies,
+    in_retrieval_order,
     load_dataset,
     needle_item,
     run_eval,
@@ -169,7 +171,14 @@ def test_full_agrees_with_itself_and_recomputing_everything_is_full(tiny32) -> N
     assert prefill.kept == 100.0 or (prefill.kept_of == 0 and math.isnan(prefill.kept))
 
 
-EVERY_STRATEGY = ["prefill", "naive", "legolink:2", "legolink0", "cacheblend:0.5"]
+EVERY_STRATEGY = [
+    "prefill",
+    "naive",
+    "legolink:2",
+    "legolink0",
+    "cacheblend:0.5",
+    "legolink:2+reversed+top:1",
+]
 
 
 def test_eval_answers_are_the_engines_answers_token_for_token(tiny32) -> None:
@@ -191,7 +200,54 @@ def test_eval_answers_are_the_engines_answers_token_for_token(tiny32) -> None:
             answer = on.generate(item.question, ids, strategy=result.strategy)
             assert answer.token_ids == result.token_ids and answer.text == result.answer
             checked.add(result.strategy)
-    assert checked == {"full", *EVERY_STRATEGY}
+    assert checked == {"full", "prefill+reversed", *EVERY_STRATEGY}  # + the placement's baseline
+
+
+def _result(item: str, strategy: str, right: bool) -> ItemResult:
+    return ItemResult(item, strategy, "", (), 0.0, 0.0, right, math.nan, math.nan, 1.0, 2.0, 10, 0)
+
+
+def test_kept_is_counted_against_prefill_with_the_same_placement() -> None:
+    strategies = check_strategies(["naive+reversed", "naive"])
+    assert [str(s) for s in strategies] == [
+        "full", "prefill", "naive+reversed", "naive", "prefill+reversed"
+    ]  # fmt: skip
+    right = {  # item -> right answers
+        "a": {"prefill", "prefill+reversed", "naive+reversed"},
+        "b": {"prefill+reversed", "naive+reversed", "naive"},
+        "c": {"prefill"},
+    }
+    results = [
+        _result(item, str(s), str(s) in rights)
+        for item, rights in right.items()
+        for s in strategies
+    ]
+    summary = {s.strategy: s for s in summarize(results, strategies)}
+    placed = summary["naive+reversed"]
+    assert (placed.baseline, placed.kept_of, placed.kept) == ("prefill+reversed", 2, 100.0)
+    plain = summary["naive"]
+    assert (plain.baseline, plain.kept_of, plain.kept) == ("prefill", 2, 0.0)
+    floor = summary["prefill+reversed"]  # the noise floor: against prefill as given
+    assert (floor.baseline, floor.kept_of, floor.kept) == ("prefill", 2, 50.0)
+    assert math.isnan(placed.kl)  # no teacher forcing asked for: no KL, not a zero
+
+
+def test_retrieval_order_puts_the_most_similar_document_first() -> None:
+    from rag_kvcache.retrieval.embedding import Embedder
+
+    item = EvalItem(
+        "x",
+        (
+            "The bakery opens at five.",
+            "Six crews row on the river.",
+            "The lighthouse was lit in 1788.",
+        ),
+        "When was the lighthouse lit?",
+        ("1788",),
+    )
+    (ranked,) = in_retrieval_order([item], Embedder())
+    assert ranked.documents[0] == item.documents[2]
+    assert sorted(ranked.documents) == sorted(item.documents)
 
 
 def test_needle_item_places_the_needle_at_the_depth(smol) -> None:
