@@ -36,6 +36,7 @@ from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.storage.records import ChunkRow
 from rag_kvcache.storage.store import Reencode, TieredStore
 from rag_kvcache.strategy import PREFILL, Strategy
+from rag_kvcache.timing import STAGE_FETCH, record_function
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,9 @@ class RagKVCache:
         ids = [self.prefix_id, *strategy.arrange(cache_ids)]
 
         def context() -> Prepared:
-            return prepare(self.lm, self.store.get(ids), question, strategy, gen.max_new_tokens)
+            with record_function(STAGE_FETCH):
+                chunks = self.store.get(ids)
+            return prepare(self.lm, chunks, question, strategy, gen.max_new_tokens)
 
         steps = answer_steps(self.lm, context, len(question), strategy, gen)
         return self._finish(AnswerStream(steps), stream)

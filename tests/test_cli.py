@@ -47,6 +47,16 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys) -> None:
         )
         assert row["speedup"] == pytest.approx(base["ttft_s"] / row["ttft_s"])
     assert report["machine"]["torch"] and "wrote" in capsys.readouterr().out
+    # the stage breakdown: one profiled request per context and strategy
+    stages = {(r["context_tokens"], r["strategy"]): r for r in report["stages"]}
+    assert len(stages) == 6 and (tmp_path / "ttft_stages.png").stat().st_size > 10_000
+    for (_, strategy), row in stages.items():
+        parts = row["stages"]
+        assert set(parts) == {"fetch", "select", "place", "forward", "choose_token", "other"}
+        assert parts["forward"] > 0 and parts["choose_token"] > 0
+        assert sum(parts.values()) == pytest.approx(row["ttft_s"], rel=0.05)
+        assert parts["fetch"] > 0  # prefill reads the chunks' tokens from the store too
+        assert (parts["place"] > 0) == (strategy != "prefill")  # only a link places KV
 
 
 @pytest.mark.slow  # SmolLM2 (and Redis where it is reachable)

@@ -42,6 +42,7 @@ from rag_kvcache.model.adapter import (
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.rope import apply_rope, rotate_into
 from rag_kvcache.strategy import Strategy
+from rag_kvcache.timing import STAGE_FORWARD, STAGE_PLACE, STAGE_SELECT, record_function
 
 
 @dataclass
@@ -90,6 +91,51 @@ def link(
     by default when their KV is on another device than the model, e.g. CPU-pinned for CUDA).
     """
     check_chunks(lm, chunks, strategy, len(query_ids), prefix)
+    with record_function(STAGE_SELECT):
+        recompute, token_ids = _recomputed(lm, chunks, strategy, prefix, in_full)
+    P = prefix.num_tokens if prefix else 0
+    L, r, q = len(token_ids), len(recompute), len(query_ids)
+    # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
+    with record_function(STAGE_PLACE):
+        keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
+        if prefix is not None:
+            keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
+        if layerwise is None:
+            layerwise = any(c.keys.device != lm.device for c in chunks)
+        feed = LayerFeed(keys[:, 0], values[:, 0], chunks, lm.inv_freq, P) if layerwise else None
+        if feed is None:
+            place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
+    # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
+    # its own position (over the stale copy) and attends causally by position
+    with record_function(STAGE_FORWARD):
+        query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
+        new_positions = torch.cat((recompute, torch.arange(L, L + q, device=lm.device)))  # [r+q]
+        new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
+        mask = additive_mask(link_mask(new_positions, L + q), lm.dtype)  # [1, 1, r+q, L+q]
+        cache = buffered_cache(lm, keys, values, L)
+        if feed is not None:
+            before_layer_update(cache, feed.calls())
+        write_at(cache, new_positions)
+        logits, _ = forward(
+            lm,
+            new_ids[None],
+            positions=new_positions[None],
+            cache=cache,
+            mask=mask,
+            logits_to_keep=1,
+        )
+        write_at(cache, None)  # decoding appends after the query
+    return LinkedContext(cache, logits[0, -1], L + q, L, r)
+
+
+def _recomputed(
+    lm: LoadedModel,
+    chunks: list[ChunkKV],
+    strategy: Strategy,
+    prefix: LinkedPrefix | None,
+    in_full: Sequence[bool] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [r] the strategy recomputes, every context token id [L]) on the device."""
     P = prefix.num_tokens if prefix else 0
     token_ids = torch.tensor(
         [*(prefix.token_ids if prefix else ()), *(t for c in chunks for t in c.token_ids)],
@@ -104,31 +150,7 @@ def link(
         lengths = [P, *(c.num_tokens for c in chunks)]
         recompute = select_positions(strategy, lengths, device=lm.device, in_full=in_full)
         recompute = recompute[recompute >= P]  # the prefix is linked already
-    L, r, q = len(token_ids), len(recompute), len(query_ids)
-    # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
-    keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
-    if prefix is not None:
-        keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
-    if layerwise is None:
-        layerwise = any(c.keys.device != lm.device for c in chunks)
-    feed = LayerFeed(keys[:, 0], values[:, 0], chunks, lm.inv_freq, P) if layerwise else None
-    if feed is None:
-        place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
-    # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
-    # its own position (over the stale copy) and attends causally by position
-    query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
-    new_positions = torch.cat((recompute, torch.arange(L, L + q, device=lm.device)))  # [r+q]
-    new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
-    mask = additive_mask(link_mask(new_positions, L + q), lm.dtype)  # [1, 1, r+q, L+q]
-    cache = buffered_cache(lm, keys, values, L)
-    if feed is not None:
-        before_layer_update(cache, feed.calls())
-    write_at(cache, new_positions)
-    logits, _ = forward(
-        lm, new_ids[None], positions=new_positions[None], cache=cache, mask=mask, logits_to_keep=1
-    )
-    write_at(cache, None)  # decoding appends after the query
-    return LinkedContext(cache, logits[0, -1], L + q, L, r)
+    return recompute, token_ids
 
 
 def linked_layers(

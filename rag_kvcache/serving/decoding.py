@@ -13,6 +13,7 @@ from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import ContextTooLongError
 from rag_kvcache.model.adapter import Cache, buffered_cache, forward, new_buffers
 from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.timing import STAGE_CHOOSE, STAGE_FORWARD, record_function
 
 
 def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Cache, torch.Tensor]:
@@ -25,10 +26,11 @@ def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Ca
         raise ContextTooLongError(
             f"{len(token_ids)} prompt tokens exceed the model's window of {lm.max_context}"
         )
-    ids = torch.tensor([token_ids], device=lm.device)  # [1, T]
-    keys, values = new_buffers(lm, len(token_ids) + reserve)
-    cache = buffered_cache(lm, keys, values, 0)
-    logits, cache = forward(lm, ids, cache=cache, logits_to_keep=1)
+    with record_function(STAGE_FORWARD):
+        ids = torch.tensor([token_ids], device=lm.device)  # [1, T]
+        keys, values = new_buffers(lm, len(token_ids) + reserve)
+        cache = buffered_cache(lm, keys, values, 0)
+        logits, cache = forward(lm, ids, cache=cache, logits_to_keep=1)
     return cache, logits[0, -1]
 
 
@@ -64,7 +66,8 @@ def decode(
     Stops after an end-of-sequence token (yielded) or at the model's window."""
     generator = torch.Generator().manual_seed(config.seed)
     for step in range(config.max_new_tokens):
-        token = next_token(logits, config, generator)
+        with record_function(STAGE_CHOOSE):
+            token = next_token(logits, config, generator)
         yield token
         if finished(lm, token, step + 1, position, config):
             return

@@ -2,13 +2,16 @@
 
 Contexts are built from 256-token chunks of the sample corpus after the system prefix, with a
 32-token question. Everything is measured side by side in one process, so the speedups are
-ratios on the same machine at the same moment. Writes JSON and a PNG plot.
+ratios on the same machine at the same moment. Writes JSON and a PNG plot, and a breakdown of
+each request's TTFT into its stages (`rag_kvcache.timing`: store fetch, selection, placement
+with RoPE re-rotation, the forward, choosing the token; "other" is the rest: Python between
+them), from one extra request per cell run under the profiler.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.progress import Progress
@@ -17,6 +20,7 @@ from rag_kvcache.answer import Answer
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.strategy import PREFILL, Strategy
+from rag_kvcache.timing import stage_seconds
 from rag_kvcache.tools.bench.report import (
     bench_engines,
     cache_chunks,
@@ -26,6 +30,17 @@ from rag_kvcache.tools.bench.report import (
 )
 
 DEFAULT_STRATEGIES = ("naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15")
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """Where one request's time to first token went (seconds; profiled, so a little slower)."""
+
+    dtype: str
+    context_tokens: int
+    strategy: str
+    ttft_s: float
+    stages: dict[str, float]  # fetch, select, place, forward, choose_token, other
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,7 @@ def bench_dtype(
     question_tokens: int,
     repeats: int,
     progress: Progress,
+    stage_rows: list[StageRow] | None = None,
 ) -> list[TTFTRow]:
     """TTFT of `RagKVCache.generate` (the public call users make) per context and strategy,
     chunks from the in-memory store, prefill beside them."""
@@ -78,6 +94,13 @@ def bench_dtype(
             for strategy in runs:
                 seconds[strategy].append(first_token(strategy, n).ttft_s)
             progress.advance(task)
+        for strategy in runs:
+            if stage_rows is None:
+                break
+            answer, stages = stage_seconds(lambda: first_token(strategy, n))  # noqa: B023
+            stages["other"] = max(0.0, answer.ttft_s - sum(stages.values()))
+            row = StageRow(dtype, answer.prompt_tokens, str(strategy), answer.ttft_s, stages)
+            stage_rows.append(row)
         base = statistics.median(seconds[PREFILL])
         for strategy, times in seconds.items():
             ttft = statistics.median(times)
@@ -110,20 +133,23 @@ def run_ttft_bench(
     parsed = [Strategy.parse(s) for s in strategies]  # a bad name fails before any load
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[TTFTRow] = []
+    stage_rows: list[StageRow] = []
     models = {}
     with Progress() as progress:
         for dtype in dtypes:
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
             lm_rows = bench_dtype(
-                lm, contexts, parsed, chunk_tokens, question_tokens, repeats, progress
+                lm, contexts, parsed, chunk_tokens, question_tokens, repeats, progress, stage_rows
             )
             rows.extend(lm_rows)
+    plot_stages(stage_rows, out_dir / "ttft_stages.png")
     return save_report(
         out_dir,
         "ttft",
         rows,
         lambda path: plot_ttft(rows, path),
+        stages=[asdict(r) for r in stage_rows],
         models=models,
         chunk_tokens=chunk_tokens,
         question_tokens=question_tokens,
@@ -155,6 +181,40 @@ def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
         ax.bar_label(bars, fmt="%.1fx", fontsize=8)
         ax.set(ylabel="speedup vs full prefill", title=f"speedup at {largest} tokens, {dtype}")
         ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_stages(rows: list[StageRow], path: Path) -> None:
+    """Stacked bars per link strategy, one panel per dtype and context: where TTFT goes
+    (prefill, one forward, is named in the title)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(dict.fromkeys((r.dtype, r.context_tokens) for r in rows))
+    if not cells:
+        return
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4.5), squeeze=False)
+    for ax, (dtype, context) in zip(axes[0], cells, strict=True):
+        cell = [r for r in rows if (r.dtype, r.context_tokens) == (dtype, context)]
+        prefill_s = next((r.ttft_s for r in cell if r.strategy == str(PREFILL)), float("nan"))
+        mine = [r for r in cell if r.strategy != str(PREFILL)]
+        names = [r.strategy for r in mine]
+        bottom = [0.0] * len(mine)
+        for stage in mine[0].stages:
+            heights = [1000 * r.stages[stage] for r in mine]
+            ax.bar(names, heights, bottom=bottom, label=stage)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        ax.set(
+            ylabel="ms",
+            title=f"TTFT by stage, {context} tokens, {dtype}\n(prefill: {1000 * prefill_s:.0f} ms)",
+        )
+        ax.tick_params(axis="x", rotation=40)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
