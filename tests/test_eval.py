@@ -232,6 +232,18 @@ def test_kept_is_counted_against_prefill_with_the_same_placement() -> None:
     assert math.isnan(placed.kl)  # no teacher forcing asked for: no KL, not a zero
 
 
+def test_without_teacher_forcing_full_is_not_run(tiny32) -> None:
+    strategies = check_strategies(["naive+top:1"], with_full=False)
+    assert [str(s) for s in strategies] == ["prefill", "naive+top:1"]
+    item = EvalItem(
+        "a", ("The lighthouse was built in 1788.", "Six crews row."), "When?", ("1788",)
+    )
+    rows = Evaluator(tiny32, max_new_tokens=3, teacher_tokens=0).run_item(item, strategies)
+    assert [r.strategy for r in rows] == ["prefill", "naive+top:1"]
+    assert all(math.isnan(r.kl) and math.isnan(r.top1) for r in rows)
+    assert rows[1].prefill_ttft_s == rows[0].ttft_s
+
+
 def test_retrieval_order_puts_the_most_similar_document_first() -> None:
     from rag_kvcache.retrieval.embedding import Embedder
 

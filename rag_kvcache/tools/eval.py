@@ -159,10 +159,11 @@ class Evaluator:
         self._warm = False
 
     def run_item(self, item: EvalItem, strategies: list[Strategy]) -> list[ItemResult]:
-        if strategies[:2] != [FULL, PREFILL]:
+        head = [FULL, PREFILL] if self.teacher_tokens else [PREFILL]
+        if strategies[: len(head)] != head:
             raise ConfigError(
-                f"'full' (the KL reference) and 'prefill' (the accuracy baseline) come first, "
-                f"got {[str(s) for s in strategies]}"
+                f"{[str(s) for s in head]} (the KL reference when teacher-forcing, the accuracy "
+                f"baseline) come first, got {[str(s) for s in strategies]}"
             )
         documents = list(item.documents)
         plain = self.engine.generate_context_cache(documents)
@@ -194,7 +195,7 @@ class Evaluator:
                 else torch.empty(0)
             )
             runs.append((strategy, answer, logits))
-        prefill_ttft = runs[1][1].ttft_s
+        prefill_ttft = next(answer.ttft_s for s, answer, _ in runs if s == PREFILL)
         return [
             ItemResult(
                 item=item.id,
@@ -259,12 +260,15 @@ def baseline(strategy: Strategy) -> Strategy:
     return PREFILL if not strategy.uses_cache else Strategy("prefill", order=strategy.order)
 
 
-def check_strategies(strategies: list[str] | list[Strategy]) -> list[Strategy]:
-    """Parsed strategies, each once, `full` (the KL reference) and `prefill` (the accuracy
-    baseline) first, and the prefill of every placement used (each one's baseline)."""
+def check_strategies(
+    strategies: list[str] | list[Strategy], with_full: bool = True
+) -> list[Strategy]:
+    """Parsed strategies, each once, `full` (the KL reference; `with_full`) and `prefill` (the
+    accuracy baseline) first, and the prefill of every placement used (each one's baseline)."""
     parsed = [Strategy.parse(s) for s in strategies]
     parsed += [baseline(s) for s in parsed]
-    return [FULL, PREFILL, *[s for s in dict.fromkeys(parsed) if s not in (FULL, PREFILL)]]
+    head = [FULL, PREFILL] if with_full else [PREFILL]
+    return [*head, *[s for s in dict.fromkeys(parsed) if s not in head]]
 
 
 def in_retrieval_order(items: list[EvalItem], embedder: Embedder) -> list[EvalItem]:
@@ -287,7 +291,7 @@ def run_eval(
     teacher_tokens: int = 16,
     on_item: Callable[[EvalItem], None] | None = None,
 ) -> tuple[list[ItemResult], list[StrategySummary]]:
-    parsed = check_strategies(strategies)
+    parsed = check_strategies(strategies, with_full=teacher_tokens > 0)
     evaluator = Evaluator(lm, max_new_tokens, teacher_tokens)
     results: list[ItemResult] = []
     for item in items:

@@ -75,7 +75,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--limit", type=int, default=None, help="first N items only")
     evaluate.add_argument("--max-new-tokens", type=int, default=32)
     evaluate.add_argument(
-        "--teacher-tokens", type=int, default=16, help="KL / top-1 steps (0: skip, 2x faster)"
+        "--teacher-tokens",
+        type=int,
+        default=16,
+        help="KL / top-1 steps (0: no KL and no `full` run, 2x faster)",
     )
     evaluate.add_argument(
         "--retrieval-order",
@@ -131,7 +134,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             items = ev.in_retrieval_order(items, Embedder())
         lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
         name = "eval"
-    strategies = ev.check_strategies(strategies)
+    strategies = ev.check_strategies(strategies, with_full=args.teacher_tokens > 0)
     with Progress(console=console) as progress:
         task = progress.add_task(f"{name}: {len(strategies)} strategies", total=len(items))
         results, summary = ev.run_eval(
