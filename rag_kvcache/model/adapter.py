@@ -8,7 +8,8 @@ tensors and an opaque `Cache`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +56,9 @@ def gqa_sdpa_attention(
     A forward given `attention_hook` (see `forward`) hands attention to it instead: batched
     decoding over shared prefixes attends to KV that lives outside the HF cache.
     """
+    if _captured_queries is not None:  # `capture_queries` is active (diagnosis only)
+        scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
+        _captured_queries.append((module.layer_idx, query.detach().clone(), scaling))
     hook = kwargs.get("kv_attention_hook")
     if hook is not None:
         return hook(module.layer_idx, query, kwargs.get("scaling")), None
@@ -72,6 +76,27 @@ def gqa_sdpa_attention(
             blocks.append(_sdpa(query[:, :, a:b], key[:, :, :end], value[:, :, :end], mask, scale))
         out = torch.cat(blocks, dim=2)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
+
+
+_captured_queries: list[tuple[int, torch.Tensor, float]] | None = None
+
+
+@contextmanager
+def capture_queries() -> Iterator[list[tuple[int, torch.Tensor, float]]]:
+    """While active, every call of our attention function appends (layer, query
+    [B, heads, Q, head_dim] after RoPE, scale) to the list it yields.
+
+    Queries are never cached, yet attention weights need them: the diagnosis tool
+    (`rag_kvcache.tools.diagnose`) recomputes the question tokens' attention from them and the
+    cache's keys. Not thread-safe; off (the default) the attention function only checks it.
+    """
+    global _captured_queries
+    captured: list[tuple[int, torch.Tensor, float]] = []
+    outer, _captured_queries = _captured_queries, captured
+    try:
+        yield captured
+    finally:
+        _captured_queries = outer
 
 
 def query_block_ends(mask: torch.Tensor) -> list[int] | None:

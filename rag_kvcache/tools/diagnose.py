@@ -1,0 +1,649 @@
+"""Where a linked context's attention departs from prefill's, per layer and head.
+
+Linked answers (e.g. `legolink:2`) go wrong on items a plain prefill answers right, and the
+fixes on offer act on different things: recomputing chunk-start tokens acts on each chunk's
+own sink, an attention temperature (APE) on how much mass the context gets, recomputing whole
+chunks on the distractors' stale KV. To choose, we look at where the departure is. For items
+prefill answers right and the link wrong (and, as controls, some both answer right) this tool
+computes both contexts and compares, per layer and head, the question tokens' attention
+(recomputed exactly from their captured queries and each cache's keys): its mass on the
+chunks' first tokens, on the answer's chunk and on the distractors, its entropy, the total
+variation between the two; and per layer and position in a chunk, the cached K/V themselves.
+
+    python -m rag_kvcache.tools.diagnose QA.jsonl --strategy legolink:2 --out DIR --limit N
+
+writes `diagnosis.json` (every record), `summary.json` (group means, the layers and heads
+that depart most) and PNG plots into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rag_kvcache.answer import Answer, Prepared, prepare
+from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import ConfigError
+from rag_kvcache.kv import ChunkKV
+from rag_kvcache.model.adapter import capture_queries, unpack_cache
+from rag_kvcache.model.loading import LoadedModel, load_model
+from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools.eval import EvalItem, load_dataset
+from rag_kvcache.tools.metrics import contains_answer
+
+SINK_TOKENS = 4  # a chunk's first tokens counted as its own "attention sink"
+# [start, end) positions in a chunk the KV deviation is averaged over: the first 16 one by
+# one (where chunk-local sinks and recomputed tokens sit), then ever wider
+_EDGES = [*range(17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 1 << 20]
+POSITION_BINS = tuple(zip(_EDGES[:-1], _EDGES[1:], strict=True))
+FAILED, KEPT = "failed", "kept"  # prefill right and the link wrong; both right (controls)
+
+
+@dataclass(frozen=True)
+class Gold:
+    """Which of an item's documents (in the dataset's order) the answer needs."""
+
+    answer: int  # the document holding the answer
+    bridge: int | None = None  # two-hop items: the document naming the twin town
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """The question tokens' attention over one context, per layer and head ([layers][heads]),
+    each a mean over the question tokens. Masses are shares of the whole row (sum to 1 with
+    the rest of the chunks' tokens)."""
+
+    sink: list[list[float]]  # on the first SINK_TOKENS tokens of every document chunk, summed
+    prefix: list[list[float]]  # on the system prefix (chunk 0, which holds the model's sink)
+    answer: list[list[float]]  # on the chunk holding the answer
+    bridge: list[list[float]]  # on the two-hop bridge chunk (0 where there is none)
+    distractors: list[list[float]]  # on the other document chunks, summed
+    question: list[list[float]]  # on the question tokens themselves
+    entropy: list[list[float]]  # in nats
+    # share of question tokens whose most attended document token is in the answer's chunk:
+    # where it is, sharpening attention over the context (a temperature) moves mass toward
+    # the answer; where a distractor's token is, sharpening moves it the wrong way
+    answer_top: list[list[float]]
+
+
+@dataclass(frozen=True)
+class KVDeviation:
+    """||linked - prefill|| / ||prefill|| of the cached keys and values (norms over kv heads x
+    head_dim) per layer: document tokens by position in their chunk ([layers][bins], mean
+    over the chunks' tokens in each of `POSITION_BINS`; nan where no chunk reaches a bin),
+    and the question tokens ([layers], computed afresh but over the linked context)."""
+
+    keys: list[list[float]]
+    values: list[list[float]]
+    question_keys: list[float]
+    question_values: list[float]
+
+
+@dataclass(frozen=True)
+class ItemDiagnosis:
+    item: str
+    group: str  # FAILED or KEPT
+    question: str
+    answers: list[str]
+    prefill_answer: str
+    linked_answer: str
+    answer_chunk: int  # placed index among the chunks (0 = the system prefix)
+    bridge_chunk: int | None
+    chunk_tokens: list[int]  # tokens per placed chunk, the system prefix first
+    question_tokens: int
+    prefill: AttentionStats
+    linked: AttentionStats
+    departure: list[list[float]]  # [layers][heads]: total variation linked vs prefill, mean
+    kv: KVDeviation
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    model: str
+    strategy: str
+    baseline: str  # prefill with the strategy's placement
+    sink_tokens: int
+    max_new_tokens: int
+    scanned: int  # items answered by both
+    prefill_right: int
+    linked_right: int
+    failed: int  # prefill right, link wrong, among the scanned
+    items: list[ItemDiagnosis]  # the diagnosed: up to max_items failed, up to `controls` kept
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def prepare_traced(
+    lm: LoadedModel, chunks: list[ChunkKV], question_ids: list[int], strategy: Strategy
+) -> tuple[Prepared, list[torch.Tensor], list[float]]:
+    """`prepare` with each layer's queries captured: (prepared, per layer the question tokens'
+    queries [heads, len(question_ids), head_dim] after RoPE, per layer the attention scale)."""
+    with capture_queries() as captured:
+        prepared = prepare(lm, chunks, question_ids, strategy)
+    last = {layer: (query, scale) for layer, query, scale in captured}  # the final forward's
+    if sorted(last) != list(range(lm.num_layers)):
+        raise RuntimeError(f"captured queries of layers {sorted(last)}, not all {lm.num_layers}")
+    n = len(question_ids)
+    queries = [last[i][0][0, :, -n:] for i in range(lm.num_layers)]
+    return prepared, queries, [last[i][1] for i in range(lm.num_layers)]
+
+
+def question_attention(
+    lm: LoadedModel, prepared: Prepared, queries: list[torch.Tensor], scales: list[float]
+) -> torch.Tensor:
+    """Attention weights [layers, heads, question tokens, context + question] of the last
+    tokens (the question) over a prepared cache: softmax(q k^T * scale), causal, computed
+    in float32 at least; query head h reads kv head h // groups (as HF's GQA does)."""
+    length = prepared.position
+    dtype = torch.promote_types(lm.dtype, torch.float32)
+    out = []
+    for (keys, _), query, scale in zip(unpack_cache(prepared.cache), queries, scales, strict=True):
+        n = query.shape[1]
+        k = keys[0, :, :length].to(dtype).repeat_interleave(query.shape[0] // keys.shape[1], 0)
+        scores = query.to(dtype) @ k.transpose(1, 2) * scale  # [heads, n, length]
+        rows = torch.arange(length - n, length, device=k.device)
+        allowed = torch.arange(length, device=k.device)[None, :] <= rows[:, None]
+        out.append(scores.masked_fill(~allowed, float("-inf")).softmax(-1))
+    return torch.stack(out)
+
+
+def attention_stats(
+    weights: torch.Tensor,
+    chunk_tokens: Sequence[int],
+    answer_chunk: int,
+    bridge_chunk: int | None,
+    sink_tokens: int = SINK_TOKENS,
+) -> AttentionStats:
+    """Masses and entropy of question attention weights [layers, heads, n, T] (see
+    AttentionStats); chunk i covers chunk_tokens[i] positions, the question the rest."""
+    total = weights.shape[-1]
+    starts = np.cumsum([0, *chunk_tokens]).tolist()
+
+    def where(spans: list[tuple[int, int]]) -> torch.Tensor:
+        mask = torch.zeros(total, dtype=torch.bool, device=weights.device)
+        for a, b in spans:
+            mask[a:b] = True
+        return mask
+
+    def mass(spans: list[tuple[int, int]]) -> list[list[float]]:
+        return _rows(weights[..., where(spans)].sum(-1).mean(-1))
+
+    docs = range(1, len(chunk_tokens))
+    chunk = lambda i: (starts[i], starts[i + 1])  # noqa: E731
+    answer = chunk(answer_chunk)
+    top = weights.masked_fill(~where([chunk(i) for i in docs]), -1.0).argmax(-1)  # [L, H, n]
+    return AttentionStats(
+        sink=mass([(starts[i], min(starts[i] + sink_tokens, starts[i + 1])) for i in docs]),
+        prefix=mass([chunk(0)]),
+        answer=mass([answer]),
+        bridge=mass([chunk(bridge_chunk)] if bridge_chunk is not None else []),
+        distractors=mass([chunk(i) for i in docs if i not in (answer_chunk, bridge_chunk)]),
+        question=mass([(starts[-1], total)]),
+        entropy=_rows(torch.special.entr(weights).sum(-1).mean(-1)),
+        answer_top=_rows(((top >= answer[0]) & (top < answer[1])).double().mean(-1)),
+    )
+
+
+def departure(linked: torch.Tensor, prefill: torch.Tensor) -> list[list[float]]:
+    """Total variation distance [layers][heads] between two sets of attention weights
+    [layers, heads, n, T], a mean over the n rows (0: the same, 1: disjoint)."""
+    return _rows(0.5 * (linked - prefill).abs().sum(-1).mean(-1))
+
+
+def kv_deviation(a: Prepared, b: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relative L2 distance ||a - b|| / ||b|| of two caches' keys and of their values, per
+    layer and position: two [layers, positions] tensors (float64; norms over kv heads x
+    head_dim). The caches must hold the same tokens at the same positions."""
+    if a.position != b.position:
+        raise ValueError(f"caches of {a.position} and {b.position} tokens")
+    n = a.position
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for (ka, va), (kb, vb) in zip(unpack_cache(a.cache), unpack_cache(b.cache), strict=True):
+        for out, x, y in ((keys, ka, kb), (values, va, vb)):
+            x, y = x[0, :, :n].double(), y[0, :, :n].double()
+            diff = torch.linalg.vector_norm(x - y, dim=(0, 2))
+            out.append(diff / torch.linalg.vector_norm(y, dim=(0, 2)).clamp_min(1e-30))
+    return torch.stack(keys), torch.stack(values)
+
+
+def by_position_in_chunk(deviation: torch.Tensor, chunk_tokens: Sequence[int]) -> list[list[float]]:
+    """[layers, positions] -> [layers][POSITION_BINS]: the document chunks' tokens (not chunk
+    0, not the question) averaged by their position in their chunk (nan: no token there)."""
+    first, end = chunk_tokens[0], sum(chunk_tokens)
+    documents = deviation[:, first:end]
+    in_chunk = torch.cat([torch.arange(n) for n in chunk_tokens[1:]]).to(deviation.device)
+    columns = []
+    for a, b in POSITION_BINS:
+        picked = (in_chunk >= a) & (in_chunk < b)
+        nan = torch.full((len(deviation),), math.nan, dtype=deviation.dtype)
+        columns.append(documents[:, picked].mean(-1) if picked.any() else nan)
+    return _rows(torch.stack(columns, dim=1))
+
+
+def _rows(x: torch.Tensor) -> list[list[float]]:
+    return [[float(v) for v in row] for row in x.double().cpu().tolist()]
+
+
+def placed_index(strategy: Strategy, documents: int, document: int) -> int:
+    """Where the strategy places a document (index in the dataset's order): its chunk index,
+    counting the system prefix as chunk 0."""
+    return 1 + strategy.arrange(list(range(documents))).index(document)
+
+
+# ----------------------------------------------------------------------------- one item
+
+
+def diagnose_item(
+    engine: RagKVCache,
+    item: EvalItem,
+    cache_ids: list[str],
+    gold: Gold,
+    strategy: Strategy,
+    answers: tuple[Answer, Answer],
+    group: str,
+    sink_tokens: int = SINK_TOKENS,
+) -> ItemDiagnosis:
+    """Compute prefill (with the strategy's placement) and the strategy over one item's cached
+    documents and compare them (see the module docstring). `answers`: (prefill's, linked)."""
+    lm = engine.lm
+    baseline = Strategy("prefill", order=strategy.order)
+    question_ids = engine.template.question_ids(lm.tokenizer, item.question)
+    chunks = engine.store.get([engine.prefix_id, *strategy.arrange(cache_ids)])
+    base, base_q, base_s = prepare_traced(lm, chunks, question_ids, baseline)
+    link, link_q, link_s = prepare_traced(lm, chunks, question_ids, strategy)
+    base_w = question_attention(lm, base, base_q, base_s)
+    link_w = question_attention(lm, link, link_q, link_s)
+    tokens = [c.num_tokens for c in chunks]
+    answer_chunk = placed_index(strategy, len(cache_ids), gold.answer)
+    bridge = None if gold.bridge is None else placed_index(strategy, len(cache_ids), gold.bridge)
+    keys, values = kv_deviation(link, base)
+    n = len(question_ids)
+    return ItemDiagnosis(
+        item=item.id,
+        group=group,
+        question=item.question,
+        answers=list(item.answers),
+        prefill_answer=answers[0].text,
+        linked_answer=answers[1].text,
+        answer_chunk=answer_chunk,
+        bridge_chunk=bridge,
+        chunk_tokens=tokens,
+        question_tokens=n,
+        prefill=attention_stats(base_w, tokens, answer_chunk, bridge, sink_tokens),
+        linked=attention_stats(link_w, tokens, answer_chunk, bridge, sink_tokens),
+        departure=departure(link_w, base_w),
+        kv=KVDeviation(
+            keys=by_position_in_chunk(keys, tokens),
+            values=by_position_in_chunk(values, tokens),
+            question_keys=[float(v) for v in keys[:, -n:].mean(-1)],
+            question_values=[float(v) for v in values[:, -n:].mean(-1)],
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def diagnose(
+    lm: LoadedModel,
+    items: list[EvalItem],
+    strategy: Strategy | str,
+    out_dir: Path,
+    max_items: int = 15,
+    gold: dict[str, Gold] | None = None,
+    controls: int = 0,
+    sink_tokens: int = SINK_TOKENS,
+    max_new_tokens: int = 24,
+    on_item: Callable[[str, bool, bool], None] | None = None,
+) -> Diagnosis:
+    """Answer items in order with prefill and `strategy` (greedy, `max_new_tokens`) and
+    diagnose those prefill answers right and the strategy wrong, up to `max_items` (and up
+    to `controls` both answer right); stops scanning once both are found. `gold` gives each
+    item's answer document (default: document 0). Writes JSON and plots into out_dir.
+    `on_item(id, prefill right, strategy right)` reports progress."""
+    strategy = Strategy.parse(strategy)
+    if not strategy.uses_cache:
+        raise ConfigError(f"{strategy} is not a link strategy; diagnose compares one to prefill")
+    baseline = Strategy("prefill", order=strategy.order)
+    config = EngineConfig(generation=GenerationConfig(max_new_tokens=max_new_tokens))
+    engine = RagKVCache(config, lm=lm, store=MemoryStore())
+    scanned = prefill_right = linked_right = failed = 0
+    diagnosed: list[ItemDiagnosis] = []
+    for item in items:
+        if failed >= max_items and sum(d.group == KEPT for d in diagnosed) >= controls:
+            break
+        ids = engine.generate_context_cache(list(item.documents))
+        base = engine.generate(item.question, ids, strategy=baseline)
+        link = engine.generate(item.question, ids, strategy=strategy)
+        assert isinstance(base, Answer) and isinstance(link, Answer)
+        right = contains_answer(base.text, item.answers), contains_answer(link.text, item.answers)
+        scanned += 1
+        prefill_right += right[0]
+        linked_right += right[1]
+        group = {(True, False): FAILED, (True, True): KEPT}.get(right)
+        wanted = {FAILED: max_items, KEPT: controls}
+        if group and sum(d.group == group for d in diagnosed) < wanted[group]:
+            item_gold = (gold or {}).get(item.id, Gold(0))
+            diagnosed.append(
+                diagnose_item(
+                    engine, item, ids, item_gold, strategy, (base, link), group, sink_tokens
+                )
+            )
+        failed += group == FAILED
+        for cid in ids:  # the store keeps the system prefix only: memory stays flat
+            engine.expire_cache(cid)
+        if on_item:
+            on_item(item.id, *right)
+    result = Diagnosis(
+        model=lm.name,
+        strategy=str(strategy),
+        baseline=str(baseline),
+        sink_tokens=sink_tokens,
+        max_new_tokens=max_new_tokens,
+        scanned=scanned,
+        prefill_right=prefill_right,
+        linked_right=linked_right,
+        failed=failed,
+        items=diagnosed,
+    )
+    write(result, Path(out_dir))
+    return result
+
+
+def load_gold(path: Path) -> dict[str, Gold]:
+    """Each item's answer (and two-hop bridge) document from the `meta` field of a QA set's
+    JSONL lines (`rag-kvcache dataset` writes it; `load_dataset` does not keep it)."""
+    gold = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            raw = json.loads(line)
+            meta = raw.get("meta") or {}
+            if "answer_document" in meta:
+                gold[str(raw["id"])] = Gold(meta["answer_document"], meta.get("bridge_document"))
+    return gold
+
+
+# ----------------------------------------------------------------------------- summary, output
+
+
+def mean_of(items: list[ItemDiagnosis], field: str) -> np.ndarray:
+    """The mean over items of an array field (a dotted path, e.g. "linked.sink"), nan where
+    every item has nan (an empty position bin)."""
+    stacked = np.array([attrgetter(field)(d) for d in items], dtype=float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-nan columns stay nan
+        return np.asarray(np.nanmean(stacked, axis=0))
+
+
+def delta(items: list[ItemDiagnosis], name: str) -> np.ndarray:
+    """Linked minus prefill of one AttentionStats field, [layers, heads], mean over items."""
+    linked = mean_of(items, f"linked.{name}")
+    return linked - mean_of(items, f"prefill.{name}")
+
+
+FIGURES = (
+    "sink",
+    "prefix",
+    "answer",
+    "bridge",
+    "distractors",
+    "question",
+    "entropy",
+    "answer_top",
+)
+
+
+def summary(diagnosis: Diagnosis, top: int = 10) -> dict[str, Any]:
+    """Per group (failed, kept): the mean over items, layers and heads of each attention
+    figure for prefill and linked, the departure (total variation) and the KV deviation by
+    layer and by position in the chunk; the (layer, head) pairs that depart most."""
+    out: dict[str, Any] = {k: v for k, v in asdict(diagnosis).items() if k != "items"}
+    out["diagnosed"] = {g: sum(d.group == g for d in diagnosis.items) for g in (FAILED, KEPT)}
+    out["position_bins"] = POSITION_BINS
+    for group in (FAILED, KEPT):
+        items = [d for d in diagnosis.items if d.group == group]
+        if not items:
+            continue
+        figures: dict[str, Any] = {}
+        deltas = {name: delta(items, name) for name in FIGURES}
+        for name in FIGURES:
+            prefill = mean_of(items, f"prefill.{name}").mean()
+            figures[name] = {"prefill": prefill, "delta": deltas[name].mean()}
+        tv = mean_of(items, "departure")
+        figures["departure"] = tv.mean()
+        figures["departure_by_layer"] = tv.mean(axis=1)
+        for part in ("keys", "values"):
+            grid = mean_of(items, f"kv.{part}")  # [layers, bins]
+            question = mean_of(items, f"kv.question_{part}")
+            figures[f"kv_{part}"] = {
+                "by_position": _nanmean(grid, axis=0),
+                "by_layer": _nanmean(grid, axis=1),
+                "question_by_layer": question,
+            }
+        figures["top_departures"] = [
+            {
+                "layer": int(i // tv.shape[1]),
+                "head": int(i % tv.shape[1]),
+                "departure": tv.flat[i],
+                **{f"delta_{name}": deltas[name].flat[i] for name in FIGURES},
+            }
+            for i in np.argsort(-tv, axis=None)[:top]
+        ]
+        out[group] = figures
+    return dict(_clean(out))
+
+
+def _nanmean(x: np.ndarray, axis: int) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.asarray(np.nanmean(x, axis=axis))
+
+
+def _clean(x: Any, digits: int = 4) -> Any:
+    """JSON-ready: numpy to Python, floats to `digits` significant digits, nan to None."""
+    if isinstance(x, dict):
+        return {k: _clean(v, digits) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v, digits) for v in x]
+    if isinstance(x, np.ndarray):
+        return _clean(x.tolist(), digits)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, float | np.floating):
+        x = float(x)
+        return None if not math.isfinite(x) else float(f"{x:.{digits}g}")
+    return x
+
+
+def write(diagnosis: Diagnosis, out_dir: Path) -> None:
+    """diagnosis.json (every record, compact), summary.json and the plots (failed items)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = _clean(asdict(diagnosis)) | {"position_bins": [list(b) for b in POSITION_BINS]}
+    (out_dir / "diagnosis.json").write_text(json.dumps(records, separators=(",", ":")))
+    (out_dir / "summary.json").write_text(json.dumps(summary(diagnosis), indent=2) + "\n")
+    items = [d for d in diagnosis.items if d.group == FAILED]
+    if items:
+        title = f"{diagnosis.strategy} - {diagnosis.baseline}, {len(items)} failed items"
+        plot_heatmaps(items, out_dir / "attention_heatmaps.png", title)
+        plot_by_layer(
+            diagnosis.items,
+            out_dir / "attention_by_layer.png",
+            diagnosis.strategy,
+            diagnosis.sink_tokens,
+        )
+        plot_kv(items, out_dir / "kv_deviation.png", diagnosis.strategy)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+HEATMAPS = {
+    "sink": "chunk-start mass Δ",
+    "answer": "answer-chunk mass Δ",
+    "distractors": "distractor mass Δ",
+    "entropy": "entropy Δ (nats)",
+}
+
+
+def plot_heatmaps(items: list[ItemDiagnosis], path: Path, title: str) -> None:
+    """Layer x head maps of linked - prefill: mass on chunk starts, on the answer's chunk, on
+    the distractors, entropy; and the total variation between the two attentions."""
+    plt = _pyplot()
+    panels = [(label, delta(items, name), True) for name, label in HEATMAPS.items()]
+    panels.append(("departure (total variation)", mean_of(items, "departure"), False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 7.5))
+    for ax, (label, grid, diverging) in zip(axes, panels, strict=True):
+        if diverging:
+            bound = float(np.abs(grid).max()) or 1.0
+            image = ax.imshow(grid, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+        else:
+            image = ax.imshow(grid, cmap="viridis", vmin=0, aspect="auto")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_xticks(range(grid.shape[1]))
+        fig.colorbar(image, ax=ax, shrink=0.6)
+    axes[0].set_ylabel("layer")
+    fig.suptitle(f"question-token attention, {title} (mean over question tokens and items)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+TITLES = {
+    "sink": "mass on chunk starts (first {sink} tokens)",
+    "prefix": "mass on the system prefix",
+    "answer": "mass on the answer's chunk",
+    "distractors": "mass on distractor chunks",
+    "question": "mass on the question",
+    "entropy": "entropy (nats)",
+    "answer_top": "top document token in the answer's chunk",
+}
+
+
+def plot_by_layer(
+    items: list[ItemDiagnosis], path: Path, strategy: str, sink_tokens: int = SINK_TOKENS
+) -> None:
+    """Per layer (mean over heads and items): each figure of AttentionStats for prefill and
+    the link, and their departure; failed items solid, kept ones (controls) dotted."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7))
+    groups = [(g, s, [d for d in items if d.group == g]) for g, s in ((FAILED, "-"), (KEPT, ":"))]
+    for ax, name in zip(axes.flat, TITLES, strict=False):
+        for group, style, chosen in groups:
+            for side, color in (("prefill", "C0"), ("linked", "C3")):
+                if chosen:
+                    y = mean_of(chosen, f"{side}.{name}").mean(axis=1)
+                    label = f"{side if side == 'prefill' else strategy} ({group}, {len(chosen)})"
+                    ax.plot(y, style, color=color, label=label)
+        ax.set_title(TITLES[name].format(sink=sink_tokens), fontsize=10)
+    last = axes.flat[-1]
+    for group, style, chosen in groups:
+        if chosen:
+            y = mean_of(chosen, "departure").mean(axis=1)
+            last.plot(y, style, color="k", label=f"{group} ({len(chosen)})")
+    last.set_title("departure: total variation linked vs prefill", fontsize=10)
+    last.legend(fontsize=7)
+    for ax in axes.flat:
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("question-token attention per layer (mean over heads, question tokens, items)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_kv(items: list[ItemDiagnosis], path: Path, strategy: str) -> None:
+    """Relative K and V deviation from prefill against position in the chunk, one line per
+    few layers (mean over the document chunks and items)."""
+    plt = _pyplot()
+    centers = np.array([(a + min(b, 1024) - 1) / 2 for a, b in POSITION_BINS])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, name in zip(axes, ("keys", "values"), strict=True):
+        grid = mean_of(items, f"kv.{name}")  # [layers, bins]
+        seen = np.isfinite(grid).any(axis=0)
+        layers = len(grid)
+        for layer in sorted({*range(0, layers, max(1, layers // 6)), layers - 1}):
+            ax.plot(centers[seen], grid[layer, seen], "o-", ms=2, label=f"layer {layer}")
+        ax.set_xscale("symlog", linthresh=16)
+        ax.set_xlabel("position in the chunk (tokens; linear to 16, then log)")
+        ax.set_ylabel(f"||{name} linked - prefill|| / ||prefill||")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"KV deviation of {strategy} from prefill, document chunks, {len(items)} items")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rag_kvcache.tools.diagnose", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("dataset", type=Path, help="JSONL QA set (with meta.answer_document)")
+    parser.add_argument("--strategy", default="legolink:2", help="(default legolink:2)")
+    parser.add_argument("--out", type=Path, default=Path("diagnosis"), help="(default diagnosis)")
+    parser.add_argument("--limit", type=int, default=None, help="scan at most N items")
+    parser.add_argument("--max-items", type=int, default=15, help="failed items (default 15)")
+    parser.add_argument("--controls", type=int, default=5, help="kept items too (default 5)")
+    parser.add_argument("--sink-tokens", type=int, default=SINK_TOKENS)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, threads=args.threads))
+    items = load_dataset(args.dataset)[: args.limit]
+    gold = load_gold(args.dataset)
+
+    def progress(item: str, base: bool, link: bool) -> None:
+        print(
+            f"{item}: prefill {'right' if base else 'wrong'}, link {'right' if link else 'wrong'}"
+        )
+
+    result = diagnose(
+        lm,
+        items,
+        args.strategy,
+        args.out,
+        max_items=args.max_items,
+        gold=gold,
+        controls=args.controls,
+        sink_tokens=args.sink_tokens,
+        max_new_tokens=args.max_new_tokens,
+        on_item=progress,
+    )
+    print(
+        f"scanned {result.scanned}: prefill right {result.prefill_right}, "
+        f"{result.strategy} right {result.linked_right}, prefill right and {result.strategy} "
+        f"wrong {result.failed}; diagnosed {len(result.items)} -> {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

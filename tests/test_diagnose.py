@@ -1,0 +1,201 @@
+"""The attention diagnosis on the tiny models: captured queries reproduce the model's own
+attention, `full` attends exactly like prefill, `naive`'s KV departs off chunk 0, and a run
+writes its JSON and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_chunks
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.model.adapter import (
+    buffered_cache,
+    capture_queries,
+    forward,
+    new_buffers,
+    unpack_cache,
+)
+from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools import diagnose as diagnose_module
+from rag_kvcache.tools.diagnose import (
+    FAILED,
+    KEPT,
+    POSITION_BINS,
+    Gold,
+    diagnose_item,
+    kv_deviation,
+    load_gold,
+    main,
+    placed_index,
+    prepare_traced,
+    question_attention,
+)
+from rag_kvcache.tools.eval import EvalItem
+
+DOCS = (
+    "The lighthouse at Hallam Point was built in 1788 by the harbor guild.",
+    "Velmora has three harbor basins and a fish market on the east quay.",
+    "The ferry to Saltreach leaves at dawn and returns before the evening tide.",
+)
+QUESTION = "When was the lighthouse built?"
+
+
+def _engine(lm) -> RagKVCache:
+    config = EngineConfig(generation=GenerationConfig(max_new_tokens=6))
+    return RagKVCache(config, lm=lm, store=MemoryStore())
+
+
+def _traced(engine: RagKVCache, strategy: str):
+    ids = engine.generate_context_cache(list(DOCS))
+    chunks = engine.store.get([engine.prefix_id, *ids])
+    question = engine.template.question_ids(engine.lm.tokenizer, QUESTION)
+    prepared, queries, scales = prepare_traced(
+        engine.lm, chunks, question, Strategy.parse(strategy)
+    )
+    weights = question_attention(engine.lm, prepared, queries, scales)
+    return prepared, weights, [c.num_tokens for c in chunks], len(question)
+
+
+@pytest.mark.parametrize("model", ["tiny64", "tiny32"])
+def test_captured_queries_reproduce_the_models_attention(model, request) -> None:
+    """softmax(q k^T * scale) V from the captured queries and the cache equals what each
+    layer's attention handed to its output projection; capture changes no logits."""
+    lm = request.getfixturevalue(model)
+    ids = torch.tensor([random_chunks([37], seed=3)[0]])
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.self_attn.o_proj.register_forward_pre_hook(
+            lambda _m, args, i=i: outputs.__setitem__(i, args[0][0])  # [T, heads * d]
+        )
+        for i, layer in enumerate(lm.model.model.layers)
+    ]
+    try:
+        plain, _ = forward(lm, ids, cache=buffered_cache(lm, *new_buffers(lm, 37), 0))
+        with capture_queries() as captured:
+            logits, cache = forward(lm, ids, cache=buffered_cache(lm, *new_buffers(lm, 37), 0))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(plain, logits)
+    assert [layer for layer, _, _ in captured] == list(range(lm.num_layers))
+    tol = 1e-10 if lm.dtype == torch.float64 else 1e-4
+    for (layer, query, scale), (keys, values) in zip(captured, unpack_cache(cache), strict=True):
+        heads = query.shape[1]
+        assert query.shape == (1, heads, 37, lm.head_dim)
+        groups = heads // lm.num_kv_heads
+        k = keys[0].repeat_interleave(groups, 0)
+        v = values[0].repeat_interleave(groups, 0)
+        scores = query[0] @ k.transpose(1, 2) * scale
+        scores = scores.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+        attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(37, -1)
+        torch.testing.assert_close(attended, outputs[layer], rtol=tol, atol=tol)
+    with capture_queries() as unused:
+        pass
+    forward(lm, ids)
+    assert unused == []  # nothing recorded once the context is left
+
+
+@pytest.mark.parametrize("model", ["tiny64", "tiny32"])
+def test_full_attends_like_prefill_and_rows_sum_to_one(model, request) -> None:
+    engine = _engine(request.getfixturevalue(model))
+    base, base_w, tokens, n = _traced(engine, "prefill")
+    full, full_w, _, _ = _traced(engine, "full")
+    naive, naive_w, _, _ = _traced(engine, "naive")
+    layers, heads = engine.lm.num_layers, engine.lm.model.config.num_attention_heads
+    assert base_w.shape == (layers, heads, n, sum(tokens) + n)
+    tol = 1e-10 if engine.lm.dtype == torch.float64 else 1e-5
+    for weights in (base_w, full_w, naive_w):
+        sums = weights.sum(-1)
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=tol, atol=tol)
+        assert torch.all(weights[..., 0, sum(tokens) + 1 :] == 0)  # causal: the first row
+    torch.testing.assert_close(full_w, base_w, rtol=tol, atol=tol)
+    assert (naive_w - base_w).abs().max() > 100 * tol  # stale chunks do show
+
+
+def test_kv_deviation_is_zero_for_full_and_not_for_naive_off_chunk_0(tiny64) -> None:
+    engine = _engine(tiny64)
+    base, _, tokens, n = _traced(engine, "prefill")
+    full, _, _, _ = _traced(engine, "full")
+    naive, _, _, _ = _traced(engine, "naive")
+    for deviation in kv_deviation(full, base):
+        assert deviation.shape == (tiny64.num_layers, sum(tokens) + n)
+        assert deviation.max() < 1e-10
+    keys, values = kv_deviation(naive, base)
+    prefix = tokens[0]
+    assert keys[:, :prefix].max() < 1e-10 and values[:, :prefix].max() < 1e-10  # same as prefill
+    assert keys[0, :prefix].max() < 1e-10
+    # layer 0's K/V depend on the token and its position only: exact but for re-rotation
+    # (RoPE's frequencies are float32 values)
+    assert values[0].max() < 1e-12 and keys[0].max() < 1e-5
+    assert values[1:, prefix:-n].min() > 1e-6  # every document chunk: stale from layer 1 on
+    assert keys[1:, prefix:-n].mean() > 1e-3
+
+
+def test_placed_index_follows_the_order() -> None:
+    assert placed_index(Strategy.parse("legolink:2"), 4, 0) == 1
+    assert placed_index(Strategy.parse("legolink:2+reversed"), 4, 0) == 4
+    assert placed_index(Strategy.parse("naive+rotated"), 4, 0) == 4
+    assert placed_index(Strategy.parse("naive+rotated"), 4, 1) == 1
+
+
+def test_diagnose_item_masses_add_up(tiny64) -> None:
+    engine = _engine(tiny64)
+    ids = engine.generate_context_cache(list(DOCS))
+    item = EvalItem("x", DOCS, QUESTION, ("1788",))
+    answers = tuple(engine.generate(QUESTION, ids, strategy=s) for s in ("prefill", "naive"))
+    d = diagnose_item(
+        engine, item, ids, Gold(0, bridge=2), Strategy.parse("naive"), answers, FAILED
+    )
+    assert d.answer_chunk == 1 and d.bridge_chunk == 3 and len(d.chunk_tokens) == 4
+    for stats in (d.prefill, d.linked):
+        parts = (stats.prefix, stats.question, stats.answer, stats.bridge, stats.distractors)
+        total = torch.tensor(parts, dtype=torch.float64).sum(0)
+        torch.testing.assert_close(total, torch.ones_like(total), rtol=1e-9, atol=1e-9)
+        for share in (stats.sink, stats.answer_top):
+            x = torch.tensor(share, dtype=torch.float64)
+            assert (x >= 0).all() and (x <= 1 + 1e-12).all()
+    assert len(d.kv.keys) == tiny64.num_layers and len(d.kv.keys[0]) == len(POSITION_BINS)
+    assert min(d.kv.keys[1][:4]) > 0  # naive: stale keys from layer 1 on
+    assert max(d.kv.values[0][:4]) < 1e-12 and max(d.kv.keys[0][:4]) < 1e-5  # layer 0: exact
+
+
+def test_diagnose_selects_and_writes(tiny64, tmp_path: Path, monkeypatch) -> None:
+    """Items whose gold answer is prefill's own output: prefill is right on all of them, and
+    the command diagnoses those the strategy gets wrong, writes the JSON and the plots."""
+    monkeypatch.setattr(diagnose_module, "load_model", lambda config: tiny64)
+    engine = _engine(tiny64)
+    items = []
+    for i, question in enumerate(("Where is the ferry?", QUESTION, "How many basins?")):
+        ids = engine.generate_context_cache(list(DOCS))
+        text = engine.generate(question, ids, strategy="prefill", max_new_tokens=6).text
+        items.append(EvalItem(f"q{i}", DOCS, question, (text,)))
+    dataset = tmp_path / "qa.jsonl"
+    lines = [
+        {
+            "id": it.id,
+            "documents": [{"id": str(j), "text": t} for j, t in enumerate(it.documents)],
+            "question": it.question,
+            "answers": list(it.answers),
+            "meta": {"answer_document": 1, "bridge_document": None},
+        }
+        for it in items
+    ]
+    dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert load_gold(dataset)["q0"] == Gold(1, None)
+    out = tmp_path / "out"
+    code = main([str(dataset), "--strategy", "naive", "--out", str(out), "--max-new-tokens", "6"])
+    assert code == 0
+    saved = json.loads((out / "diagnosis.json").read_text())
+    assert saved["scanned"] == 3 and saved["prefill_right"] == 3
+    assert saved["failed"] == 3 - saved["linked_right"] >= 1  # naive departs on this model
+    assert {d["group"] for d in saved["items"]} <= {FAILED, KEPT}
+    assert all(d["answer_chunk"] == 2 for d in saved["items"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diagnosed"][FAILED] == saved["failed"]
+    for name in ("attention_heatmaps.png", "attention_by_layer.png", "kv_deviation.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
