@@ -29,15 +29,23 @@ Query-aware recompute is a part of any link strategy that leaves tokens stale, s
   the chunks the question needs most takes that vote away. `+top:0` is the strategy alone, and
   `top` past the number of chunks recomputes every document chunk (equal to `full`).
 
+APE's attention temperature and scale are a part of the same strategies, spelled last:
+- `+ape:T,S`: every new token (recomputed, question, answer) attends to the context tokens
+  left stale with its scores divided by T and their weight multiplied by S (APE, Yang et
+  al. 2025: parallel-encoded context is attended too flatly and too much). Done by dividing
+  the stale keys by T once when the chunks are placed and adding log S to their columns of
+  every attention mask, so decoding pays nothing for T. `ape:1,1` is plain linking.
+
 The question is always computed. A fidelity technique joins as a field of this record (with
 its spelling in `parse` / `__str__`), not as a new string grammar.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from rag_kvcache.errors import StrategyError
@@ -48,8 +56,9 @@ _STALE = ("naive", "legolink", "legolink0", "cacheblend")  # kinds that leave to
 ORDERS = ("given", "reversed", "rotated")
 SPELLINGS = (
     "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
-    "each optionally +reversed or +rotated, then (not prefill or full) +top:N"
+    "each optionally +reversed or +rotated, then (not prefill or full) +top:N, then +ape:T,S"
 )
+_NUMBER = r"([0-9.e+-]+)"
 T = TypeVar("T")
 
 
@@ -62,6 +71,8 @@ class Strategy:
     ratio: float = 0.0  # cacheblend: share of document tokens recomputed
     order: str = "given"  # placement of the document chunks (see the module docstring)
     top: int = 0  # best-ranked document chunks recomputed whole (query-aware recompute)
+    temperature: float = 1.0  # APE: scores on stale context tokens divided by this
+    scale: float = 1.0  # APE: attention weight of stale context tokens multiplied by this
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -76,6 +87,10 @@ class Strategy:
             raise StrategyError("`positions` places units at their schema positions: no order")
         if self.top < 0 or (self.top and self.kind not in _STALE):
             raise StrategyError(f"top={self.top} is for {', '.join(_STALE)}, and must be >= 0")
+        if not (0 < self.temperature < math.inf and 0 < self.scale < math.inf):
+            raise StrategyError(f"ape:{self.temperature},{self.scale}: both must be > 0, finite")
+        if self.uses_ape and self.kind not in _STALE:
+            raise StrategyError(f"ape is for {', '.join(_STALE)}: {self.kind} leaves none stale")
 
     @classmethod
     def parse(cls, spec: str | Strategy) -> Strategy:
@@ -84,14 +99,21 @@ class Strategy:
             return spec
         text, *parts = str(spec).strip().lower().split("+")
         if parts:
-            top = re.fullmatch(r"top:(\d+)", parts[-1])
-            order = parts[0] if parts[0] in ORDERS[1:] else "given"
-            if parts != [p for p in (order, top and parts[-1]) if p and p != "given"]:
-                raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
-            base = cls.parse(text)
+            base, order, top, ape = cls.parse(text), "given", 0, ("1", "1")
+            seen = 0  # parts come in this order, each at most once
+            for part in parts:
+                if part in ORDERS[1:] and seen < 1:
+                    order, seen = part, 1
+                elif (m := re.fullmatch(r"top:(\d+)", part)) and seen < 2:
+                    top, seen = int(m.group(1)), 2
+                elif (m := re.fullmatch(f"ape:{_NUMBER},{_NUMBER}", part)) and seen < 3:
+                    ape, seen = (m.group(1), m.group(2)), 3
+                else:
+                    raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
             try:
-                return cls(base.kind, base.k, base.ratio, order, int(top.group(1)) if top else 0)
-            except StrategyError as e:
+                temperature, scale = float(ape[0]), float(ape[1])
+                return replace(base, order=order, top=top, temperature=temperature, scale=scale)
+            except (StrategyError, ValueError) as e:
                 raise StrategyError(f"{spec!r}: {e}; use {SPELLINGS}") from None
         if text in _PLAIN:
             return cls(text)
@@ -111,10 +133,14 @@ class Strategy:
         if self.kind == "legolink":
             base = f"legolink:{self.k}"
         elif self.kind == "cacheblend":
-            base = f"cacheblend:{repr(self.ratio).removesuffix('.0')}"  # exact: parses back
+            base = f"cacheblend:{_exact(self.ratio)}"
         if self.order != "given":
             base += f"+{self.order}"
-        return f"{base}+top:{self.top}" if self.top else base
+        if self.top:
+            base += f"+top:{self.top}"
+        if self.uses_ape:
+            base += f"+ape:{_exact(self.temperature)},{_exact(self.scale)}"
+        return base
 
     def arrange(self, chunks: Sequence[T]) -> list[T]:
         """The document chunks (or their cache IDs) in this strategy's order."""
@@ -134,6 +160,11 @@ class Strategy:
         return self.kind != "prefill"
 
     @property
+    def uses_ape(self) -> bool:
+        """Attention on stale context tokens is tempered or scaled (`+ape:T,S`)."""
+        return (self.temperature, self.scale) != (1.0, 1.0)
+
+    @property
     def needs_sinks(self) -> bool:
         """The chunks must have been encoded after sink tokens."""
         return self.kind == "legolink0"
@@ -141,3 +172,8 @@ class Strategy:
 
 PREFILL = Strategy("prefill")
 DEFAULT = Strategy("legolink", k=2)  # EngineConfig's default
+
+
+def _exact(number: float) -> str:
+    """A float's shortest spelling that parses back to it exactly."""
+    return repr(float(number)).removesuffix(".0")

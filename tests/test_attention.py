@@ -48,3 +48,27 @@ def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) ->
     slow, _ = reference_attention(Heads(), q, k, v, mask, scaling=0.25)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(fast, slow, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("queries, with_mask", [(1, False), (4, False), (4, True)])
+def test_key_bias_adds_to_every_score_on_its_key(queries: int, with_mask: bool) -> None:
+    """A cache's key bias (APE's log scale on stale context columns) reaches attention as an
+    addition to the scores: softmax(q k^T * scale + mask + bias) v, written out by hand."""
+    g = torch.Generator().manual_seed(7)
+    keys_len = 9
+    q = torch.randn(1, 6, queries, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
+    bias = torch.zeros(keys_len - 2, dtype=torch.float64)  # shorter: the keys past it unbiased
+    bias[2:5] = torch.tensor([0.7, -1.3, 2.0])
+    causal = torch.arange(keys_len)[None, :] <= torch.arange(keys_len - queries, keys_len)[:, None]
+    mask = None
+    if with_mask:
+        mask = torch.zeros(queries, keys_len, dtype=torch.float64)
+        mask = mask.masked_fill(~causal, torch.finfo(torch.float64).min)[None, None]
+    out, _ = gqa_sdpa_attention(Heads(), q, k, v, mask, scaling=0.25, key_bias=bias)
+    scores = q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.25
+    scores = scores + torch.cat((bias, torch.zeros(2, dtype=torch.float64)))
+    scores = scores.masked_fill(~causal, float("-inf"))
+    expected = scores.softmax(-1) @ v.repeat_interleave(3, dim=1)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-10, atol=1e-10)

@@ -133,6 +133,13 @@ def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, share
         )
 
 
+def test_batches_refuse_ape_with_a_clear_error(tiny64) -> None:
+    engine = RagKVCache(EngineConfig(), lm=tiny64)
+    ids = engine.generate_context_cache(DOCS[:2])
+    with pytest.raises(StrategyError, match="one at a time"):
+        engine.generate_batch([BatchRequest("Who?", tuple(ids))], strategy="legolink:2+ape:0.7,0.8")
+
+
 def test_a_tight_budget_never_evicts_the_path_being_extended(tiny64) -> None:
     """With no byte budget every idle leaf is evicted to make room; the prefix a new request
     builds on must survive that, or its new node would hang under a node no longer in the

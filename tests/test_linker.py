@@ -1,5 +1,8 @@
 """Linking equivalences: full == plain prefill, batched mask == one-token-at-a-time reference."""
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import random_chunks
@@ -14,7 +17,7 @@ from rag_kvcache.errors import (
 from rag_kvcache.kv import EncodeSettings
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.link.linker import link, link_mask, link_reference
-from rag_kvcache.model.adapter import unpack_cache
+from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
 from rag_kvcache.model.rope import apply_rope
 from rag_kvcache.serving.decoding import decode, prefill
 from rag_kvcache.strategy import Strategy
@@ -153,7 +156,9 @@ def test_bad_chunks_give_clear_errors(tiny64, tiny32) -> None:
         link(tiny64, chunks, [], Strategy.parse("naive"))
 
 
-@pytest.mark.parametrize("strategy", ["naive", "legolink:2", "full", "cacheblend:0.3"])
+@pytest.mark.parametrize(
+    "strategy", ["naive", "legolink:2", "full", "cacheblend:0.3", "legolink:2+ape:0.5,2"]
+)
 def test_placing_layer_by_layer_equals_placing_first(tiny32, strategy: str) -> None:
     """LayerFeed (each layer's chunk KV placed when the forward reaches that layer, as for
     CPU-pinned chunks feeding a GPU) gives bit for bit what placing everything first gives."""
@@ -185,3 +190,59 @@ def test_layer_by_layer_after_a_linked_prefix(tiny32) -> None:
         tiny32, chunks[2:], QUERY, Strategy.parse("legolink:2"), prefix=prefix, layerwise=True
     )
     assert torch.equal(fed.next_logits, eager.next_logits)
+
+
+# ----------------------------------------------------------------------------- APE
+
+
+def test_ape_temperature_equals_linking_keys_divided_by_it(tiny64) -> None:
+    """Temperature T on the stale context equals the token-by-token reference over chunks
+    whose document keys were divided by T (scores on them divided by T; rotation is linear,
+    and recomputed tokens get fresh keys either way)."""
+    chunks, _ = _setup(tiny64)
+    tempered = [chunks[0]] + [replace(c, keys=c.keys / 0.5) for c in chunks[1:]]
+    for spelling in ("naive", "legolink:1"):
+        fast = link(tiny64, chunks, QUERY, Strategy.parse(f"{spelling}+ape:0.5,1"))
+        slow = link_reference(tiny64, tempered, QUERY, Strategy.parse(spelling))
+        torch.testing.assert_close(fast.next_logits, slow.next_logits, rtol=1e-10, atol=1e-10)
+
+
+def test_ape_scale_biases_exactly_the_stale_document_tokens(tiny64) -> None:
+    from rag_kvcache.link.linker import stale_context
+
+    chunks, _ = _setup(tiny64)
+    recompute = torch.tensor([6, 7, 17, 18, 21, 22])  # legolink:2's: 2 per document chunk
+    expected = [p for p in range(6, 30) if p not in (6, 7, 17, 18, 21, 22)]
+    assert stale_context(chunks, recompute, 0).tolist() == expected
+    linked = link(tiny64, chunks, QUERY, Strategy.parse("legolink:2+ape:1,2"), reserve=4)
+    bias = linked.cache.layers[0].key_bias
+    assert bias is not None and len(bias) == 30 + len(QUERY) + 4
+    assert bias.nonzero().flatten().tolist() == expected
+    torch.testing.assert_close(bias[expected], torch.full((len(expected),), math.log(2.0)).double())
+
+
+def test_ape_scale_reaches_every_decoding_step(tiny64) -> None:
+    """A decode step over an APE-linked cache equals the same step given the bias as an
+    explicit mask over an unbiased copy of that cache."""
+    chunks, _ = _setup(tiny64)
+    linked = link(tiny64, chunks, QUERY, Strategy.parse("naive+ape:0.8,3"), reserve=2)
+    bias = linked.cache.layers[0].key_bias
+    assert bias is not None
+    plain = build_cache([(k.clone(), v.clone()) for k, v in unpack_cache(linked.cache)], tiny64)
+    token, position = torch.tensor([[5]]), torch.tensor([[linked.length]])
+    mask = bias[: linked.length + 1][None, None, None].clone()
+    via_mask, _ = forward(tiny64, token, positions=position, cache=plain, mask=mask)
+    via_cache, _ = forward(tiny64, token, positions=position, cache=linked.cache)
+    torch.testing.assert_close(via_cache, via_mask, rtol=1e-10, atol=1e-10)
+    unbiased = link(tiny64, chunks, QUERY, Strategy.parse("naive+ape:0.8,1"), reserve=2)
+    again, _ = forward(tiny64, token, positions=position, cache=unbiased.cache)
+    assert not torch.allclose(again, via_cache)  # the scale changes the step
+
+
+def test_ape_one_one_is_plain_linking(tiny64) -> None:
+    chunks, _ = _setup(tiny64)
+    assert Strategy("legolink", k=1, temperature=1.0, scale=1.0) == Strategy.parse("legolink:1")
+    plain = link(tiny64, chunks, QUERY, Strategy.parse("legolink:1+ape:1,1"))
+    assert plain.cache.layers[0].key_bias is None
+    changed = link(tiny64, chunks, QUERY, Strategy.parse("legolink:1+ape:0.7,0.8"))
+    assert not torch.allclose(plain.next_logits, changed.next_logits)

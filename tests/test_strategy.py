@@ -30,6 +30,12 @@ from rag_kvcache.strategy import PREFILL, Strategy
         ("legolink:2+top:1", Strategy("legolink", k=2, top=1)),
         ("naive+reversed+top:3", Strategy("naive", order="reversed", top=3)),
         ("legolink0+top:2", Strategy("legolink0", top=2)),
+        ("naive+ape:0.7,0.8", Strategy("naive", temperature=0.7, scale=0.8)),
+        (
+            "legolink:2+reversed+top:1+ape:0.5,2",
+            Strategy("legolink", k=2, order="reversed", top=1, temperature=0.5, scale=2.0),
+        ),
+        ("legolink:2+ape:1,1", Strategy("legolink", k=2)),  # APE at 1, 1 is plain linking
     ],
 )
 def test_parse(name: str, expected: Strategy) -> None:
@@ -69,6 +75,13 @@ def test_cacheblend_round_trips(ratio: float) -> None:
         "naive+top:1+top:2",
         "naive+given",
         "naive+",
+        "naive+ape:1",
+        "naive+ape:0,1",
+        "naive+ape:1,x",
+        "naive+ape:inf,1",
+        "naive+ape:1,1+top:1",
+        "full+ape:0.5,1",
+        "prefill+ape:1,2",
     ],
 )
 def test_parse_rejects_with_allowed_names(bad: str) -> None:

@@ -14,8 +14,10 @@ token at position p sees positions <= p, recomputed ones already fresh.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -36,6 +38,7 @@ from rag_kvcache.model.adapter import (
     build_cache,
     forward,
     new_buffers,
+    set_key_bias,
     unpack_cache,
     write_at,
 )
@@ -105,6 +108,7 @@ def link(
         feed = LayerFeed(keys[:, 0], values[:, 0], chunks, lm.inv_freq, P) if layerwise else None
         if feed is None:
             place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
+        stale = stale_context(chunks, recompute, P) if strategy.uses_ape else None
     # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
     # its own position (over the stale copy) and attends causally by position
     with record_function(STAGE_FORWARD):
@@ -113,8 +117,11 @@ def link(
         new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
         mask = additive_mask(link_mask(new_positions, L + q), lm.dtype)  # [1, 1, r+q, L+q]
         cache = buffered_cache(lm, keys, values, L)
-        if feed is not None:
-            before_layer_update(cache, feed.calls())
+        calls: list[Callable[[], None]] = [*feed.calls()] if feed else []
+        if stale is not None:  # APE: stale keys tempered as placed, their scores scaled
+            calls = temper(lm, cache, keys[:, 0], stale, strategy, L + q + reserve, calls)
+        if calls:
+            before_layer_update(cache, calls)
         write_at(cache, new_positions)
         logits, _ = forward(
             lm,
@@ -151,6 +158,49 @@ def _recomputed(
         recompute = select_positions(strategy, lengths, device=lm.device, in_full=in_full)
         recompute = recompute[recompute >= P]  # the prefix is linked already
     return recompute, token_ids
+
+
+def stale_context(chunks: list[ChunkKV], recompute: torch.Tensor, start: int) -> torch.Tensor:
+    """Positions [s] of the document tokens left stale: after the exact system prefix (chunk 0,
+    or a linked prefix of `start` tokens), not recomputed."""
+    first = start if start else chunks[0].num_tokens
+    end = start + sum(c.num_tokens for c in chunks)
+    stale = torch.ones(end, dtype=torch.bool, device=recompute.device)
+    stale[:first] = False
+    stale[recompute] = False
+    return stale.nonzero().flatten()
+
+
+def temper(
+    lm: LoadedModel,
+    cache: Cache,
+    keys: torch.Tensor,
+    stale: torch.Tensor,
+    strategy: Strategy,
+    capacity: int,
+    layer_calls: list[Callable[[], None]],
+) -> list[Callable[[], None]]:
+    """APE on the stale context tokens: their keys [layers, kv_heads, cap, d] divided by the
+    temperature (every later score on them is divided by it) and log(scale) added to their
+    scores (a key bias kept with the cache, so decoding applies it too). Chunks placed layer
+    by layer (`layer_calls`) are tempered as each layer arrives: the calls to run instead."""
+    if strategy.scale != 1:
+        bias = torch.zeros(capacity, dtype=lm.dtype, device=lm.device)
+        bias[stale] = math.log(strategy.scale)
+        set_key_bias(cache, bias)
+    if strategy.temperature == 1:
+        return layer_calls
+
+    def tempered(layer: int) -> None:
+        if layer_calls:
+            layer_calls[layer]()
+        keys[layer, :, stale] /= strategy.temperature
+
+    if not layer_calls:  # placed already: temper every layer now
+        for layer in range(len(keys)):
+            tempered(layer)
+        return []
+    return [partial(tempered, layer) for layer in range(len(keys))]
 
 
 def linked_layers(

@@ -62,6 +62,9 @@ def gqa_sdpa_attention(
     hook = kwargs.get("kv_attention_hook")
     if hook is not None:
         return hook(module.layer_idx, query, kwargs.get("scaling")), None
+    bias = kwargs.pop("key_bias", None)
+    if bias is not None:
+        attention_mask = with_key_bias(attention_mask, bias, query.shape[2], key.shape[2])
     if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling")
@@ -97,6 +100,25 @@ def capture_queries() -> Iterator[list[tuple[int, torch.Tensor, float]]]:
         yield captured
     finally:
         _captured_queries = outer
+
+
+def with_key_bias(
+    mask: torch.Tensor | None, bias: torch.Tensor, queries: int, keys: int
+) -> torch.Tensor:
+    """An additive mask [B, 1, Q, K] with `bias` [>= K or fewer: zeros past it] added to every
+    row: what the cache's key bias (`set_key_bias`) does to each attention. A missing mask is
+    the causal one of Q new tokens after K - Q cached."""
+    if len(bias) < keys:  # the buffer grew past the bias: new tokens are unbiased
+        bias = F.pad(bias, (0, keys - len(bias)))
+    if mask is None:
+        rows = torch.arange(keys - queries, keys, device=bias.device)
+        allowed = torch.arange(keys, device=bias.device)[None, :] <= rows[:, None]
+        mask = additive_mask(allowed, bias.dtype)
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=bias.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(bias.dtype).min
+        )
+    return mask + bias[:keys]
 
 
 def query_block_ends(mask: torch.Tensor) -> list[int] | None:
@@ -164,6 +186,7 @@ class BufferedLayer(DynamicLayer):
         self.write_at: torch.Tensor | None = None  # positions for the next update, else append
         self.write_end = 0  # 1 + the largest of write_at (known up front: no device sync)
         self.before_update: Callable[[], None] | None = None  # once, before the next update
+        self.key_bias: torch.Tensor | None = None  # [capacity] added to every attention score
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self.is_initialized = True
@@ -219,6 +242,14 @@ def before_layer_update(cache: Cache, calls: Sequence[Callable[[], None]]) -> No
     for layer, call in zip(cache.layers, calls, strict=True):
         assert isinstance(layer, BufferedLayer)
         layer.before_update = call
+
+
+def set_key_bias(cache: Cache, bias: torch.Tensor | None) -> None:
+    """Add bias[j] (additive, [capacity]) to every query's score on key j in every later
+    forward over this buffered cache, decoding included (APE's scale on the context)."""
+    for layer in cache.layers:
+        assert isinstance(layer, BufferedLayer)
+        layer.key_bias = bias
 
 
 def write_at(cache: Cache, positions: torch.Tensor | None) -> None:
@@ -290,6 +321,12 @@ def forward(
     replaces every layer's attention (the query is already RoPE'd).
     """
     extra: dict[str, Any] = {}
+    layers = list(cache.layers) if cache is not None else []
+    bias = getattr(layers[0], "key_bias", None) if layers else None
+    if bias is not None:
+        if attention_hook is not None:
+            raise UnsupportedModelError("a key bias cannot reach attention handed to a hook")
+        extra["key_bias"] = bias
     if attention_hook is not None:
         extra["kv_attention_hook"] = attention_hook
     elif mask is not None and mask.device.type == "cpu":

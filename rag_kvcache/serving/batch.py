@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rag_kvcache.config import GenerationConfig
+from rag_kvcache.errors import StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
 from rag_kvcache.model.adapter import forward, hook_cache
@@ -80,6 +81,11 @@ class BatchDecoder:
         strategy: Strategy,
         fetch: Callable[[list[str]], list[ChunkKV]],
     ):
+        if strategy.uses_ape:
+            raise StrategyError(
+                f"{strategy}: batched decoding attends through the prefix tree, which does not "
+                "carry APE's scale yet; answer these requests one at a time (generate)"
+            )
         self.lm, self.tree, self.strategy, self.fetch = lm, tree, strategy, fetch
         self.kv = BatchKV()  # the active requests' rows, laid out again when the batch changes
         self.started = 0.0  # when the current run began
