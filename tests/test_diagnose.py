@@ -27,6 +27,7 @@ from rag_kvcache.tools.diagnose import (
     KEPT,
     POSITION_BINS,
     Gold,
+    diagnose,
     diagnose_item,
     kv_deviation,
     load_gold,
@@ -156,7 +157,10 @@ def test_diagnose_item_masses_add_up(tiny64) -> None:
         parts = (stats.prefix, stats.question, stats.answer, stats.bridge, stats.distractors)
         total = torch.tensor(parts, dtype=torch.float64).sum(0)
         torch.testing.assert_close(total, torch.ones_like(total), rtol=1e-9, atol=1e-9)
-        for share in (stats.sink, stats.answer_top):
+        chunks = torch.tensor(stats.chunks, dtype=torch.float64).sum(0)  # [layers]
+        rows = chunks + torch.tensor(stats.question, dtype=torch.float64).mean(1)
+        torch.testing.assert_close(rows, torch.ones_like(rows), rtol=1e-9, atol=1e-9)
+        for share in (stats.sink, stats.end, stats.answer_top):
             x = torch.tensor(share, dtype=torch.float64)
             assert (x >= 0).all() and (x <= 1 + 1e-12).all()
     assert len(d.kv.keys) == tiny64.num_layers and len(d.kv.keys[0]) == len(POSITION_BINS)
@@ -192,10 +196,27 @@ def test_diagnose_selects_and_writes(tiny64, tmp_path: Path, monkeypatch) -> Non
     assert code == 0
     saved = json.loads((out / "diagnosis.json").read_text())
     assert saved["scanned"] == 3 and saved["prefill_right"] == 3
+    assert [o["answer_chunk"] for o in saved["outcomes"]] == [2, 2, 2]
     assert saved["failed"] == 3 - saved["linked_right"] >= 1  # naive departs on this model
     assert {d["group"] for d in saved["items"]} <= {FAILED, KEPT}
     assert all(d["answer_chunk"] == 2 for d in saved["items"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["diagnosed"][FAILED] == saved["failed"]
-    for name in ("attention_heatmaps.png", "attention_by_layer.png", "kv_deviation.png"):
-        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert summary["by_answer_chunk"]["2"]["prefill_right"] == 3
+    for name in ("heatmaps", "by_layer", "by_chunk"):
+        assert (out / f"attention_{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "kv_deviation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_legolink0_is_diagnosed_over_sink_encoded_chunks(tiny64, tmp_path: Path) -> None:
+    """legolink0 needs chunks encoded after sink tokens: the run encodes them so, and prefill
+    over the same chunks' tokens is still the plain prompt."""
+    engine = _engine(tiny64)
+    ids = engine.generate_context_cache(list(DOCS))
+    text = engine.generate(QUESTION, ids, strategy="prefill", max_new_tokens=4).text
+    items = [EvalItem("s", DOCS, QUESTION, (text,))]  # prefill is right: diagnosed either way
+    result = diagnose(tiny64, items, "legolink0", tmp_path, max_new_tokens=4, controls=1)
+    assert result.prefill_right == 1 and len(result.items) == 1
+    kv = result.items[0].kv
+    assert max(kv.values[0][:16]) < 1e-12 and min(kv.values[1][:16]) > 1e-6
+    assert json.loads((tmp_path / "diagnosis.json").read_text())["strategy"] == "legolink0"

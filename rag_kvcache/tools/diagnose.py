@@ -32,7 +32,13 @@ import numpy as np
 import torch
 
 from rag_kvcache.answer import Answer, Prepared, prepare
-from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig
+from rag_kvcache.config import (
+    LEGOLINK0_SINKS,
+    EncodeConfig,
+    EngineConfig,
+    GenerationConfig,
+    ModelConfig,
+)
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.kv import ChunkKV
@@ -66,6 +72,7 @@ class AttentionStats:
     the rest of the chunks' tokens)."""
 
     sink: list[list[float]]  # on the first SINK_TOKENS tokens of every document chunk, summed
+    end: list[list[float]]  # on the last token of every document chunk (its "\n\n"), summed
     prefix: list[list[float]]  # on the system prefix (chunk 0, which holds the model's sink)
     answer: list[list[float]]  # on the chunk holding the answer
     bridge: list[list[float]]  # on the two-hop bridge chunk (0 where there is none)
@@ -76,6 +83,7 @@ class AttentionStats:
     # where it is, sharpening attention over the context (a temperature) moves mass toward
     # the answer; where a distractor's token is, sharpening moves it the wrong way
     answer_top: list[list[float]]
+    chunks: list[list[float]]  # [chunks][layers]: on each placed chunk (mean over heads)
 
 
 @dataclass(frozen=True)
@@ -83,10 +91,13 @@ class KVDeviation:
     """||linked - prefill|| / ||prefill|| of the cached keys and values (norms over kv heads x
     head_dim) per layer: document tokens by position in their chunk ([layers][bins], mean
     over the chunks' tokens in each of `POSITION_BINS`; nan where no chunk reaches a bin),
-    and the question tokens ([layers], computed afresh but over the linked context)."""
+    each chunk's last token ([layers], mean over the chunks) and the question tokens
+    ([layers], computed afresh but over the linked context)."""
 
     keys: list[list[float]]
     values: list[list[float]]
+    last_keys: list[float]
+    last_values: list[float]
     question_keys: list[float]
     question_values: list[float]
 
@@ -110,6 +121,16 @@ class ItemDiagnosis:
 
 
 @dataclass(frozen=True)
+class Outcome:
+    """One scanned item: where its answer sits and who answered it right."""
+
+    item: str
+    answer_chunk: int  # placed index (0 = the system prefix)
+    prefill_right: bool
+    linked_right: bool
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     model: str
     strategy: str
@@ -121,6 +142,7 @@ class Diagnosis:
     linked_right: int
     failed: int  # prefill right, link wrong, among the scanned
     items: list[ItemDiagnosis]  # the diagnosed: up to max_items failed, up to `controls` kept
+    outcomes: list[Outcome]  # every scanned item
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -187,6 +209,7 @@ def attention_stats(
     top = weights.masked_fill(~where([chunk(i) for i in docs]), -1.0).argmax(-1)  # [L, H, n]
     return AttentionStats(
         sink=mass([(starts[i], min(starts[i] + sink_tokens, starts[i + 1])) for i in docs]),
+        end=mass([(starts[i + 1] - 1, starts[i + 1]) for i in docs]),
         prefix=mass([chunk(0)]),
         answer=mass([answer]),
         bridge=mass([chunk(bridge_chunk)] if bridge_chunk is not None else []),
@@ -194,6 +217,7 @@ def attention_stats(
         question=mass([(starts[-1], total)]),
         entropy=_rows(torch.special.entr(weights).sum(-1).mean(-1)),
         answer_top=_rows(((top >= answer[0]) & (top < answer[1])).double().mean(-1)),
+        chunks=[[sum(row) / len(row) for row in mass([chunk(i)])] for i in range(len(docs) + 1)],
     )
 
 
@@ -272,6 +296,7 @@ def diagnose_item(
     bridge = None if gold.bridge is None else placed_index(strategy, len(cache_ids), gold.bridge)
     keys, values = kv_deviation(link, base)
     n = len(question_ids)
+    ends = np.cumsum(tokens)[1:] - 1  # each document chunk's last token
     return ItemDiagnosis(
         item=item.id,
         group=group,
@@ -289,6 +314,8 @@ def diagnose_item(
         kv=KVDeviation(
             keys=by_position_in_chunk(keys, tokens),
             values=by_position_in_chunk(values, tokens),
+            last_keys=[float(v) for v in keys[:, ends].mean(-1)],
+            last_values=[float(v) for v in values[:, ends].mean(-1)],
             question_keys=[float(v) for v in keys[:, -n:].mean(-1)],
             question_values=[float(v) for v in values[:, -n:].mean(-1)],
         ),
@@ -321,29 +348,28 @@ def diagnose(
     baseline = Strategy("prefill", order=strategy.order)
     config = EngineConfig(generation=GenerationConfig(max_new_tokens=max_new_tokens))
     engine = RagKVCache(config, lm=lm, store=MemoryStore())
-    scanned = prefill_right = linked_right = failed = 0
+    if strategy.needs_sinks:  # legolink0: chunks encoded after sink tokens, as eval does
+        engine = engine.with_encoding(EncodeConfig(sink_tokens=LEGOLINK0_SINKS))
+    outcomes: list[Outcome] = []
     diagnosed: list[ItemDiagnosis] = []
+    wanted = {FAILED: max_items, KEPT: controls}
     for item in items:
-        if failed >= max_items and sum(d.group == KEPT for d in diagnosed) >= controls:
+        if all(sum(d.group == g for d in diagnosed) >= n for g, n in wanted.items()):
             break
         ids = engine.generate_context_cache(list(item.documents))
         base = engine.generate(item.question, ids, strategy=baseline)
         link = engine.generate(item.question, ids, strategy=strategy)
         assert isinstance(base, Answer) and isinstance(link, Answer)
         right = contains_answer(base.text, item.answers), contains_answer(link.text, item.answers)
-        scanned += 1
-        prefill_right += right[0]
-        linked_right += right[1]
+        item_gold = (gold or {}).get(item.id, Gold(0))
+        answer_chunk = placed_index(strategy, len(ids), item_gold.answer)
+        outcomes.append(Outcome(item.id, answer_chunk, *right))
         group = {(True, False): FAILED, (True, True): KEPT}.get(right)
-        wanted = {FAILED: max_items, KEPT: controls}
         if group and sum(d.group == group for d in diagnosed) < wanted[group]:
-            item_gold = (gold or {}).get(item.id, Gold(0))
+            answers = (base, link)
             diagnosed.append(
-                diagnose_item(
-                    engine, item, ids, item_gold, strategy, (base, link), group, sink_tokens
-                )
+                diagnose_item(engine, item, ids, item_gold, strategy, answers, group, sink_tokens)
             )
-        failed += group == FAILED
         for cid in ids:  # the store keeps the system prefix only: memory stays flat
             engine.expire_cache(cid)
         if on_item:
@@ -354,11 +380,12 @@ def diagnose(
         baseline=str(baseline),
         sink_tokens=sink_tokens,
         max_new_tokens=max_new_tokens,
-        scanned=scanned,
-        prefill_right=prefill_right,
-        linked_right=linked_right,
-        failed=failed,
+        scanned=len(outcomes),
+        prefill_right=sum(o.prefill_right for o in outcomes),
+        linked_right=sum(o.linked_right for o in outcomes),
+        failed=sum(o.prefill_right and not o.linked_right for o in outcomes),
         items=diagnosed,
+        outcomes=outcomes,
     )
     write(result, Path(out_dir))
     return result
@@ -397,6 +424,7 @@ def delta(items: list[ItemDiagnosis], name: str) -> np.ndarray:
 
 FIGURES = (
     "sink",
+    "end",
     "prefix",
     "answer",
     "bridge",
@@ -408,11 +436,24 @@ FIGURES = (
 
 
 def summary(diagnosis: Diagnosis, top: int = 10) -> dict[str, Any]:
-    """Per group (failed, kept): the mean over items, layers and heads of each attention
-    figure for prefill and linked, the departure (total variation) and the KV deviation by
-    layer and by position in the chunk; the (layer, head) pairs that depart most."""
-    out: dict[str, Any] = {k: v for k, v in asdict(diagnosis).items() if k != "items"}
+    """Who answered right by where the answer's chunk is placed (all scanned items); per
+    group (failed, kept): the mean over items, layers and heads of each attention figure for
+    prefill and linked, the mass on each placed chunk, the departure (total variation) and
+    the KV deviation by layer and by position in the chunk; the (layer, head) pairs that
+    depart most."""
+    skip = ("items", "outcomes")
+    out: dict[str, Any] = {k: v for k, v in asdict(diagnosis).items() if k not in skip}
     out["diagnosed"] = {g: sum(d.group == g for d in diagnosis.items) for g in (FAILED, KEPT)}
+    out["by_answer_chunk"] = {
+        chunk: {
+            "scanned": len(rows),
+            "prefill_right": sum(o.prefill_right for o in rows),
+            "linked_right": sum(o.linked_right for o in rows),
+            "both_right": sum(o.prefill_right and o.linked_right for o in rows),
+        }
+        for chunk in sorted({o.answer_chunk for o in diagnosis.outcomes})
+        for rows in [[o for o in diagnosis.outcomes if o.answer_chunk == chunk]]
+    }
     out["position_bins"] = POSITION_BINS
     for group in (FAILED, KEPT):
         items = [d for d in diagnosis.items if d.group == group]
@@ -423,16 +464,22 @@ def summary(diagnosis: Diagnosis, top: int = 10) -> dict[str, Any]:
         for name in FIGURES:
             prefill = mean_of(items, f"prefill.{name}").mean()
             figures[name] = {"prefill": prefill, "delta": deltas[name].mean()}
+        same = same_shape(items)
+        figures["chunk_mass"] = {  # per placed chunk, system prefix first
+            "items": len(same),
+            "prefill": mean_of(same, "prefill.chunks").mean(axis=1),
+            "delta": (mean_of(same, "linked.chunks") - mean_of(same, "prefill.chunks")).mean(1),
+        }
         tv = mean_of(items, "departure")
         figures["departure"] = tv.mean()
         figures["departure_by_layer"] = tv.mean(axis=1)
         for part in ("keys", "values"):
             grid = mean_of(items, f"kv.{part}")  # [layers, bins]
-            question = mean_of(items, f"kv.question_{part}")
             figures[f"kv_{part}"] = {
                 "by_position": _nanmean(grid, axis=0),
                 "by_layer": _nanmean(grid, axis=1),
-                "question_by_layer": question,
+                "chunk_end_by_layer": mean_of(items, f"kv.last_{part}"),
+                "question_by_layer": mean_of(items, f"kv.question_{part}"),
             }
         figures["top_departures"] = [
             {
@@ -447,13 +494,21 @@ def summary(diagnosis: Diagnosis, top: int = 10) -> dict[str, Any]:
     return dict(_clean(out))
 
 
+def same_shape(items: list[ItemDiagnosis]) -> list[ItemDiagnosis]:
+    """The items with the most common number of chunks (per-chunk figures average over
+    those)."""
+    counts = [len(d.chunk_tokens) for d in items]
+    common = max(set(counts), key=counts.count)
+    return [d for d in items if len(d.chunk_tokens) == common]
+
+
 def _nanmean(x: np.ndarray, axis: int) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.asarray(np.nanmean(x, axis=axis))
 
 
-def _clean(x: Any, digits: int = 4) -> Any:
+def _clean(x: Any, digits: int = 3) -> Any:
     """JSON-ready: numpy to Python, floats to `digits` significant digits, nan to None."""
     if isinstance(x, dict):
         return {k: _clean(v, digits) for k, v in x.items()}
@@ -470,14 +525,15 @@ def _clean(x: Any, digits: int = 4) -> Any:
 
 
 def write(diagnosis: Diagnosis, out_dir: Path) -> None:
-    """diagnosis.json (every record, compact), summary.json and the plots (failed items)."""
+    """diagnosis.json (every record, compact), summary.json and the plots (the heatmaps and
+    the KV deviation over the failed items, or the kept ones where none failed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records = _clean(asdict(diagnosis)) | {"position_bins": [list(b) for b in POSITION_BINS]}
     (out_dir / "diagnosis.json").write_text(json.dumps(records, separators=(",", ":")))
     (out_dir / "summary.json").write_text(json.dumps(summary(diagnosis), indent=2) + "\n")
-    items = [d for d in diagnosis.items if d.group == FAILED]
+    items = [d for d in diagnosis.items if d.group == FAILED] or diagnosis.items
     if items:
-        title = f"{diagnosis.strategy} - {diagnosis.baseline}, {len(items)} failed items"
+        title = f"{diagnosis.strategy} - {diagnosis.baseline}, {len(items)} {items[0].group} items"
         plot_heatmaps(items, out_dir / "attention_heatmaps.png", title)
         plot_by_layer(
             diagnosis.items,
@@ -486,6 +542,7 @@ def write(diagnosis: Diagnosis, out_dir: Path) -> None:
             diagnosis.sink_tokens,
         )
         plot_kv(items, out_dir / "kv_deviation.png", diagnosis.strategy)
+        plot_by_chunk(diagnosis.items, out_dir / "attention_by_chunk.png", diagnosis.strategy)
 
 
 def _pyplot() -> Any:
@@ -531,8 +588,10 @@ def plot_heatmaps(items: list[ItemDiagnosis], path: Path, title: str) -> None:
 
 TITLES = {
     "sink": "mass on chunk starts (first {sink} tokens)",
+    "end": "mass on chunk ends (last token)",
     "prefix": "mass on the system prefix",
     "answer": "mass on the answer's chunk",
+    "bridge": "mass on the two-hop bridge chunk",
     "distractors": "mass on distractor chunks",
     "question": "mass on the question",
     "entropy": "entropy (nats)",
@@ -546,7 +605,7 @@ def plot_by_layer(
     """Per layer (mean over heads and items): each figure of AttentionStats for prefill and
     the link, and their departure; failed items solid, kept ones (controls) dotted."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 4, figsize=(17, 7))
+    fig, axes = plt.subplots(2, 5, figsize=(20, 7))
     groups = [(g, s, [d for d in items if d.group == g]) for g, s in ((FAILED, "-"), (KEPT, ":"))]
     for ax, name in zip(axes.flat, TITLES, strict=False):
         for group, style, chosen in groups:
@@ -568,6 +627,32 @@ def plot_by_layer(
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)
     fig.suptitle("question-token attention per layer (mean over heads, question tokens, items)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_by_chunk(items: list[ItemDiagnosis], path: Path, strategy: str) -> None:
+    """Per placed chunk (system prefix first): the question tokens' mass on it per layer
+    (mean over heads and items), prefill and the link; failed items solid, kept dotted."""
+    plt = _pyplot()
+    same = same_shape(items)
+    count = len(same[0].chunk_tokens)
+    fig, axes = plt.subplots(1, count, figsize=(3.6 * count, 3.8), sharey=True)
+    for chunk, ax in enumerate(axes):
+        for group, style in ((FAILED, "-"), (KEPT, ":")):
+            chosen = [d for d in same if d.group == group]
+            for side, color in (("prefill", "C0"), ("linked", "C3")):
+                if chosen:
+                    y = mean_of(chosen, f"{side}.chunks")[chunk]
+                    label = f"{side if side == 'prefill' else strategy} ({group}, {len(chosen)})"
+                    ax.plot(y, style, color=color, label=label)
+        ax.set_title("system prefix" if chunk == 0 else f"document chunk {chunk}", fontsize=10)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("question-token attention mass")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("attention mass per placed chunk (mean over heads, question tokens, items)")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
