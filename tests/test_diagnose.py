@@ -55,10 +55,8 @@ def _traced(engine: RagKVCache, strategy: str):
     ids = engine.generate_context_cache(list(DOCS))
     chunks = engine.store.get([engine.prefix_id, *ids])
     question = engine.template.question_ids(engine.lm.tokenizer, QUESTION)
-    prepared, queries, scales = prepare_traced(
-        engine.lm, chunks, question, Strategy.parse(strategy)
-    )
-    weights = question_attention(engine.lm, prepared, queries, scales)
+    prepared, queries = prepare_traced(engine.lm, chunks, question, Strategy.parse(strategy))
+    weights = question_attention(engine.lm, prepared, queries)
     return prepared, weights, [c.num_tokens for c in chunks], len(question)
 
 
@@ -83,9 +81,12 @@ def test_captured_queries_reproduce_the_models_attention(model, request) -> None
         for hook in hooks:
             hook.remove()
     assert torch.equal(plain, logits)
-    assert [layer for layer, _, _ in captured] == list(range(lm.num_layers))
+    assert [c[0] for c in captured] == list(range(lm.num_layers))
     tol = 1e-10 if lm.dtype == torch.float64 else 1e-4
-    for (layer, query, scale), (keys, values) in zip(captured, unpack_cache(cache), strict=True):
+    for (layer, query, scale, bias), (keys, values) in zip(
+        captured, unpack_cache(cache), strict=True
+    ):
+        assert bias is None
         heads = query.shape[1]
         assert query.shape == (1, heads, 37, lm.head_dim)
         groups = heads // lm.num_kv_heads
@@ -220,3 +221,18 @@ def test_legolink0_is_diagnosed_over_sink_encoded_chunks(tiny64, tmp_path: Path)
     kv = result.items[0].kv
     assert max(kv.values[0][:16]) < 1e-12 and min(kv.values[1][:16]) > 1e-6
     assert json.loads((tmp_path / "diagnosis.json").read_text())["strategy"] == "legolink0"
+
+
+def test_ape_scale_reaches_the_recomputed_attention(tiny64) -> None:
+    """`+ape:1,S` adds log S to the scores on stale keys: at layer 0 (where the question's
+    queries and the placed keys do not depend on the rest of the context) the question's
+    weights are naive's with the stale columns multiplied by S, renormalised."""
+    engine = _engine(tiny64)
+    _, naive, tokens, _ = _traced(engine, "naive")
+    _, ape, _, _ = _traced(engine, "naive+ape:1,3")
+    stale = torch.zeros(naive.shape[-1], dtype=torch.bool)
+    stale[tokens[0] : sum(tokens)] = True  # the document chunks; the prefix is exact
+    expected = naive[0] * torch.where(stale, 3.0, 1.0).to(naive.dtype)
+    expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(ape[0], expected, rtol=1e-10, atol=1e-12)
+    assert (ape[1:] - naive[1:]).abs().max() > 1e-3

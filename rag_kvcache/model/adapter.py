@@ -58,7 +58,8 @@ def gqa_sdpa_attention(
     """
     if _captured_queries is not None:  # `capture_queries` is active (diagnosis only)
         scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
-        _captured_queries.append((module.layer_idx, query.detach().clone(), scaling))
+        captured = (module.layer_idx, query.detach().clone(), scaling, kwargs.get("key_bias"))
+        _captured_queries.append(captured)
     hook = kwargs.get("kv_attention_hook")
     if hook is not None:
         return hook(module.layer_idx, query, kwargs.get("scaling")), None
@@ -81,20 +82,22 @@ def gqa_sdpa_attention(
     return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
 
 
-_captured_queries: list[tuple[int, torch.Tensor, float]] | None = None
+CapturedQuery = tuple[int, torch.Tensor, float, torch.Tensor | None]
+_captured_queries: list[CapturedQuery] | None = None
 
 
 @contextmanager
-def capture_queries() -> Iterator[list[tuple[int, torch.Tensor, float]]]:
+def capture_queries() -> Iterator[list[CapturedQuery]]:
     """While active, every call of our attention function appends (layer, query
-    [B, heads, Q, head_dim] after RoPE, scale) to the list it yields.
+    [B, heads, Q, head_dim] after RoPE, scale, key bias [>= keys] or None: see
+    `set_key_bias`) to the list it yields.
 
     Queries are never cached, yet attention weights need them: the diagnosis tool
     (`rag_kvcache.tools.diagnose`) recomputes the question tokens' attention from them and the
     cache's keys. Not thread-safe; off (the default) the attention function only checks it.
     """
     global _captured_queries
-    captured: list[tuple[int, torch.Tensor, float]] = []
+    captured: list[CapturedQuery] = []
     outer, _captured_queries = _captured_queries, captured
     try:
         yield captured

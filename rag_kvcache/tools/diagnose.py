@@ -148,34 +148,45 @@ class Diagnosis:
 # ----------------------------------------------------------------------------- measuring
 
 
+@dataclass(frozen=True)
+class LayerQueries:
+    """One layer's question-token queries, as its attention function received them."""
+
+    query: torch.Tensor  # [heads, question tokens, head_dim], after RoPE
+    scale: float
+    key_bias: torch.Tensor | None  # added to every score on key j (APE's scale), or None
+
+
 def prepare_traced(
     lm: LoadedModel, chunks: list[ChunkKV], question_ids: list[int], strategy: Strategy
-) -> tuple[Prepared, list[torch.Tensor], list[float]]:
-    """`prepare` with each layer's queries captured: (prepared, per layer the question tokens'
-    queries [heads, len(question_ids), head_dim] after RoPE, per layer the attention scale)."""
+) -> tuple[Prepared, list[LayerQueries]]:
+    """`prepare` with each layer's queries captured: the prepared context and, per layer,
+    the question tokens' queries (the last forward's: cacheblend runs a partial one first)."""
     with capture_queries() as captured:
         prepared = prepare(lm, chunks, question_ids, strategy)
-    last = {layer: (query, scale) for layer, query, scale in captured}  # the final forward's
+    n = len(question_ids)
+    last = {layer: LayerQueries(q[0, :, -n:], scale, bias) for layer, q, scale, bias in captured}
     if sorted(last) != list(range(lm.num_layers)):
         raise RuntimeError(f"captured queries of layers {sorted(last)}, not all {lm.num_layers}")
-    n = len(question_ids)
-    queries = [last[i][0][0, :, -n:] for i in range(lm.num_layers)]
-    return prepared, queries, [last[i][1] for i in range(lm.num_layers)]
+    return prepared, [last[i] for i in range(lm.num_layers)]
 
 
 def question_attention(
-    lm: LoadedModel, prepared: Prepared, queries: list[torch.Tensor], scales: list[float]
+    lm: LoadedModel, prepared: Prepared, layers: list[LayerQueries]
 ) -> torch.Tensor:
     """Attention weights [layers, heads, question tokens, context + question] of the last
-    tokens (the question) over a prepared cache: softmax(q k^T * scale), causal, computed
-    in float32 at least; query head h reads kv head h // groups (as HF's GQA does)."""
+    tokens (the question) over a prepared cache: softmax(q k^T * scale + key bias), causal,
+    computed in float32 at least; query head h reads kv head h // groups (as HF's GQA)."""
     length = prepared.position
     dtype = torch.promote_types(lm.dtype, torch.float32)
     out = []
-    for (keys, _), query, scale in zip(unpack_cache(prepared.cache), queries, scales, strict=True):
-        n = query.shape[1]
-        k = keys[0, :, :length].to(dtype).repeat_interleave(query.shape[0] // keys.shape[1], 0)
-        scores = query.to(dtype) @ k.transpose(1, 2) * scale  # [heads, n, length]
+    for (keys, _), layer in zip(unpack_cache(prepared.cache), layers, strict=True):
+        heads, n, _ = layer.query.shape
+        k = keys[0, :, :length].to(dtype).repeat_interleave(heads // keys.shape[1], 0)
+        scores = layer.query.to(dtype) @ k.transpose(1, 2) * layer.scale  # [heads, n, length]
+        if layer.key_bias is not None:  # shorter than the keys: those past it are unbiased
+            bias = layer.key_bias[:length].to(dtype)
+            scores[..., : len(bias)] += bias
         rows = torch.arange(length - n, length, device=k.device)
         allowed = torch.arange(length, device=k.device)[None, :] <= rows[:, None]
         out.append(scores.masked_fill(~allowed, float("-inf")).softmax(-1))
@@ -287,10 +298,10 @@ def diagnose_item(
     baseline = Strategy("prefill", order=strategy.order)
     question_ids = engine.template.question_ids(lm.tokenizer, item.question)
     chunks = engine.store.get([engine.prefix_id, *strategy.arrange(cache_ids)])
-    base, base_q, base_s = prepare_traced(lm, chunks, question_ids, baseline)
-    link, link_q, link_s = prepare_traced(lm, chunks, question_ids, strategy)
-    base_w = question_attention(lm, base, base_q, base_s)
-    link_w = question_attention(lm, link, link_q, link_s)
+    base, base_q = prepare_traced(lm, chunks, question_ids, baseline)
+    link, link_q = prepare_traced(lm, chunks, question_ids, strategy)
+    base_w = question_attention(lm, base, base_q)
+    link_w = question_attention(lm, link, link_q)
     tokens = [c.num_tokens for c in chunks]
     answer_chunk = placed_index(strategy, len(cache_ids), gold.answer)
     bridge = None if gold.bridge is None else placed_index(strategy, len(cache_ids), gold.bridge)
