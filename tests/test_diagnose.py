@@ -30,6 +30,7 @@ from rag_kvcache.tools.diagnose import (
     diagnose,
     diagnose_item,
     kv_deviation,
+    load,
     load_gold,
     main,
     placed_index,
@@ -203,6 +204,11 @@ def test_diagnose_selects_and_writes(tiny64, tmp_path: Path, monkeypatch) -> Non
     assert all(d["answer_chunk"] == 2 for d in saved["items"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["diagnosed"][FAILED] == saved["failed"]
+    assert summary["all"]["items"] == len(saved["items"])
+    # a round trip through the JSON (rounded to 3 digits) summarises to nearly the same
+    again = json.loads(json.dumps(diagnose_module.summary(load(out / "diagnosis.json"))))
+    assert again.keys() == summary.keys() and again["by_answer_chunk"] == summary["by_answer_chunk"]
+    assert again["all"]["departure"] == pytest.approx(summary["all"]["departure"], rel=1e-2)
     assert summary["by_answer_chunk"]["2"]["prefill_right"] == 3
     for name in ("heatmaps", "by_layer", "by_chunk"):
         assert (out / f"attention_{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -55,6 +55,7 @@ SINK_TOKENS = 4  # a chunk's first tokens counted as its own "attention sink"
 _EDGES = [*range(17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 1 << 20]
 POSITION_BINS = tuple(zip(_EDGES[:-1], _EDGES[1:], strict=True))
 FAILED, KEPT = "failed", "kept"  # prefill right and the link wrong; both right (controls)
+ALL = "all"  # summaries over every diagnosed item
 
 
 @dataclass(frozen=True)
@@ -402,6 +403,22 @@ def diagnose(
     return result
 
 
+def load(path: Path) -> Diagnosis:
+    """A diagnosis.json back as records (numbers as written: rounded, nan where None), to
+    summarise or plot again, or to compare runs."""
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    raw.pop("position_bins", None)
+    items = [
+        ItemDiagnosis(
+            **(d | {k: AttentionStats(**d[k]) for k in ("prefill", "linked")})
+            | {"kv": KVDeviation(**d["kv"])}
+        )
+        for d in raw.pop("items")
+    ]
+    outcomes = [Outcome(**o) for o in raw.pop("outcomes")]
+    return Diagnosis(**raw, items=items, outcomes=outcomes)
+
+
 def load_gold(path: Path) -> dict[str, Gold]:
     """Each item's answer (and two-hop bridge) document from the `meta` field of a QA set's
     JSONL lines (`rag-kvcache dataset` writes it; `load_dataset` does not keep it)."""
@@ -448,10 +465,10 @@ FIGURES = (
 
 def summary(diagnosis: Diagnosis, top: int = 10) -> dict[str, Any]:
     """Who answered right by where the answer's chunk is placed (all scanned items); per
-    group (failed, kept): the mean over items, layers and heads of each attention figure for
-    prefill and linked, the mass on each placed chunk, the departure (total variation) and
-    the KV deviation by layer and by position in the chunk; the (layer, head) pairs that
-    depart most."""
+    group (failed, kept, all diagnosed): each attention figure for prefill and linked - linked
+    minus prefill, as a mean over items, layers and heads and per layer (mean over heads) -,
+    the mass on each placed chunk, the departure (total variation) and the KV deviation by
+    layer and by position in the chunk; the (layer, head) pairs that depart most."""
     skip = ("items", "outcomes")
     out: dict[str, Any] = {k: v for k, v in asdict(diagnosis).items() if k not in skip}
     out["diagnosed"] = {g: sum(d.group == g for d in diagnosis.items) for g in (FAILED, KEPT)}
@@ -466,20 +483,28 @@ def summary(diagnosis: Diagnosis, top: int = 10) -> dict[str, Any]:
         for rows in [[o for o in diagnosis.outcomes if o.answer_chunk == chunk]]
     }
     out["position_bins"] = POSITION_BINS
-    for group in (FAILED, KEPT):
-        items = [d for d in diagnosis.items if d.group == group]
+    for group in (FAILED, KEPT, ALL):
+        items = [d for d in diagnosis.items if group in (d.group, ALL)]
         if not items:
             continue
-        figures: dict[str, Any] = {}
+        figures: dict[str, Any] = {"items": len(items)}
         deltas = {name: delta(items, name) for name in FIGURES}
         for name in FIGURES:
-            prefill = mean_of(items, f"prefill.{name}").mean()
-            figures[name] = {"prefill": prefill, "delta": deltas[name].mean()}
+            prefill = mean_of(items, f"prefill.{name}")
+            figures[name] = {
+                "prefill": prefill.mean(),
+                "delta": deltas[name].mean(),
+                "prefill_by_layer": prefill.mean(axis=1),
+                "delta_by_layer": deltas[name].mean(axis=1),
+            }
         same = same_shape(items)
+        base_chunks = mean_of(same, "prefill.chunks")  # [chunks, layers]
+        chunk_deltas = mean_of(same, "linked.chunks") - base_chunks
         figures["chunk_mass"] = {  # per placed chunk, system prefix first
             "items": len(same),
-            "prefill": mean_of(same, "prefill.chunks").mean(axis=1),
-            "delta": (mean_of(same, "linked.chunks") - mean_of(same, "prefill.chunks")).mean(1),
+            "prefill": base_chunks.mean(axis=1),
+            "delta": chunk_deltas.mean(axis=1),
+            "delta_by_layer": chunk_deltas,
         }
         tv = mean_of(items, "departure")
         figures["departure"] = tv.mean()
