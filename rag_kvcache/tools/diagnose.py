@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -566,7 +567,7 @@ def write(diagnosis: Diagnosis, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     records = _clean(asdict(diagnosis)) | {"position_bins": [list(b) for b in POSITION_BINS]}
     (out_dir / "diagnosis.json").write_text(json.dumps(records, separators=(",", ":")))
-    (out_dir / "summary.json").write_text(json.dumps(summary(diagnosis), indent=2) + "\n")
+    (out_dir / "summary.json").write_text(readable_json(summary(diagnosis)) + "\n")
     items = [d for d in diagnosis.items if d.group == FAILED] or diagnosis.items
     if items:
         title = f"{diagnosis.strategy} - {diagnosis.baseline}, {len(items)} {items[0].group} items"
@@ -579,6 +580,14 @@ def write(diagnosis: Diagnosis, out_dir: Path) -> None:
         )
         plot_kv(items, out_dir / "kv_deviation.png", diagnosis.strategy)
         plot_by_chunk(diagnosis.items, out_dir / "attention_by_chunk.png", diagnosis.strategy)
+
+
+def readable_json(x: Any) -> str:
+    """Indented JSON with each list of numbers on one line."""
+    flat = r"\[\s+((?:-?[0-9.eE+-]+|null)(?:,\s+(?:-?[0-9.eE+-]+|null))*)\s+\]"
+    return re.sub(
+        flat, lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", json.dumps(x, indent=2)
+    )
 
 
 def _pyplot() -> Any:
