@@ -266,7 +266,9 @@ def by_position_in_chunk(deviation: torch.Tensor, chunk_tokens: Sequence[int]) -
     columns = []
     for a, b in POSITION_BINS:
         picked = (in_chunk >= a) & (in_chunk < b)
-        nan = torch.full((len(deviation),), math.nan, dtype=deviation.dtype)
+        nan = torch.full(
+            (len(deviation),), math.nan, dtype=deviation.dtype, device=documents.device
+        )
         columns.append(documents[:, picked].mean(-1) if picked.any() else nan)
     return _rows(torch.stack(columns, dim=1))
 
