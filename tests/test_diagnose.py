@@ -1,10 +1,11 @@
 """The attention diagnosis on the tiny models: captured queries reproduce the model's own
 attention, `full` attends exactly like prefill, `naive`'s KV departs off chunk 0, and a run
-writes its JSON and plots."""
+(`rag-kvcache diagnose`) writes its JSON and plots."""
 
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from helpers import random_chunks
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.model import loading
 from rag_kvcache.model.adapter import (
     buffered_cache,
     capture_queries,
@@ -21,18 +23,19 @@ from rag_kvcache.model.adapter import (
 )
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import Strategy
-from rag_kvcache.tools import diagnose as diagnose_module
-from rag_kvcache.tools.diagnose import (
+from rag_kvcache.tools import diagnosis
+from rag_kvcache.tools.cli import main
+from rag_kvcache.tools.diagnosis import (
     FAILED,
     KEPT,
     POSITION_BINS,
+    SINK_TOKENS,
     Gold,
     diagnose,
     diagnose_item,
     kv_deviation,
     load,
     load_gold,
-    main,
     placed_index,
     prepare_traced,
     question_attention,
@@ -170,32 +173,36 @@ def test_diagnose_item_masses_add_up(tiny64) -> None:
     assert max(d.kv.values[0][:4]) < 1e-12 and max(d.kv.keys[0][:4]) < 1e-5  # layer 0: exact
 
 
+def _dataset(lm, path: Path, max_new_tokens: int) -> Path:
+    """A QA set of three items over DOCS whose gold answers are prefill's own outputs (the
+    answer in document 1): prefill is right on all of them."""
+    engine = _engine(lm)
+    lines = []
+    for i, question in enumerate(("Where is the ferry?", QUESTION, "How many basins?")):
+        ids = engine.generate_context_cache(list(DOCS))
+        answer = engine.generate(question, ids, strategy="prefill", max_new_tokens=max_new_tokens)
+        lines.append(
+            {
+                "id": f"q{i}",
+                "documents": [{"id": str(j), "text": t} for j, t in enumerate(DOCS)],
+                "question": question,
+                "answers": [answer.text],
+                "meta": {"answer_document": 1, "bridge_document": None},
+            }
+        )
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
 def test_diagnose_selects_and_writes(tiny64, tmp_path: Path, monkeypatch) -> None:
     """Items whose gold answer is prefill's own output: prefill is right on all of them, and
     the command diagnoses those the strategy gets wrong, writes the JSON and the plots."""
-    monkeypatch.setattr(diagnose_module, "load_model", lambda config: tiny64)
-    engine = _engine(tiny64)
-    items = []
-    for i, question in enumerate(("Where is the ferry?", QUESTION, "How many basins?")):
-        ids = engine.generate_context_cache(list(DOCS))
-        text = engine.generate(question, ids, strategy="prefill", max_new_tokens=6).text
-        items.append(EvalItem(f"q{i}", DOCS, question, (text,)))
-    dataset = tmp_path / "qa.jsonl"
-    lines = [
-        {
-            "id": it.id,
-            "documents": [{"id": str(j), "text": t} for j, t in enumerate(it.documents)],
-            "question": it.question,
-            "answers": list(it.answers),
-            "meta": {"answer_document": 1, "bridge_document": None},
-        }
-        for it in items
-    ]
-    dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    monkeypatch.setattr(loading, "load_model", lambda config: tiny64)  # imported when it runs
+    dataset = _dataset(tiny64, tmp_path / "qa.jsonl", max_new_tokens=6)
     assert load_gold(dataset)["q0"] == Gold(1, None)
     out = tmp_path / "out"
-    code = main([str(dataset), "--strategy", "naive", "--out", str(out), "--max-new-tokens", "6"])
-    assert code == 0
+    args = ["diagnose", str(dataset), "--strategy", "naive", "--out", str(out)]
+    assert main([*args, "--max-new-tokens", "6"]) == 0
     saved = json.loads((out / "diagnosis.json").read_text())
     assert saved["scanned"] == 3 and saved["prefill_right"] == 3
     assert [o["answer_chunk"] for o in saved["outcomes"]] == [2, 2, 2]
@@ -206,13 +213,39 @@ def test_diagnose_selects_and_writes(tiny64, tmp_path: Path, monkeypatch) -> Non
     assert summary["diagnosed"][FAILED] == saved["failed"]
     assert summary["all"]["items"] == len(saved["items"])
     # a round trip through the JSON (rounded to 3 digits) summarises to nearly the same
-    again = json.loads(json.dumps(diagnose_module.summary(load(out / "diagnosis.json"))))
+    again = json.loads(json.dumps(diagnosis.summary(load(out / "diagnosis.json"))))
     assert again.keys() == summary.keys() and again["by_answer_chunk"] == summary["by_answer_chunk"]
     assert again["all"]["departure"] == pytest.approx(summary["all"]["departure"], rel=1e-2)
     assert summary["by_answer_chunk"]["2"]["prefill_right"] == 3
     for name in ("heatmaps", "by_layer", "by_chunk"):
         assert (out / f"attention_{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "kv_deviation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_diagnose_command_loads_a_model_folder(tiny32, tmp_path: Path, capsys) -> None:
+    """`rag-kvcache diagnose --model DIR` on the tiny model saved as an HF folder: it scans
+    `--limit` items, reports each, and records the folder's model."""
+    folder = tmp_path / "tiny-llama"
+    tiny32.model.save_pretrained(folder)
+    tiny32.tokenizer.save_pretrained(folder)
+    dataset = _dataset(tiny32, tmp_path / "qa.jsonl", max_new_tokens=4)
+    out = tmp_path / "out"
+    args = ["diagnose", str(dataset), "--model", str(folder), "--strategy", "legolink:2"]
+    assert main([*args, "--out", str(out), "--limit", "2", "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "q0: prefill right" in printed and "scanned 2: prefill right 2" in printed
+    saved = json.loads((out / "diagnosis.json").read_text())
+    assert saved["model"] == "tiny-llama" and saved["strategy"] == "legolink:2"
+    assert saved["scanned"] == 2 and len(saved["items"]) == 2  # failed or kept: all diagnosed
+    assert saved["sink_tokens"] == SINK_TOKENS == 4  # the default --sink-tokens' help names
+
+
+def test_python_m_runs_the_command(monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.argv", ["python -m rag_kvcache.tools.diagnosis", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("rag_kvcache.tools.diagnosis", run_name="__main__")
+    assert exited.value.code == 0
+    assert "--max-items" in capsys.readouterr().out
 
 
 def test_legolink0_is_diagnosed_over_sink_encoded_chunks(tiny64, tmp_path: Path) -> None:

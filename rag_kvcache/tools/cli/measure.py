@@ -1,4 +1,5 @@
-"""`eval` and `bench ...`: answer quality per strategy, and the benchmarks (JSON + plots)."""
+"""`eval`, `diagnose` and `bench ...`: answer quality per strategy, where a link's attention
+departs from prefill's, and the benchmarks (JSON + plots)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,27 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
     evaluate.set_defaults(run=eval_command)
 
+    diagnose = commands.add_parser(
+        "diagnose", help="where a link's attention departs from prefill's, per layer and head"
+    )
+    diagnose.add_argument("dataset", type=Path, help="JSONL QA set (with meta.answer_document)")
+    diagnose.add_argument("--strategy", default="legolink:2", help="(default legolink:2)")
+    diagnose.add_argument("--out", type=Path, default=Path("diagnosis"), help="(default diagnosis)")
+    diagnose.add_argument("--limit", type=int, default=None, help="scan at most N items")
+    diagnose.add_argument("--max-items", type=int, default=15, help="failed items (default 15)")
+    diagnose.add_argument("--controls", type=int, default=5, help="kept items too (default 5)")
+    diagnose.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=None,
+        help="a chunk's first tokens counted as its sink (default 4)",
+    )
+    diagnose.add_argument("--max-new-tokens", type=int, default=24)
+    diagnose.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
+    diagnose.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    diagnose.add_argument("--threads", type=int, default=None)
+    diagnose.set_defaults(run=diagnose_command)
+
 
 def dataset_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.tools.qa_set import write_sets
@@ -162,6 +184,44 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
     console.print(ev.markdown_table(summary), markup=False, highlight=False)
     console.print(f"wrote {args.out / name}.json, .md and plots")
+    return 0
+
+
+def diagnose_command(args: argparse.Namespace, console: Console) -> int:
+    from rag_kvcache.config import ModelConfig
+    from rag_kvcache.model.loading import load_model
+    from rag_kvcache.tools import diagnosis
+    from rag_kvcache.tools.eval import load_dataset
+
+    lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, threads=args.threads))
+    items = load_dataset(args.dataset)[: args.limit]
+
+    def progress(item: str, base: bool, link: bool) -> None:
+        console.print(
+            f"{item}: prefill {'right' if base else 'wrong'}, link {'right' if link else 'wrong'}",
+            highlight=False,
+            markup=False,
+        )
+
+    result = diagnosis.diagnose(
+        lm,
+        items,
+        args.strategy,
+        args.out,
+        max_items=args.max_items,
+        gold=diagnosis.load_gold(args.dataset),
+        controls=args.controls,
+        sink_tokens=diagnosis.SINK_TOKENS if args.sink_tokens is None else args.sink_tokens,
+        max_new_tokens=args.max_new_tokens,
+        on_item=progress,
+    )
+    console.print(
+        f"scanned {result.scanned}: prefill right {result.prefill_right}, "
+        f"{result.strategy} right {result.linked_right}, prefill right and {result.strategy} "
+        f"wrong {result.failed}; diagnosed {len(result.items)} -> {args.out}",
+        highlight=False,
+        markup=False,
+    )
     return 0
 
 
