@@ -93,7 +93,7 @@ def capture_queries() -> Iterator[list[CapturedQuery]]:
     `set_key_bias`) to the list it yields.
 
     Queries are never cached, yet attention weights need them: the diagnosis tool
-    (`rag_kvcache.tools.diagnose`) recomputes the question tokens' attention from them and the
+    (`rag_kvcache.tools.diagnosis`) recomputes the question tokens' attention from them and the
     cache's keys. Not thread-safe; off (the default) the attention function only checks it.
     """
     global _captured_queries
