@@ -2,7 +2,8 @@
 answer questions from retrieved, cached chunks.
 
 For each question it prints the time to first token with the retrieved chunks linked from the
-cache next to a full prefill of the very same prompt, both answers, and the sources. A second
+cache next to a full prefill of the very same prompt (the same chunks in the same placement),
+both answers, and the sources. A second
 run finds every document unchanged and encodes nothing. Run with `make demo`.
 """
 
@@ -65,13 +66,13 @@ def main() -> None:
         hits = engine.retrieve(question, TOP_K)
         cache_ids = [h.cache_id for h in hits]
         cached = engine.generate(question, cache_ids, strategy=strategy)
-        full = engine.generate(question, cache_ids, strategy="prefill")
+        full = engine.generate(question, cache_ids, strategy=strategy.baseline)
         table = Table(title=f"{question}  ({cached.prompt_tokens} prompt tokens)")
         table.add_column("prompt from")
         table.add_column("TTFT", justify="right")
         table.add_column("answer")
         table.add_row(f"cached chunks, {strategy}", f"{cached.ttft_s:.2f} s", cached.text)
-        table.add_row("full prefill", f"{full.ttft_s:.2f} s", full.text)
+        table.add_row(f"full prefill, {strategy.baseline}", f"{full.ttft_s:.2f} s", full.text)
         console.print(table)
         sources = sorted({Path(h.source or "?").name for h in hits})
         console.print(

@@ -155,6 +155,12 @@ class Strategy:
         return [rank < self.top for rank in self.arrange(range(documents))]
 
     @property
+    def baseline(self) -> Strategy:
+        """A plain prefill of the very prompt this strategy answers (the same chunks in the
+        same placement): what its speed and its answers are compared with."""
+        return Strategy("prefill", order=self.order)
+
+    @property
     def uses_cache(self) -> bool:
         """False for `prefill`, which computes the whole prompt afresh."""
         return self.kind != "prefill"

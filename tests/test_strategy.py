@@ -115,6 +115,14 @@ def test_top_ranks_follow_the_given_order_wherever_placed() -> None:
     assert Strategy.parse("legolink:2+top:0") == Strategy.parse("legolink:2")
 
 
+def test_the_baseline_is_a_prefill_of_the_same_prompt() -> None:
+    assert Strategy.parse("legolink:2+reversed+top:1+ape:0.7,0.8").baseline == Strategy.parse(
+        "prefill+reversed"
+    )
+    assert Strategy.parse("naive").baseline == PREFILL
+    assert Strategy.parse("prefill+rotated").baseline == Strategy.parse("prefill+rotated")
+
+
 def test_config_parses_a_spelling_once_and_keeps_a_strategy() -> None:
     assert EngineConfig(strategy="legolink:16").strategy == Strategy("legolink", k=16)  # type: ignore[arg-type]
     assert EngineConfig().strategy == Strategy("legolink", k=2)

@@ -257,7 +257,7 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
 def baseline(strategy: Strategy) -> Strategy:
     """The prefill a strategy's "kept" is counted against: the same placement (prefill itself,
     in any order, against prefill as given: that is the noise floor)."""
-    return PREFILL if not strategy.uses_cache else Strategy("prefill", order=strategy.order)
+    return strategy.baseline if strategy.uses_cache else PREFILL
 
 
 def check_strategies(

@@ -89,7 +89,6 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
 
 def answer_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.answer import Answer, AnswerStream
-    from rag_kvcache.strategy import PREFILL
 
     engine = open_engine(args, console)
     if not engine.corpus.catalog.documents():
@@ -100,12 +99,13 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
         hits = engine.retrieve(question, args.top_k)
         ids = [h.cache_id for h in hits]
         asked = "".join(f"(earlier) {q}\n(answered) {a}\n" for q, a in history) + question
-        runs = [engine.config.strategy] + ([PREFILL] if args.compare else [])
+        strategy = engine.config.strategy  # compared with a prefill of the same prompt
+        runs = [strategy] + ([strategy.baseline] if args.compare else [])
         answers: list[Answer] = []
-        for strategy in runs:
+        for run in runs:
             if args.compare:
-                console.print(f"[bold]{strategy}:[/bold]")
-            stream = engine.generate(asked, ids, strategy=strategy, stream=True)
+                console.print(f"[bold]{run}:[/bold]")
+            stream = engine.generate(asked, ids, strategy=run, stream=True)
             assert isinstance(stream, AnswerStream)
             for piece in stream:
                 console.print(piece, end="", highlight=False, markup=False)
