@@ -33,7 +33,7 @@ from rag_kvcache.ingest import Skipped, plan_ingest, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.retrieval.index import Retrieved
-from rag_kvcache.strategy import PREFILL, Strategy
+from rag_kvcache.strategy import Strategy
 
 log = logging.getLogger("rag_kvcache.demo")
 
@@ -45,8 +45,13 @@ CHUNK_TOKENS = 256
 PAGES = ("Ingest", "Ask", "Insight")
 # legolink0 is left out: it needs chunks encoded with sink tokens (EncodeConfig(sink_tokens=N)).
 STRATEGIES = {
-    "legolink:2": "recomputes the first 2 tokens of each chunk: fast, close to a full prefill",
-    "legolink:16": "recomputes 16 tokens per chunk: a little slower, closer still",
+    "legolink:16+reversed": "the default: the best chunk nearest the question, 16 tokens of "
+    "each chunk recomputed",
+    "naive+reversed+top:1": "the best chunk nearest the question and recomputed whole: the "
+    "most accurate, slower",
+    "legolink:2+reversed": "the best chunk nearest the question, 2 tokens per chunk recomputed: "
+    "fastest of these, less accurate",
+    "legolink:2": "2 tokens per chunk recomputed, chunks in retrieval order",
     "naive": "uses the cached chunks as they are: fastest, least faithful",
     "cacheblend:0.15": "recomputes the 15% most changed tokens (CacheBlend baseline)",
     "full": "recomputes every chunk token: equals a full prefill, for checking, not speed",
@@ -337,7 +342,8 @@ def answer_live(
     """Retrieve, then stream the answer (and the full-prefill answer beside it if comparing)."""
     turn.hits = engine.retrieve(turn.question, top_k)
     ids = [h.cache_id for h in turn.hits]
-    runs = [Strategy.parse(strategy), PREFILL] if compare else [Strategy.parse(strategy)]
+    chosen = Strategy.parse(strategy)
+    runs = [chosen, chosen.baseline] if compare else [chosen]  # the same prompt, prefilled
     for run, column in zip(runs, answer_columns(len(runs))):
         with column:
             if compare:
@@ -379,8 +385,8 @@ def answer_columns(n: int) -> list[Any]:
 
 
 def heading(strategy: Strategy) -> str:
-    if strategy == PREFILL:
-        return "Full prefill (no cache: reads every chunk again)"
+    if not strategy.uses_cache:
+        return f"Full prefill (no cache: reads every chunk again; {strategy})"
     return f"Cached chunks linked ({strategy})"
 
 

@@ -126,7 +126,7 @@ def test_asking_streams_an_answer_with_sources_and_ttft(sample_store) -> None:
     answer = assistant.markdown[0].value
     assert answer.strip() and not answer.startswith("**Sources")
     (caption,) = [c for c in values(assistant.caption) if "TTFT" in c]
-    assert "strategy legolink:2" in caption and "tokens/s" in caption
+    assert "strategy legolink:16+reversed" in caption and "tokens/s" in caption
     ttft = float(caption.split("TTFT ")[1].split(" s")[0])
     assert 0 < ttft < 30
     sources = [e.label for e in assistant.expander]
@@ -146,17 +146,19 @@ def test_compare_mode_shows_both_answers_side_by_side(sample_store) -> None:
         mp.setenv(STORE_ENV, str(root))
         at = open_app()
         go_to(at, "Ask")
-        at.selectbox(key="strategy").set_value("legolink:16")
+        at.selectbox(key="strategy").set_value("naive+reversed+top:1")
         at = ask(at, QUESTION, compare=True)
     assistant = at.chat_message[-1]
     columns = assistant.columns
     assert len(columns) == 2
     cached, full = (c.markdown for c in columns)
-    assert cached[0].value == "**Cached chunks linked (legolink:16)**"
+    assert cached[0].value == "**Cached chunks linked (naive+reversed+top:1)**"
     assert full[0].value.startswith("**Full prefill")
     assert cached[1].value.strip() and full[1].value.strip()  # the two answers
     captions = [values(c.caption)[0] for c in columns]
-    assert "strategy legolink:16" in captions[0] and "strategy prefill" in captions[1]
+    # the prefill of the very same prompt: the same chunks in the same placement
+    assert "strategy naive+reversed+top:1" in captions[0]
+    assert "strategy prefill+reversed" in captions[1]
     assert all("TTFT" in c for c in captions)
     summary = [m for m in values(assistant.markdown) if "sooner from the cache" in m]
     assert len(summary) == 1

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rag_kvcache.strategy import DEFAULT
 from rag_kvcache.tools.cli.common import engine_options, open_engine
 
 
@@ -27,7 +28,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     chat = commands.add_parser("chat", help="interactive questions (empty line or /quit ends)")
     for sub in (query, chat):
         sub.add_argument("--top-k", type=int, default=4, help="chunks retrieved per question")
-        sub.add_argument("--strategy", default=None, help="link strategy (default legolink:2)")
+        sub.add_argument("--strategy", default=None, help=f"link strategy (default {DEFAULT})")
         sub.add_argument(
             "--compare", action="store_true", help="also run full prefill; print both TTFTs"
         )
