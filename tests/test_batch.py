@@ -144,7 +144,11 @@ def test_a_tight_budget_never_evicts_the_path_being_extended(tiny64) -> None:
     """With no byte budget every idle leaf is evicted to make room; the prefix a new request
     builds on must survive that, or its new node would hang under a node no longer in the
     tree."""
-    config = EngineConfig(generation=GenerationConfig(max_new_tokens=4), prefix_tree_bytes=0)
+    config = EngineConfig(
+        generation=GenerationConfig(max_new_tokens=4),
+        prefix_tree_bytes=0,
+        strategy=Strategy.parse("legolink:2"),  # in the given order: `longer` extends `first`
+    )
     engine = RagKVCache(config, lm=tiny64)
     ids = engine.generate_context_cache(DOCS)
     first = BatchRequest("Who designed it?", (ids[0],))
