@@ -266,7 +266,7 @@ def test_insight_page_plots_results_and_hit_rates(sample_store) -> None:
     assert set(hit_rates["tier"]) <= {"gpu", "cpu", "disk", "redis"}
     assert hit_rates["chunk reads"].sum() > 0
     assert abs(hit_rates["hit rate (%)"].sum() - 100) < 0.5
-    check(at.radio(key="ttft_dtype").set_value("bfloat16").run())
+    check(at.radio(key="ttft_dtype").set_value("float32").run())  # the dtypes ttft.json holds
     check(at.radio(key="quality").set_value("answer found (%)").run())
     assert len(charts(at)) == 3
 
