@@ -28,7 +28,6 @@ from rag_kvcache.tools.diagnosis.measure import (
     diagnose_item,
     kv_deviation,
     placed_index,
-    prefill_baseline,
     prepare_traced,
     question_attention,
 )
@@ -87,7 +86,6 @@ __all__ = [
     "plot_by_layer",
     "plot_heatmaps",
     "plot_kv",
-    "prefill_baseline",
     "prepare_traced",
     "question_attention",
     "readable_json",

@@ -156,11 +156,6 @@ def _rows(x: torch.Tensor) -> list[list[float]]:
     return [[float(v) for v in row] for row in x.double().cpu().tolist()]
 
 
-def prefill_baseline(strategy: Strategy) -> Strategy:
-    """What a link strategy is compared with: prefill with the strategy's placement."""
-    return Strategy("prefill", order=strategy.order)
-
-
 def placed_index(strategy: Strategy, documents: int, document: int) -> int:
     """Where the strategy places a document (index in the dataset's order): its chunk index,
     counting the system prefix as chunk 0."""
@@ -180,7 +175,7 @@ def diagnose_item(
     """Compute prefill (with the strategy's placement) and the strategy over one item's cached
     documents and compare them (see the package docstring). `answers`: (prefill's, linked)."""
     lm = engine.lm
-    baseline = prefill_baseline(strategy)
+    baseline = strategy.baseline
     question_ids = engine.template.question_ids(lm.tokenizer, item.question)
     chunks = engine.store.get([engine.prefix_id, *strategy.arrange(cache_ids)])
     base, base_q = prepare_traced(lm, chunks, question_ids, baseline)

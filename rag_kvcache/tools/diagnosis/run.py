@@ -21,7 +21,7 @@ from rag_kvcache.errors import ConfigError
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import Strategy
-from rag_kvcache.tools.diagnosis.measure import diagnose_item, placed_index, prefill_baseline
+from rag_kvcache.tools.diagnosis.measure import diagnose_item, placed_index
 from rag_kvcache.tools.diagnosis.plots import plot_by_chunk, plot_by_layer, plot_heatmaps, plot_kv
 from rag_kvcache.tools.diagnosis.records import (
     FAILED,
@@ -60,7 +60,7 @@ def diagnose(
     strategy = Strategy.parse(strategy)
     if not strategy.uses_cache:
         raise ConfigError(f"{strategy} is not a link strategy; diagnose compares one to prefill")
-    baseline = prefill_baseline(strategy)
+    baseline = strategy.baseline
     config = EngineConfig(generation=GenerationConfig(max_new_tokens=max_new_tokens))
     engine = RagKVCache(config, lm=lm, store=MemoryStore())
     if strategy.needs_sinks:  # legolink0: chunks encoded after sink tokens, as eval does
