@@ -20,6 +20,7 @@ from rag_kvcache.tools.eval import (
     EvalItem,
     Evaluator,
     ItemResult,
+    Journal,
     check_strategies,
     in_retrieval_order,
     load_dataset,
@@ -242,6 +243,42 @@ def test_without_teacher_forcing_full_is_not_run(tiny32) -> None:
     assert [r.strategy for r in rows] == ["prefill", "naive+top:1"]
     assert all(math.isnan(r.kl) and math.isnan(r.top1) for r in rows)
     assert rows[1].prefill_ttft_s == rows[0].ttft_s
+
+
+def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on(
+    tiny32, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    items = [
+        EvalItem(name, (f"The {name} tower is {n} metres tall.", "Gulls."), "How tall?", (str(n),))
+        for name, n in (("a", 12), ("b", 30), ("c", 45))
+    ]
+    settings = {"model": tiny32.name, "strategies": ["prefill", "naive"]}
+    whole, _ = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
+    path = tmp_path / "eval.partial.jsonl"
+    journal = Journal(path, settings)
+    run_eval(tiny32, items[:2], ["naive"], max_new_tokens=3, teacher_tokens=0, journal=journal)
+    text = path.read_text()
+    path.write_text(text[: len(text) - 40])  # killed while writing item b's line
+    ran: list[str] = []
+    original = Evaluator.run_item
+    monkeypatch.setattr(
+        Evaluator, "run_item", lambda self, item, s: ran.append(item.id) or original(self, item, s)
+    )
+    resumed = Journal(path, settings)
+    assert list(resumed.results()) == ["a"]
+    results, summary = run_eval(
+        tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0, journal=resumed
+    )
+    assert ran == ["b", "c"]  # a was not run again; b, cut short, was
+    assert [(r.item, r.strategy, r.token_ids) for r in results] == [
+        (r.item, r.strategy, r.token_ids) for r in whole
+    ]
+    assert [s.items for s in summary] == [3, 3]
+    assert len(path.read_text().splitlines()) == 4  # the settings and three whole items
+    with pytest.raises(ConfigError, match="other settings"):
+        Journal(path, {**settings, "model": "another"})  # never mixed into another run's report
+    resumed.close()
+    assert not path.exists()
 
 
 def test_retrieval_order_puts_the_most_similar_document_first() -> None:

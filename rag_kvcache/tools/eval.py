@@ -290,15 +290,81 @@ def run_eval(
     max_new_tokens: int = 32,
     teacher_tokens: int = 16,
     on_item: Callable[[EvalItem], None] | None = None,
+    journal: Journal | None = None,
 ) -> tuple[list[ItemResult], list[StrategySummary]]:
+    """Every item through every strategy. With a `journal`, each item's results are appended
+    as soon as they exist and the items it already holds are not run again: a killed run,
+    restarted with the same settings, loses at most the item it was on."""
     parsed = check_strategies(strategies, with_full=teacher_tokens > 0)
     evaluator = Evaluator(lm, max_new_tokens, teacher_tokens)
+    done = journal.results() if journal else {}
     results: list[ItemResult] = []
     for item in items:
-        results += evaluator.run_item(item, parsed)
+        rows = done.get(item.id)
+        if rows is None:
+            rows = evaluator.run_item(item, parsed)
+            if journal:
+                journal.append(rows)
+        results += rows
         if on_item:
             on_item(item)
     return results, summarize(results, parsed)
+
+
+class Journal:
+    """An evaluation's results so far, one JSON line per item after a header line holding the
+    run's settings. Resuming checks the settings first: results measured under other settings
+    (another model, dataset, strategy list, ...) are never mixed into a report."""
+
+    def __init__(self, path: Path, settings: dict[str, object]):
+        self.path = Path(path)
+        settings = json.loads(json.dumps(settings))  # as it reads back from JSON
+        self._done: dict[str, list[ItemResult]] = {}
+        kept_lines = [json.dumps({"settings": settings})]
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+            try:
+                header = json.loads(lines[0]) if lines else None
+            except json.JSONDecodeError:
+                header = None
+            if header != {"settings": settings}:
+                raise ConfigError(
+                    f"{self.path} holds an unfinished run with other settings (or is not an "
+                    f"eval journal); delete it or write to another --out"
+                )
+            for line in lines[1:]:
+                rows = _rows(line)
+                if rows is None:  # cut short by a kill: that item is run again
+                    break
+                self._done[rows[0].item] = rows
+                kept_lines.append(line)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".tmp")
+        partial.write_text("".join(f"{line}\n" for line in kept_lines), encoding="utf-8")
+        partial.replace(self.path)
+
+    def results(self) -> dict[str, list[ItemResult]]:
+        """Item id -> its results, for the items a previous run finished."""
+        return dict(self._done)
+
+    def append(self, rows: list[ItemResult]) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps([asdict(r) for r in rows]) + "\n")
+            f.flush()
+
+    def close(self) -> None:
+        """The run finished and its report is written: the next run starts afresh."""
+        self.path.unlink(missing_ok=True)
+
+
+def _rows(line: str) -> list[ItemResult] | None:
+    try:
+        rows = [
+            ItemResult(**{**row, "token_ids": tuple(row["token_ids"])}) for row in json.loads(line)
+        ]
+    except (json.JSONDecodeError, TypeError, KeyError):
+        return None
+    return rows or None
 
 
 def markdown_table(summary: list[StrategySummary]) -> str:

