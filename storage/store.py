@@ -78,6 +78,9 @@ class TieredStore:
         reencode: Reencode | None = None,
     ):
         root = Path(root)
+        # the store's folder holds the vector index whatever the tiers are (with a PostgreSQL
+        # catalog and Redis blobs nothing else would make it)
+        root.mkdir(parents=True, exist_ok=True)
         self.root = root
         if catalog is None:
             catalog = Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
