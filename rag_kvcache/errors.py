@@ -46,3 +46,8 @@ class EmptyChunkError(RagKVCacheError, ValueError):
 
 class StrategyError(RagKVCacheError, ValueError):
     """A link strategy name cannot be parsed or cannot be applied to these chunks."""
+
+
+class InvalidNameError(RagKVCacheError, ValueError):
+    """A name or ID given by a caller (cache ID, schema name) is not of the allowed form, so it
+    can never become a path or a key."""

@@ -2,22 +2,20 @@
 
 A blob is written to a temporary name in the same folder, flushed, fsynced and renamed, and
 the folder fsynced, so a killed writer leaves either no file or a whole one (stray
-temporaries are removed by gc). Paths come only from validated hex cache IDs, so nothing in
-the catalog can point outside the store's folder.
+temporaries are removed by gc). Paths come only from validated cache IDs (`layout.named_path`),
+so nothing a caller or the catalog names can point outside the store's folder.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from rag_kvcache.errors import RagKVCacheError
-
-CACHE_ID = re.compile(r"[0-9a-f]{16,64}")
+from rag_kvcache.storage.layout import is_name, named_path
 
 
 class StoreFullError(RagKVCacheError, OSError):
@@ -32,9 +30,7 @@ class DiskTier:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, cache_id: str) -> Path:
-        if not CACHE_ID.fullmatch(cache_id):
-            raise ValueError(f"not a cache ID: {cache_id!r} (expected 16-64 lowercase hex)")
-        return self.root / cache_id[:2] / f"{cache_id}.safetensors"
+        return named_path(self.root, "cache ID", cache_id)
 
     def put(self, cache_id: str, data: bytes) -> None:
         target = self.path(cache_id)
@@ -88,7 +84,7 @@ class DiskTier:
 
     def ids(self) -> Iterator[str]:
         for file in self.root.glob("*/*.safetensors"):
-            if CACHE_ID.fullmatch(file.stem):
+            if is_name("cache ID", file.stem):
                 yield file.stem
 
     def remove_temporaries(self) -> int:

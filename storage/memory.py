@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.kv import ChunkKV
+from rag_kvcache.storage.layout import checked_name, is_name
 from rag_kvcache.storage.records import VerifyReport
 
 if TYPE_CHECKING:
@@ -34,20 +35,21 @@ class MemoryStore:
 
     def get(self, cache_ids: list[str]) -> list[ChunkKV]:
         """The chunks in order; all missing IDs reported at once."""
-        missing = [c for c in cache_ids if c not in self._chunks]
+        malformed = [repr(c) for c in cache_ids if not is_name("cache ID", c)]
+        missing = malformed or [c for c in cache_ids if c not in self._chunks]
         if missing:
             raise UnknownCacheIdError(missing)
         return [self._chunks[c] for c in cache_ids]
 
     def contains(self, cache_id: str) -> bool:
-        return cache_id in self._chunks
+        return checked_name("cache ID", cache_id) in self._chunks
 
     def remove(self, cache_id: str) -> bool:
-        return self._chunks.pop(cache_id, None) is not None
+        return self._chunks.pop(checked_name("cache ID", cache_id), None) is not None
 
     def set_pinned(self, cache_id: str, pinned: bool) -> None:
         """Nothing here is ever evicted, so a pin changes nothing; an unknown ID is an error."""
-        if cache_id not in self._chunks:
+        if checked_name("cache ID", cache_id) not in self._chunks:
             raise UnknownCacheIdError([cache_id])
 
     def verify(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.extras import LazyModule
-from rag_kvcache.storage.disk import CACHE_ID
+from rag_kvcache.storage.layout import checked_name, is_name
 
 if TYPE_CHECKING:
     import redis
@@ -43,9 +43,7 @@ class RedisTier:
             ) from err
 
     def key(self, cache_id: str) -> str:
-        if not CACHE_ID.fullmatch(cache_id):
-            raise ValueError(f"not a cache ID: {cache_id!r} (expected 16-64 lowercase hex)")
-        return self.prefix + cache_id
+        return self.prefix + checked_name("cache ID", cache_id)
 
     def put(self, cache_id: str, data: bytes) -> None:
         self._call(self._redis.set, self.key(cache_id), data)
@@ -62,8 +60,8 @@ class RedisTier:
 
     def ids(self) -> Iterator[str]:
         for key in self._call(lambda: list(self._redis.scan_iter(match=self.prefix + "*"))):
-            cid = key.decode()[len(self.prefix) :]
-            if CACHE_ID.fullmatch(cid):
+            cid = key.decode(errors="replace")[len(self.prefix) :]
+            if is_name("cache ID", cid):
                 yield cid
 
     def remove_temporaries(self) -> int:

@@ -31,6 +31,7 @@ from rag_kvcache.storage.blob import (
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
+from rag_kvcache.storage.layout import checked_name, is_name
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
 
@@ -116,6 +117,7 @@ class TieredStore:
         ttl_s: float | None = None,
     ) -> None:
         """Store kv durably (once, whoever else stores the same chunk) and keep it hot."""
+        checked_name("cache ID", kv.cache_id)
         expires = datetime.now(UTC) + timedelta(seconds=ttl_s) if ttl_s else None
         claimed = self.catalog.begin_chunk(
             kv.cache_id,
@@ -169,6 +171,9 @@ class TieredStore:
 
     def get(self, cache_ids: list[str]) -> list[ChunkKV]:
         """The chunks, in order, from the fastest tier holding each (promoted on a miss)."""
+        malformed = [repr(c) for c in cache_ids if not is_name("cache ID", c)]
+        if malformed:  # names no chunk: unknown, before any lookup
+            raise UnknownCacheIdError(malformed)
         rows = self.catalog.chunks(cache_ids)
         now = datetime.now(UTC)
         unknown = [
@@ -229,7 +234,7 @@ class TieredStore:
         return kv
 
     def contains(self, cache_id: str) -> bool:
-        row = self.catalog.chunk(cache_id)
+        row = self.catalog.chunk(checked_name("cache ID", cache_id))
         if row is None or row.state != "stored":
             return False
         return row.expires_at is None or row.expires_at > datetime.now(UTC)
@@ -237,12 +242,13 @@ class TieredStore:
     # ------------------------------------------------------------------ upkeep
 
     def set_pinned(self, cache_id: str, pinned: bool) -> None:
-        self.catalog.set_pinned(cache_id, pinned)
+        self.catalog.set_pinned(checked_name("cache ID", cache_id), pinned)
         for tier in self.hot:
             tier.set_pinned(cache_id, pinned)
 
     def remove(self, cache_id: str) -> bool:
         """Forget a chunk everywhere (expire_cache)."""
+        checked_name("cache ID", cache_id)
         for tier in self.hot:
             tier.remove(cache_id)
         removed = self.catalog.remove_chunk(cache_id)

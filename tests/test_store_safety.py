@@ -4,14 +4,23 @@ damage that must be reported rather than read as emptiness."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import Target
+from helpers import random_chunks
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.errors import InvalidNameError, UnknownCacheIdError
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.storage import MemoryStore
+from rag_kvcache.storage.disk import DiskTier
+from rag_kvcache.storage.layout import RULES, named_path, schema_path
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
 
@@ -55,3 +64,117 @@ def test_postgres_catalog_and_redis_blobs_work_from_a_new_store_folder(
     assert hits[0].cache_id in done.cache_ids and hits[0].source == "harbor.md"
     assert (root / "index.faiss").is_file() and not (root / "blobs").exists()
     store.close()
+
+
+# ----------------------------------------------------------------------------- item 2: names
+
+VALID_ID = "0123456789abcdef" * 2
+HOSTILE = [
+    "..",
+    ".",
+    "../../x",
+    "../" * 20 + "etc/passwd",
+    "/etc/passwd",
+    "/" + VALID_ID,
+    VALID_ID[:2] + "/../" + VALID_ID[6:],
+    "a\x00b",
+    VALID_ID[:31] + "\x00",
+    VALID_ID + "\n",
+    "\\..\\x",
+    "a" * 10_000,
+    "",
+    VALID_ID.replace("a", "\u0430"),  # Cyrillic a
+    VALID_ID.replace("0", "\uff10"),  # fullwidth zero
+    VALID_ID.replace("1", "\u0661"),  # Arabic-Indic one (a Unicode decimal digit)
+    "travel\u2215..\u2215x",  # division slashes
+    "-rf",
+    None,
+    42,
+    b"travel",
+]
+KINDS = sorted(RULES)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_names_never_become_paths(kind: str, name: object, tmp_path: Path) -> None:
+    with pytest.raises(InvalidNameError, match=f"not a {kind}"):
+        named_path(tmp_path, kind, name)
+
+
+@pytest.mark.parametrize("name", ["0" * 31, "0" * 33, VALID_ID.upper(), " " + VALID_ID[1:]])
+def test_cache_ids_are_hex_of_one_length(name: str) -> None:
+    with pytest.raises(InvalidNameError, match="exactly 32 lowercase hex digits"):
+        named_path(Path("/srv/blobs"), "cache ID", name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@given(name=st.one_of(st.text(), st.text(alphabet="./\\\x00abc0123456789", max_size=70)))
+def test_any_name_is_refused_or_lands_strictly_inside_its_folder(kind: str, name: str) -> None:
+    folder = Path("/srv/store/blobs")
+    try:
+        path = named_path(folder, kind, name)
+    except InvalidNameError:
+        return
+    assert RULES[kind].pattern.fullmatch(name)
+    relative = path.relative_to(folder)
+    assert ".." not in relative.parts and "." not in relative.parts
+    assert Path(os.path.normpath(path)).is_relative_to(folder) and path != folder
+    assert all(c.isascii() and c.isprintable() for c in str(relative))
+
+
+@given(name=st.from_regex(r"[0-9a-f]{32}", fullmatch=True))
+def test_every_real_cache_id_has_its_blob_path(name: str) -> None:
+    path = named_path(Path("/srv/blobs"), "cache ID", name)
+    assert path == Path("/srv/blobs", name[:2], f"{name}.safetensors")
+
+
+def test_schema_names_are_slugs_under_the_schemas_folder(tmp_path: Path) -> None:
+    assert schema_path(tmp_path, "travel-v2.1") == tmp_path / "schemas" / "travel-v2.1.xml"
+    for bad in ("../../x", "..", ".hidden", "a/b", "x" * 65):
+        with pytest.raises(InvalidNameError, match="not a schema name"):
+            schema_path(tmp_path, bad)
+
+
+def test_the_store_api_refuses_hostile_ids_before_touching_anything(tmp_path: Path, tiny32) -> None:
+    """expire_cache, contains, pins and reads with a hostile ID: the project's error, and no
+    file outside the store touched (a victim file sits where `../../x` would lead)."""
+    root = tmp_path / "a" / "store"
+    victim = tmp_path / "x.safetensors"
+    victim.write_bytes(b"keep me")
+    store = TieredStore(root)
+    engine = _engine(store, tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    for bad in ("../../x", "/etc/passwd", VALID_ID.upper(), VALID_ID + "\x00"):
+        with pytest.raises(InvalidNameError):
+            engine.expire_cache(bad)
+        with pytest.raises(InvalidNameError):
+            store.contains(bad)
+        with pytest.raises(InvalidNameError):
+            store.set_pinned(bad, True)
+        with pytest.raises(UnknownCacheIdError, match="unknown cache ID"):
+            engine.generate("q", [ids[0], bad])
+    with pytest.raises(UnknownCacheIdError, match="None"):
+        engine.generate("q", [None])  # type: ignore[list-item]
+    assert victim.read_bytes() == b"keep me" and len(store) == 3
+    assert sorted(DiskTier(root / "blobs").ids()) == sorted([engine.prefix_id, *ids])
+    store.close()
+
+
+def test_the_memory_store_refuses_hostile_ids_too(tiny32) -> None:
+    store = MemoryStore()
+    kv = encode_chunks(tiny32, random_chunks([4], seed=1))[0]
+    store.put(kv)
+    with pytest.raises(UnknownCacheIdError, match="None"):
+        store.get([kv.cache_id, None])  # type: ignore[list-item]
+    with pytest.raises(InvalidNameError):
+        store.remove("../../x")
+    assert store.contains(kv.cache_id)
+
+
+def test_redis_keys_come_only_from_valid_ids(redis_prefix: str) -> None:
+    tier = RedisTier(REDIS_URL, prefix=redis_prefix)
+    for bad in ("*", "../x", VALID_ID + "*", "\x00"):
+        with pytest.raises(InvalidNameError):
+            tier.put(bad, b"data")
+    assert tier.key(VALID_ID) == redis_prefix + VALID_ID

@@ -1,0 +1,73 @@
+"""A store's folder: what lives where, and the one door by which a name becomes a path.
+
+    <root>/catalog.sqlite         the catalog (unless a catalog URL names another database)
+    <root>/blobs/ab/<id>.safetensors   blobs of the disk tier (unless Redis keeps them)
+    <root>/index.faiss, index.ids the vector index of retrieval (a cache of the catalog)
+    <root>/schemas/<name>.xml     Prompt Cache schemas added with `rag-kvcache schema add`
+
+Every name or ID that comes from a caller (a cache ID, a schema name) becomes a path, or a
+Redis key, only through `named_path` / `checked_name`, which accept nothing but a fixed form:
+cache IDs are exactly 32 lowercase hex digits (what `rag_kvcache.kv.make_cache_id` makes),
+schema names a short ASCII slug. So no `..`, separator, NUL, look-alike letter or overlong
+name can reach the file system.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rag_kvcache.errors import InvalidNameError
+
+CATALOG_FILE = "catalog.sqlite"
+BLOBS_FOLDER = "blobs"
+SCHEMAS_FOLDER = "schemas"
+CACHE_ID_LENGTH = 32
+
+
+@dataclass(frozen=True)
+class NameRule:
+    pattern: re.Pattern[str]
+    allowed: str  # the rule in words, for the error message
+    relative_path: Callable[[str], Path]  # where a valid name lives under its folder
+
+
+RULES = {
+    "cache ID": NameRule(
+        re.compile(f"[0-9a-f]{{{CACHE_ID_LENGTH}}}"),
+        f"exactly {CACHE_ID_LENGTH} lowercase hex digits",
+        lambda name: Path(name[:2], f"{name}.safetensors"),
+    ),
+    "schema name": NameRule(
+        re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}"),
+        "1-64 ASCII letters, digits, '_', '.' or '-', not starting with '.' or '-'",
+        lambda name: Path(f"{name}.xml"),
+    ),
+}
+
+
+def checked_name(kind: str, value: object) -> str:
+    """`value` if it is a valid `kind` ('cache ID', 'schema name'), else InvalidNameError."""
+    if is_name(kind, value):
+        return value  # type: ignore[return-value]  # is_name checked it is a str
+    rule = RULES[kind]
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise InvalidNameError(f"not a {kind}: {shown} (expected {rule.allowed})")
+
+
+def is_name(kind: str, value: object) -> bool:
+    """Whether `value` is a valid `kind` (for listing what a folder or a Redis holds)."""
+    return isinstance(value, str) and RULES[kind].pattern.fullmatch(value) is not None
+
+
+def named_path(folder: Path, kind: str, value: object) -> Path:
+    """The path of the thing called `value` under `folder`: the only way a caller's name
+    becomes a path. The result is always strictly inside `folder`."""
+    return Path(folder) / RULES[kind].relative_path(checked_name(kind, value))
+
+
+def schema_path(root: Path, name: object) -> Path:
+    """Where the schema `name` of the store at `root` is kept."""
+    return named_path(Path(root) / SCHEMAS_FOLDER, "schema name", name)
