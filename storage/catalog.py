@@ -18,6 +18,7 @@ store to delete; the blobs themselves are the store's business.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
@@ -38,6 +39,7 @@ from rag_kvcache.storage.tables import (
     DocumentChunk,
     Model,
     Placement,
+    StoreIdentity,
     utc,
     utc_now,
 )
@@ -89,6 +91,17 @@ class Catalog(CatalogDatabase):
         )
         with self._write() as conn:
             conn.execute(stmt)
+
+    # -- the store
+
+    @functools.cached_property
+    def store_id(self) -> str:
+        """The random ID of this catalog's store (32 hex digits, made with the catalog)."""
+        with self._read() as conn:
+            store_id = conn.scalar(select(StoreIdentity.store_id))
+        if store_id is None:
+            raise CatalogError(f"catalog {self.url} has no store identity row; it is damaged")
+        return str(store_id)
 
     # -- documents
 

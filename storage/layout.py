@@ -8,7 +8,8 @@
 Every name or ID that comes from a caller (a cache ID, a schema name) becomes a path, or a
 Redis key, only through `named_path` / `checked_name`, which accept nothing but a fixed form:
 cache IDs are exactly 32 lowercase hex digits (what `rag_kvcache.kv.make_cache_id` makes),
-schema names a short ASCII slug. So no `..`, separator, NUL, look-alike letter or overlong
+schema names a short ASCII slug; a store's Redis keys carry its store ID (`redis_prefix`).
+So no `..`, separator, NUL, look-alike letter or overlong
 name can reach the file system.
 """
 
@@ -31,7 +32,7 @@ CACHE_ID_LENGTH = 32
 class NameRule:
     pattern: re.Pattern[str]
     allowed: str  # the rule in words, for the error message
-    relative_path: Callable[[str], Path]  # where a valid name lives under its folder
+    relative_path: Callable[[str], Path] | None  # where a valid name lives under its folder
 
 
 RULES = {
@@ -45,6 +46,7 @@ RULES = {
         "1-64 ASCII letters, digits, '_', '.' or '-', not starting with '.' or '-'",
         lambda name: Path(f"{name}.xml"),
     ),
+    "store ID": NameRule(re.compile("[0-9a-f]{32}"), "exactly 32 lowercase hex digits", None),
 }
 
 
@@ -65,7 +67,16 @@ def is_name(kind: str, value: object) -> bool:
 def named_path(folder: Path, kind: str, value: object) -> Path:
     """The path of the thing called `value` under `folder`: the only way a caller's name
     becomes a path. The result is always strictly inside `folder`."""
-    return Path(folder) / RULES[kind].relative_path(checked_name(kind, value))
+    relative_path = RULES[kind].relative_path
+    if relative_path is None:
+        raise ValueError(f"a {kind} never names a file")
+    return Path(folder) / relative_path(checked_name(kind, value))
+
+
+def redis_prefix(store_id: str) -> str:
+    """The Redis key prefix of a store's blobs: its own namespace, so stores sharing a Redis
+    database never see (or gc) each other's keys."""
+    return f"rag-kvcache:{checked_name('store ID', store_id)}:blob:"
 
 
 def schema_path(root: Path, name: object) -> Path:

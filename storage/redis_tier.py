@@ -1,6 +1,7 @@
 """A durable blob tier in Redis, shared by every worker that reaches the server.
 
-Same contract as the disk tier (bytes in, bytes out, validated cache IDs as keys). A SET is
+Same contract as the disk tier (bytes in, bytes out, validated cache IDs as keys), inside the
+store's own key namespace. A SET is
 atomic, so there are no temporaries to clean. An unreachable server is a clear
 StoreUnavailableError; the catalog is only updated after a blob is written.
 """
@@ -29,7 +30,9 @@ class StoreUnavailableError(RagKVCacheError, ConnectionError):
 class RedisTier:
     name = "redis"
 
-    def __init__(self, url: str, prefix: str = "rag-kvcache:blob:"):
+    def __init__(self, url: str, *, prefix: str):
+        """`prefix`: the store's own key namespace (`layout.redis_prefix(store_id)`); gc and
+        `ids` see only keys under it."""
         self.url, self.prefix = url, prefix
         self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=3)
         self._call(self._redis.ping)

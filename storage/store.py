@@ -31,7 +31,7 @@ from rag_kvcache.storage.blob import (
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
-from rag_kvcache.storage.layout import checked_name, is_name
+from rag_kvcache.storage.layout import checked_name, is_name, redis_prefix
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
 
@@ -87,7 +87,10 @@ class TieredStore:
             catalog = Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
         self.catalog = catalog
         if durable is None:
-            durable = RedisTier(redis_url) if redis_url else DiskTier(root / "blobs")
+            if redis_url:
+                durable = RedisTier(redis_url, prefix=redis_prefix(catalog.store_id))
+            else:
+                durable = DiskTier(root / "blobs")
         self.durable = durable
         self.hot = [MemoryTier("cpu", cpu_bytes, "cpu", policy)]
         if gpu_bytes:

@@ -2,8 +2,9 @@
 
 One row per model, per source document, per chunk (text, token ids, encode settings, size and
 checksum of its blob, LRU/LFU bookkeeping, pin, expiry) and per placement (chunk x tier), plus
-named counters; `document_chunks` lists each document's chunks in order (a chunk may serve
-several documents). Deleting a chunk deletes its placements and document links (cascades).
+named counters and the store's identity (one row); `document_chunks` lists each document's
+chunks in order (a chunk may serve several documents). Deleting a chunk deletes its
+placements and document links (cascades).
 
 `Base.metadata` is what the Alembic migrations (`migrations/`) must produce: a new fact about
 chunks is a column here plus a migration (a test compares the two). Only `catalog.py` queries
@@ -186,6 +187,18 @@ class Placement(Base):
     tier: Mapped[str] = mapped_column(String(32), primary_key=True, index=True)
     nbytes: Mapped[int] = mapped_column(BigInteger)
     placed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class StoreIdentity(Base):
+    """The one row naming this catalog's store: `store_id` namespaces what the store keeps
+    elsewhere (its Redis keys, its folder's marker), so two stores never take each other's."""
+
+    __tablename__ = "store_identity"
+    __table_args__ = (CheckConstraint("id = 1", name="one_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    store_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class Counter(Base):

@@ -32,7 +32,15 @@ from rag_kvcache.storage.database import alembic_config, head_revision
 from rag_kvcache.storage.records import CatalogError, CatalogStats
 from rag_kvcache.storage.tables import Base
 
-TABLES = {"models", "documents", "document_chunks", "chunks", "placements", "counters"}
+TABLES = {
+    "models",
+    "documents",
+    "document_chunks",
+    "chunks",
+    "placements",
+    "counters",
+    "store_identity",
+}
 FP = "ab" * 12  # a model fingerprint
 SUM = "0123456789abcdef" * 4  # a sha256 hex checksum
 

@@ -190,7 +190,7 @@ def test_expiry_ttl_and_gc(store, tiny64) -> None:
 
 def test_unreachable_redis_is_a_clear_error() -> None:
     with pytest.raises(StoreUnavailableError, match="redis://127.0.0.1:1/0 is unreachable"):
-        RedisTier("redis://127.0.0.1:1/0")
+        RedisTier("redis://127.0.0.1:1/0", prefix="rag-kvcache-test:")
 
 
 def test_paths_cannot_escape_the_store(tmp_path) -> None:

@@ -20,7 +20,7 @@ from rag_kvcache.errors import InvalidNameError, UnknownCacheIdError
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage import MemoryStore
 from rag_kvcache.storage.disk import DiskTier
-from rag_kvcache.storage.layout import RULES, named_path, schema_path
+from rag_kvcache.storage.layout import RULES, named_path, redis_prefix, schema_path
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
 
@@ -29,7 +29,7 @@ DOCS = ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three 
 
 
 @pytest.fixture
-def redis_prefix() -> Iterator[str]:
+def redis_namespace() -> Iterator[str]:
     """A key prefix of its own in the shared Redis, emptied afterwards."""
     prefix = f"rag-kvcache-test:{uuid.uuid4().hex}:"
     try:
@@ -51,12 +51,12 @@ def _engine(store: TieredStore, lm) -> RagKVCache:
 
 @pytest.mark.parametrize("target", ["postgresql"], indirect=True)
 def test_postgres_catalog_and_redis_blobs_work_from_a_new_store_folder(
-    target: Target, redis_prefix: str, tmp_path: Path, tiny32
+    target: Target, redis_namespace: str, tmp_path: Path, tiny32
 ) -> None:
     """Neither tier makes the folder (no SQLite file, no blob files), yet the vector index is
     saved there: ingest and retrieval must work on a folder that does not exist yet."""
     root = tmp_path / "new" / "store"
-    durable = RedisTier(REDIS_URL, prefix=redis_prefix)
+    durable = RedisTier(REDIS_URL, prefix=redis_namespace)
     store = TieredStore(root, catalog=target.open(), durable=durable)
     engine = _engine(store, tiny32)
     done = engine.ingest_document("harbor.md", DOCS)
@@ -92,7 +92,7 @@ HOSTILE = [
     42,
     b"travel",
 ]
-KINDS = sorted(RULES)
+KINDS = sorted(kind for kind, rule in RULES.items() if rule.relative_path)  # path kinds
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -172,9 +172,39 @@ def test_the_memory_store_refuses_hostile_ids_too(tiny32) -> None:
     assert store.contains(kv.cache_id)
 
 
-def test_redis_keys_come_only_from_valid_ids(redis_prefix: str) -> None:
-    tier = RedisTier(REDIS_URL, prefix=redis_prefix)
+def test_redis_keys_come_only_from_valid_ids(redis_namespace: str) -> None:
+    tier = RedisTier(REDIS_URL, prefix=redis_namespace)
     for bad in ("*", "../x", VALID_ID + "*", "\x00"):
         with pytest.raises(InvalidNameError):
             tier.put(bad, b"data")
-    assert tier.key(VALID_ID) == redis_prefix + VALID_ID
+    assert tier.key(VALID_ID) == redis_namespace + VALID_ID
+
+
+# ----------------------------------------------------------------------------- item 4: Redis
+
+
+def test_two_stores_sharing_one_redis_database_never_touch_each_others_blobs(
+    redis_namespace: str, tmp_path: Path, tiny32
+) -> None:  # redis_namespace: skips without a Redis
+    """Each store's keys live under its own namespace: gc on store A, which sees B's blobs
+    as nothing it knows, must leave them alone (they are not A's to delete)."""
+    stores = [TieredStore(tmp_path / name, redis_url=REDIS_URL) for name in ("a", "b")]
+    try:
+        a, b = stores
+        assert a.durable.prefix != b.durable.prefix  # type: ignore[attr-defined]
+        assert a.durable.prefix == redis_prefix(a.catalog.store_id)  # type: ignore[attr-defined]
+        ids = {}
+        for store, seed in ((a, 1), (b, 2)):
+            ids[store] = _engine(store, tiny32).generate_context_cache([f"text {seed}"] + DOCS)
+        report = a.gc(pending_after_s=0)
+        assert report.orphan_blobs == 0
+        assert b.verify(repair=False).missing == [] and len(b) == 4
+        assert set(a.durable.ids()) == {r.cache_id for r in a.catalog.all_chunks()}
+        assert set(b.durable.ids()) == {r.cache_id for r in b.catalog.all_chunks()}
+        shared = set(ids[a]) & set(ids[b])
+        assert len(shared) == 2  # the same chunk is kept once per store, in each namespace
+    finally:
+        for store in stores:
+            for cid in list(store.durable.ids()):
+                store.durable.remove(cid)
+            store.close()
