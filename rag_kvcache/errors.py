@@ -51,3 +51,16 @@ class StrategyError(RagKVCacheError, ValueError):
 class InvalidNameError(RagKVCacheError, ValueError):
     """A name or ID given by a caller (cache ID, schema name) is not of the allowed form, so it
     can never become a path or a key."""
+
+
+class StoreError(RagKVCacheError):
+    """A store cannot be opened or used as asked (its folder, catalog or blob tier); the message
+    says which and what to do."""
+
+
+class StoreNotFoundError(StoreError):
+    """No store where one was named, and the caller only reads stores (never makes one)."""
+
+
+class StoreFullError(StoreError, OSError):
+    """The disk (of the blobs or of the catalog) is full: the chunk was not recorded."""

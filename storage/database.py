@@ -31,6 +31,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
+from rag_kvcache.errors import StoreFullError, StoreNotFoundError
 from rag_kvcache.extras import require
 from rag_kvcache.storage.records import CatalogError
 
@@ -149,6 +150,24 @@ def _ensure_pg_schema(url: URL, schema: str) -> None:
         engine.dispose()
 
 
+def _open_error(url: str, err: sa.exc.DBAPIError) -> CatalogError:
+    """What went wrong opening the catalog at `url`, in one line (the driver's first)."""
+    reason = str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else type(err.orig)
+    return CatalogError(
+        f"cannot open the catalog at {url}: {reason}; check the host, database, user and "
+        "that the folder is writable"
+    )
+
+
+def _disk_full(err: sa.exc.OperationalError) -> bool:
+    """SQLite's SQLITE_FULL (13) or PostgreSQL's disk_full (53100)."""
+    return (
+        getattr(err.orig, "sqlite_errorcode", None) == 13
+        or getattr(err.orig, "sqlstate", None) == "53100"
+        or "database or disk is full" in str(err.orig)
+    )
+
+
 # ----------------------------------------------------------------------------- the opened database
 
 
@@ -161,22 +180,39 @@ class CatalogDatabase:
     """
 
     def __init__(
-        self, url: str | None = None, *, path: Path | None = None, schema: str | None = None
+        self,
+        url: str | None = None,
+        *,
+        path: Path | None = None,
+        schema: str | None = None,
+        create: bool = True,
     ) -> None:
         if url is None:
             if path is None:
                 raise CatalogError("Catalog needs a database URL or an SQLite file path")
             path = Path(path)
+            if not create and not path.is_file():
+                raise StoreNotFoundError(f"no catalog at {path}: check --store, or ingest first")
             path.parent.mkdir(parents=True, exist_ok=True)
             sa_url = URL.create("sqlite+pysqlite", database=str(path))
         elif path is not None:
             raise CatalogError(f"give either url or path, not both (got {url!r} and {path!s})")
         else:
-            sa_url = make_url(url)
-        if schema is not None and sa_url.get_backend_name() == "postgresql":
-            _check_schema_name(schema)
-            _ensure_pg_schema(sa_url, schema)
-        self._engine = create_catalog_engine(sa_url, schema)
+            try:
+                sa_url = make_url(url)
+            except sa.exc.ArgumentError:  # the URL may hold a password: not repeated here
+                raise CatalogError(
+                    "the catalog URL cannot be parsed; use sqlite:///path or "
+                    "postgresql+psycopg://user@host:port/database"
+                ) from None
+        shown = sa_url.render_as_string(hide_password=True)
+        try:
+            if schema is not None and sa_url.get_backend_name() == "postgresql":
+                _check_schema_name(schema)
+                _ensure_pg_schema(sa_url, schema)
+            self._engine = create_catalog_engine(sa_url, schema)
+        except sa.exc.DBAPIError as err:
+            raise _open_error(shown, err) from None
         self._sqlite = self._engine.dialect.name == "sqlite"
         self._schema = schema
         # SQLite: writers take the write lock up front (waiting on busy_timeout) instead of
@@ -187,7 +223,10 @@ class CatalogDatabase:
             else self._engine
         )
         try:
-            self._upgrade()
+            self._upgrade(create)
+        except sa.exc.DBAPIError as err:
+            self._engine.dispose()
+            raise _open_error(shown, err) from None
         except BaseException:
             self._engine.dispose()
             raise
@@ -228,8 +267,9 @@ class CatalogDatabase:
         schema = f", schema={self._schema!r}" if self._schema else ""
         return f"{type(self).__name__}({self.url!r}{schema})"
 
-    def _upgrade(self) -> None:
+    def _upgrade(self, create: bool = True) -> None:
         """Bring the schema to the newest migration; a no-op (one read) when it is there.
+        Without `create`, a database holding no catalog at all is a StoreNotFoundError.
 
         Serialized across processes: SQLite holds the write lock (BEGIN IMMEDIATE) and
         PostgreSQL an advisory lock for the whole upgrade transaction, and the version is read
@@ -237,8 +277,11 @@ class CatalogDatabase:
         """
         head = head_revision()
         with self._engine.connect() as conn:
-            if MigrationContext.configure(conn).get_current_revision() == head:
-                return
+            current = MigrationContext.configure(conn).get_current_revision()
+        if current == head:
+            return
+        if current is None and not create:
+            raise StoreNotFoundError(f"no catalog in {self.url}: check --catalog-url, or ingest")
         with self._writer.connect() as conn, conn.begin():
             if not self._sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
@@ -246,8 +289,16 @@ class CatalogDatabase:
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._writer.begin() as conn:
-            yield conn
+        try:
+            with self._writer.begin() as conn:
+                yield conn
+        except sa.exc.OperationalError as err:
+            if _disk_full(err):
+                raise StoreFullError(
+                    f"the catalog's disk is full ({self.url}); nothing was recorded: free "
+                    "space, or run `rag-kvcache gc`"
+                ) from err
+            raise
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:

@@ -14,12 +14,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from rag_kvcache.errors import RagKVCacheError
-from rag_kvcache.storage.layout import is_name, named_path
+from rag_kvcache.errors import StoreFullError
+from rag_kvcache.storage.layout import is_name, make_folder, named_path
 
-
-class StoreFullError(RagKVCacheError, OSError):
-    """The disk is full: nothing was written (and the catalog did not record the chunk)."""
+__all__ = ["DiskTier", "StoreFullError"]
 
 
 class DiskTier:
@@ -27,7 +25,7 @@ class DiskTier:
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_folder(self.root)
 
     def path(self, cache_id: str) -> Path:
         return named_path(self.root, "cache ID", cache_id)

@@ -15,12 +15,13 @@ name can reach the file system.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rag_kvcache.errors import InvalidNameError
+from rag_kvcache.errors import InvalidNameError, StoreError, StoreNotFoundError
 
 CATALOG_FILE = "catalog.sqlite"
 BLOBS_FOLDER = "blobs"
@@ -82,3 +83,28 @@ def redis_prefix(store_id: str) -> str:
 def schema_path(root: Path, name: object) -> Path:
     """Where the schema `name` of the store at `root` is kept."""
     return named_path(Path(root) / SCHEMAS_FOLDER, "schema name", name)
+
+
+def make_folder(folder: Path) -> None:
+    """Make `folder` (and its parents) if missing; StoreError if it cannot be made or written."""
+    if folder.exists() and not folder.is_dir():
+        raise StoreError(f"{folder} is a file, not a store folder; name a folder with --store")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StoreError(f"cannot make the store folder {folder}: {err.strerror or err}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):  # EROFS too, even for root
+        raise StoreError(
+            f"the store folder {folder} is read-only: the catalog and the vector index are "
+            "written there (SQLite even to read); mount or copy it read-write"
+        )
+
+
+def open_folder(root: Path, create: bool) -> None:
+    """The store's folder, made if `create`; a reader (not `create`) never makes one, so a
+    mistyped --store is a StoreNotFoundError, not a new empty store."""
+    if not create and not root.exists():
+        raise StoreNotFoundError(
+            f"no store at {root}: check --store, or ingest documents there first"
+        )
+    make_folder(root)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.errors import ConfigError, RagKVCacheError
 from rag_kvcache.extras import LazyModule
 from rag_kvcache.storage.layout import checked_name, is_name
 
@@ -34,7 +34,12 @@ class RedisTier:
         """`prefix`: the store's own key namespace (`layout.redis_prefix(store_id)`); gc and
         `ids` see only keys under it."""
         self.url, self.prefix = url, prefix
-        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=3)
+        try:
+            self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=3)
+        except ValueError as err:  # the URL may hold a password: not repeated here
+            raise ConfigError(
+                f"the Redis URL cannot be parsed ({err}); use redis://host:port/db"
+            ) from None
         self._call(self._redis.ping)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:

@@ -31,7 +31,13 @@ from rag_kvcache.storage.blob import (
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
-from rag_kvcache.storage.layout import checked_name, is_name, redis_prefix
+from rag_kvcache.storage.layout import (
+    CATALOG_FILE,
+    checked_name,
+    is_name,
+    open_folder,
+    redis_prefix,
+)
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
 
@@ -59,6 +65,9 @@ class BlobTier(Protocol):
 class TieredStore:
     """Durable, shared KV store. `root` holds the blobs (and the SQLite catalog by default).
 
+    `create=False` opens only an existing store (StoreNotFoundError otherwise): what commands
+    that only read a store use, so a mistyped folder never becomes a new empty store.
+
     `reencode` is how a blob found missing or corrupt is rebuilt from its catalog row (the
     model's encoder: `rag_kvcache.engine.reencoder(lm)`); without it such a blob is a
     CorruptBlobError. RagKVCache gives it when it opens the store from a StoreConfig.
@@ -77,14 +86,18 @@ class TieredStore:
         policy: str = "lru",
         compress: str | None = None,
         reencode: Reencode | None = None,
+        create: bool = True,
     ):
         root = Path(root)
         # the store's folder holds the vector index whatever the tiers are (with a PostgreSQL
-        # catalog and Redis blobs nothing else would make it)
-        root.mkdir(parents=True, exist_ok=True)
+        # catalog and Redis blobs nothing else would make it); readers never make one
+        open_folder(root, create)
         self.root = root
         if catalog is None:
-            catalog = Catalog(catalog_url) if catalog_url else Catalog(path=root / "catalog.sqlite")
+            if catalog_url:
+                catalog = Catalog(catalog_url, create=create)
+            else:
+                catalog = Catalog(path=root / CATALOG_FILE, create=create)
         self.catalog = catalog
         if durable is None:
             if redis_url:

@@ -5,8 +5,10 @@ damage that must be reported rather than read as emptiness."""
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,15 +18,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
-from rag_kvcache.errors import InvalidNameError, UnknownCacheIdError
+from rag_kvcache.errors import (
+    InvalidNameError,
+    StoreError,
+    StoreFullError,
+    StoreNotFoundError,
+    UnknownCacheIdError,
+)
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage import MemoryStore
+from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier
 from rag_kvcache.storage.layout import RULES, named_path, redis_prefix, schema_path
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.tools.cli import main
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+PG = "postgresql+psycopg://"
 DOCS = ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three harbor basins."]
 
 
@@ -208,3 +219,145 @@ def test_two_stores_sharing_one_redis_database_never_touch_each_others_blobs(
             for cid in list(store.durable.ids()):
                 store.durable.remove(cid)
             store.close()
+
+
+# ----------------------------------------------------------------------------- item 7: errors
+
+
+@contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A real small filesystem at `folder` (needs root to mount; the test skips otherwise)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], *phrases: str) -> str:
+    """The command printed an error (no traceback) naming each phrase; returns it."""
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())  # rich wraps at 80 columns
+    assert text.startswith("error:") and "Traceback" not in text, text
+    for phrase in phrases:
+        assert phrase in text, text
+    return text
+
+
+def _make_store(root: Path, tiny32) -> list[str]:
+    store = TieredStore(root)
+    ids = _engine(store, tiny32).generate_context_cache(DOCS)
+    store.close()
+    return ids
+
+
+@pytest.mark.parametrize("command", [["stats"], ["verify"], ["gc"], ["query", "When?"]])
+def test_reading_commands_never_create_a_store(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped --store is an error before any model loads, and nothing is made there."""
+    missing = tmp_path / "stroe"
+    assert main([*command, "--store", str(missing)]) == 1
+    one_error_line(capsys, "no store at", "stroe")
+    assert not missing.exists()
+    (tmp_path / "empty").mkdir()  # a folder, but no store in it
+    assert main([*command, "--store", str(tmp_path / "empty")]) == 1
+    one_error_line(capsys, "no catalog at")
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_a_store_path_that_is_a_file_is_one_error_line(tmp_path: Path, capsys) -> None:
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    assert main(["stats", "--store", str(file)]) == 1
+    one_error_line(capsys, "is a file, not a store folder")
+    assert file.read_text() == "mine"
+    with pytest.raises(StoreError, match="cannot make the store folder"):
+        TieredStore(file / "sub")
+
+
+def test_a_read_only_store_folder_is_one_error_line(tmp_path: Path, tiny32, capsys) -> None:
+    with tmpfs(tmp_path / "ro", "16m") as root:
+        _make_store(root / "store", tiny32)
+        subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+        assert main(["stats", "--store", str(root / "store")]) == 1
+        one_error_line(capsys, "read-only")
+
+
+@pytest.mark.parametrize(
+    ("flags", "phrase"),
+    [
+        (["--catalog-url", f"{PG}postgres@127.0.0.1:1/test"], "cannot open"),
+        (["--catalog-url", f"{PG}postgres@127.0.0.1:5432/no_such_db"], "no_such_db"),
+        (["--catalog-url", f"{PG}no_such_user@127.0.0.1:5432/test"], "no_such_user"),
+        (["--catalog-url", f"{PG}postgres@no-such-host.invalid/test"], "cannot open"),
+        (["--catalog-url", "not a url"], "cannot be parsed"),
+        (["--catalog-url", "mysql://x@y/z"], "not supported"),
+        (["--redis-url", "::bad"], "Redis URL cannot be parsed"),
+        (["--redis-url", "redis://127.0.0.1:notaport/0"], "Redis URL cannot be parsed"),
+        (["--redis-url", "redis://127.0.0.1:1/0"], "unreachable"),
+    ],
+)
+def test_bad_catalog_and_redis_urls_are_one_error_line(
+    flags: list[str], phrase: str, tmp_path: Path, tiny32, capsys
+) -> None:
+    _make_store(tmp_path / "store", tiny32)
+    assert main(["stats", "--store", str(tmp_path / "store"), *flags]) == 1
+    one_error_line(capsys, phrase)
+
+
+@pytest.mark.parametrize(
+    ("flags", "phrase"),
+    [
+        (["--chunk-tokens", "0"], "--chunk-tokens must be at least 1, got 0"),
+        (["--chunk-tokens", "-5"], "--chunk-tokens must be at least 1, got -5"),
+        (["--chunk-tokens", "64", "--overlap", "64"], "--overlap must be from 0 to below"),
+        (["--chunk-tokens", "64", "--overlap", "-1"], "--overlap must be from 0 to below"),
+    ],
+)
+def test_bad_chunking_flags_are_one_error_line(flags, phrase, tmp_path: Path, capsys) -> None:
+    (tmp_path / "a.md").write_text("The ferry leaves at dawn.")
+    store = tmp_path / "store"
+    assert main(["ingest", str(tmp_path / "a.md"), "--store", str(store), *flags]) == 1
+    one_error_line(capsys, phrase)
+    assert not store.exists()
+
+
+def test_an_empty_question_is_one_error_line(tmp_path: Path, tiny32, capsys) -> None:
+    _make_store(tmp_path / "store", tiny32)
+    assert main(["query", "  ", "--store", str(tmp_path / "store")]) == 1
+    one_error_line(capsys, "the question is empty")
+
+
+def test_a_full_catalog_disk_is_the_store_full_error(tmp_path: Path, tiny32) -> None:
+    """SQLite's 'database or disk is full' on a real 1 MiB filesystem holding the catalog."""
+    with tmpfs(tmp_path / "small", "1m") as small:
+        catalog = Catalog(path=small / "catalog.sqlite")
+        store = TieredStore(tmp_path / "kv", catalog=catalog)
+        store.register_model(tiny32.fingerprint, "tiny", "float32", 3, 2, 16)
+        kvs = encode_chunks(tiny32, random_chunks([8] * 200, seed=5))
+        stored = []
+        with pytest.raises(StoreFullError, match="the catalog's disk is full"):
+            for kv in kvs:
+                store.put(kv, "text " * 2000)  # ~10 KB of text per row
+                stored.append(kv.cache_id)
+        assert 0 < len(stored) < len(kvs)
+        assert {r.cache_id for r in store.catalog.all_chunks("stored")} <= set(stored)
+        store.close()
+
+
+def test_opening_a_missing_catalog_to_read_is_not_found(target: Target, tmp_path: Path) -> None:
+    if target.kind == "sqlite":
+        with pytest.raises(StoreNotFoundError, match="no catalog at"):
+            Catalog(path=tmp_path / "nothing.sqlite", create=False)
+        assert not (tmp_path / "nothing.sqlite").exists()
+    else:
+        with pytest.raises(StoreNotFoundError, match="no catalog in"):
+            Catalog(target.url, schema=target.schema, create=False)

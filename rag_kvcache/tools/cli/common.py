@@ -38,10 +38,15 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_engine(args: argparse.Namespace, console: Console) -> RagKVCache:
+def open_engine(args: argparse.Namespace, console: Console, existing: bool = False) -> RagKVCache:
+    """The engine on --store; `existing`: the command only reads the store, so a store that is
+    not there is a StoreNotFoundError (checked before the model loads), never a new one."""
     from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig, StoreConfig
     from rag_kvcache.engine import RagKVCache
     from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
+
+    if existing:
+        open_store(args).close()
 
     config = EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
@@ -54,7 +59,8 @@ def open_engine(args: argparse.Namespace, console: Console) -> RagKVCache:
 
 
 def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStore:
-    """The store under --store; `with_model`: able to re-encode bad blobs (loads the model)."""
+    """The existing store under --store (never a new one); `with_model`: able to re-encode bad
+    blobs (loads the model)."""
     from rag_kvcache.config import ModelConfig, StoreConfig
     from rag_kvcache.storage.store import Reencode, TieredStore
 
@@ -70,4 +76,5 @@ def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStor
         catalog_url=config.catalog_url,
         redis_url=config.redis_url,
         reencode=reencode,
+        create=False,
     )

@@ -42,9 +42,17 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from rag_kvcache.errors import ConfigError
     from rag_kvcache.ingest import plan_ingest, prune, run_ingest
     from rag_kvcache.integrations.llama_index.splitter import split_text
 
+    if args.chunk_tokens < 1:
+        raise ConfigError(f"--chunk-tokens must be at least 1, got {args.chunk_tokens}")
+    if not 0 <= args.overlap < args.chunk_tokens:
+        raise ConfigError(
+            f"--overlap must be from 0 to below --chunk-tokens ({args.chunk_tokens}), "
+            f"got {args.overlap}"
+        )
     engine = open_engine(args, console)
     split = split_text(engine.lm.tokenizer, args.chunk_tokens, args.overlap)
     start = time.perf_counter()
@@ -90,8 +98,11 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
 
 def answer_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.answer import Answer, AnswerStream
+    from rag_kvcache.errors import ConfigError
 
-    engine = open_engine(args, console)
+    if args.command == "query" and not args.question.strip():
+        raise ConfigError("the question is empty; ask something")
+    engine = open_engine(args, console, existing=True)
     if not engine.corpus.catalog.documents():
         console.print(f"[red]no documents in {args.store}: run `rag-kvcache ingest PATH` first")
         return 1
