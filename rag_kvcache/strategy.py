@@ -10,8 +10,10 @@ channel. Everything past the edge takes a `Strategy`, never a string.
 - `legolink:k`: recompute the first k tokens of every chunk after the system prefix (Epic).
 - `legolink0`: recompute nothing, but the chunks must have been encoded after sink tokens
   (`EncodeConfig(sink_tokens=N)`; Epic's LegoLink-0).
-- `cacheblend:r`: recompute a ratio r of document tokens, those whose layer-1 values deviate
-  most from a fresh prefill (CacheBlend's selection; a baseline).
+- `cacheblend:r`: CacheBlend's selective recompute (Yao et al., EuroSys 2025; a baseline): the
+  first two layers recompute every document token, then the set is filtered layer by layer,
+  keeping those whose values deviate most from their cached copies, down to a share r of the
+  document tokens, which every later layer recomputes (`link.selection.GradualFilter`).
 - `positions`: Prompt Cache's mode for markup prompts: each cached unit at its schema
   position, the prompt's own tokens computed at theirs, nothing recomputed.
 
@@ -35,6 +37,7 @@ APE's attention temperature and scale are a part of the same strategies, spelled
   al. 2025: parallel-encoded context is attended too flatly and too much). Done by dividing
   the stale keys by T once when the chunks are placed and adding log S to their columns of
   every attention mask, so decoding pays nothing for T. `ape:1,1` is plain linking.
+  Not with `cacheblend`, which leaves a different set of tokens stale in each layer.
 
 The question is always computed. A fidelity technique joins as a field of this record (with
 its spelling in `parse` / `__str__`), not as a new string grammar.
@@ -68,7 +71,7 @@ class Strategy:
 
     kind: str
     k: int = 0  # legolink: boundary tokens recomputed per chunk
-    ratio: float = 0.0  # cacheblend: share of document tokens recomputed
+    ratio: float = 0.0  # cacheblend: share of document tokens recomputed in the last layers
     order: str = "given"  # placement of the document chunks (see the module docstring)
     top: int = 0  # best-ranked document chunks recomputed whole (query-aware recompute)
     temperature: float = 1.0  # APE: scores on stale context tokens divided by this
@@ -91,6 +94,8 @@ class Strategy:
             raise StrategyError(f"ape:{self.temperature},{self.scale}: both must be > 0, finite")
         if self.uses_ape and self.kind not in _STALE:
             raise StrategyError(f"ape is for {', '.join(_STALE)}: {self.kind} leaves none stale")
+        if self.uses_ape and self.kind == "cacheblend":  # APE tempers one set in every layer
+            raise StrategyError("ape with cacheblend: it leaves a different set stale per layer")
 
     @classmethod
     def parse(cls, spec: str | Strategy) -> Strategy:

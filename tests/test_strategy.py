@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from rag_kvcache.config import EngineConfig
 from rag_kvcache.errors import StrategyError
-from rag_kvcache.link.selection import select_positions
+from rag_kvcache.link.selection import GradualFilter, filter_counts, select_positions
 from rag_kvcache.strategy import PREFILL, Strategy
 
 
@@ -82,6 +82,7 @@ def test_cacheblend_round_trips(ratio: float) -> None:
         "naive+ape:1,1+top:1",
         "full+ape:0.5,1",
         "prefill+ape:1,2",
+        "cacheblend:0.3+ape:0.5,1",  # its stale set changes from layer to layer
     ],
 )
 def test_parse_rejects_with_allowed_names(bad: str) -> None:
@@ -146,10 +147,52 @@ def test_select_positions(name: str, expected: list[int]) -> None:
     assert select_positions(Strategy.parse(name), [4, 5, 3]).tolist() == expected
 
 
-def test_cacheblend_picks_the_largest_deviations_among_documents() -> None:
-    deviation = torch.tensor([9.0, 9, 0, 0, 5, 1, 7, 0, 2, 0])  # prefix = first 2 tokens
-    picked = select_positions(Strategy.parse("cacheblend:0.25"), [2, 4, 4], deviation)
-    assert picked.tolist() == [4, 6]  # 25% of 8 document tokens, prefix ignored
+@pytest.mark.parametrize(
+    "pool, target, layers, expected",
+    [
+        (100, 15, 8, [100, 100, 30, 22, 19, 15, 15, 15]),  # 2 full layers, then 2x 1.5x 1.25x
+        (100, 15, 4, [100, 100, 30, 15]),  # a shallow model: the first widths that fit
+        (100, 15, 3, [100, 100, 15]),
+        (100, 60, 6, [100, 100, 100, 90, 75, 60]),  # widths capped at the pool
+        (100, 0, 5, [0, 0, 0, 0, 0]),  # nothing recomputed: naive
+        (100, 100, 5, [100, 100, 100, 100, 100]),  # everything: full
+        (100, 15, 2, [100, 100]),  # no layer to measure deviation on before the last
+    ],
+)
+def test_cacheblend_schedule(pool: int, target: int, layers: int, expected: list[int]) -> None:
+    assert filter_counts(pool, target, layers) == expected
+
+
+def _moved(values: torch.Tensor, layer: int, deviation: dict[int, float]) -> None:
+    """What a layer's forward does to the values buffer [layers, 1, L, 1]: writes fresh ones."""
+    for position, amount in deviation.items():
+        values[layer, 0, position, 0] += amount
+
+
+def test_cacheblend_keeps_the_most_deviating_candidates_layer_by_layer() -> None:
+    values = torch.zeros(4, 1, 10, 1)  # prefix = first 2 tokens, then two chunks of 4
+    blend = GradualFilter(Strategy.parse("cacheblend:0.25"), [2, 4, 4], layers=4)
+    assert blend.counts == [8, 8, 4, 2] and blend.rows.tolist() == list(range(2, 10))
+    assert blend.next_rows(0, values) is None and blend.next_rows(1, values) is None
+    _moved(values, 1, {2: 0.0, 3: 5, 4: 1, 5: 7, 6: 0, 7: 2, 8: 9, 9: 3})
+    assert blend.next_rows(2, values).tolist() == [1, 3, 6, 7]  # rows 3, 5, 8, 9
+    _moved(values, 2, {3: 1.0, 5: 4, 8: 2, 9: 0.5})
+    assert blend.next_rows(3, values).tolist() == [1, 2]  # rows 5 and 8
+    assert [s.tolist() for s in blend.sets] == [[*range(2, 10)]] * 2 + [[3, 5, 8, 9], [5, 8]]
+    assert blend.recomputed == 6  # (8 + 8 + 4 + 2) / 4 layers
+
+
+def test_cacheblend_never_ranks_the_chunks_recomputed_whole() -> None:
+    values = torch.zeros(4, 1, 10, 1)
+    blend = GradualFilter(Strategy.parse("cacheblend:0.25+top:1"), [2, 4, 4], layers=4)
+    assert blend.counts == [4, 4, 4, 2]  # 2 of 8 document tokens, ranked among the other 4
+    for layer in range(3):
+        assert blend.next_rows(layer, values) is None
+    _moved(values, 2, {2: 9.0, 3: 9, 6: 1, 7: 3, 8: 0, 9: 2})
+    assert blend.next_rows(3, values).tolist() == [0, 1, 2, 3, 5, 7]
+    assert blend.rows.tolist() == [2, 3, 4, 5, 7, 9]  # chunk 1 whole, then the 2 most moved
+    with pytest.raises(StrategyError, match="layer by layer"):
+        select_positions(Strategy.parse("cacheblend:0.25"), [2, 4, 4])
 
 
 def test_positions_are_made_on_the_device_asked_for() -> None:

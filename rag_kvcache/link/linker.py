@@ -7,6 +7,11 @@ recomputed tokens' fresh K/V over their stale copies. All of it happens in one p
 buffer per request, which decoding then appends to in place. `link_reference` computes the
 same thing one token at a time with plain causal attention: it is the oracle for the mask.
 
+`cacheblend:r` recomputes a set that shrinks over the first layers (`GradualFilter`), so its
+forward goes layer by layer (`forward_by_layer`), each layer computing only the rows still
+chosen; its oracle is `blend_reference`, where every layer computes every token and the mask
+chooses, per layer, between each token's fresh and cached K/V.
+
 The recomputed tokens and the query write their fresh K/V at their own positions of the
 buffer inside the forward (over the stale copies), so the mask is causal by position: a new
 token at position p sees positions <= p, recomputed ones already fresh.
@@ -29,14 +34,16 @@ from rag_kvcache.errors import (
 )
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.layer_feed import LayerFeed
-from rag_kvcache.link.selection import choose_recomputed, select_positions
+from rag_kvcache.link.selection import GradualFilter, filter_counts, select_positions
 from rag_kvcache.model.adapter import (
     Cache,
+    LayerRows,
     additive_mask,
     before_layer_update,
     buffered_cache,
     build_cache,
     forward,
+    forward_by_layer,
     new_buffers,
     set_key_bias,
     unpack_cache,
@@ -56,7 +63,12 @@ class LinkedContext:
     next_logits: torch.Tensor  # [vocab]
     length: int  # tokens in the cache: context + query
     context_tokens: int
-    recomputed: int  # context tokens recomputed (the query not counted)
+    # context tokens recomputed (the query not counted); for cacheblend, whose set shrinks
+    # layer by layer, the average over layers (rounded), a token recomputed in k of N layers
+    # counting k / N: what the recompute costs, comparable with the other strategies
+    recomputed: int
+    # cacheblend only: the context positions recomputed in each layer (sorted)
+    recomputed_by_layer: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,11 @@ def link(
     """
     check_chunks(lm, chunks, strategy, len(query_ids), prefix)
     with record_function(STAGE_SELECT):
-        recompute, token_ids = _recomputed(lm, chunks, strategy, prefix, in_full)
+        blend = None
+        if strategy.kind == "cacheblend":  # no prefix (check_chunks): chunk 0 is the system's
+            lengths = [c.num_tokens for c in chunks]
+            blend = GradualFilter(strategy, lengths, lm.num_layers, lm.device, in_full)
+        recompute, token_ids = _recomputed(lm, chunks, strategy, prefix, in_full, blend)
     P = prefix.num_tokens if prefix else 0
     L, r, q = len(token_ids), len(recompute), len(query_ids)
     # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
@@ -120,19 +136,63 @@ def link(
         calls: list[Callable[[], None]] = [*feed.calls()] if feed else []
         if stale is not None:  # APE: stale keys tempered as placed, their scores scaled
             calls = temper(lm, cache, keys[:, 0], stale, strategy, L + q + reserve, calls)
-        if calls:
-            before_layer_update(cache, calls)
         write_at(cache, new_positions)
-        logits, _ = forward(
-            lm,
-            new_ids[None],
-            positions=new_positions[None],
-            cache=cache,
-            mask=mask,
-            logits_to_keep=1,
-        )
+        if blend is not None:
+            next_logits = _filtered_forward(
+                lm, blend, cache, values[:, 0], new_ids, new_positions, mask, calls, q
+            )
+        else:
+            if calls:
+                before_layer_update(cache, calls)
+            logits, _ = forward(
+                lm,
+                new_ids[None],
+                positions=new_positions[None],
+                cache=cache,
+                mask=mask,
+                logits_to_keep=1,
+            )
+            next_logits = logits[0, -1]
         write_at(cache, None)  # decoding appends after the query
-    return LinkedContext(cache, logits[0, -1], L + q, L, r)
+    if blend is not None:
+        return LinkedContext(cache, next_logits, L + q, L, blend.recomputed, tuple(blend.sets))
+    return LinkedContext(cache, next_logits, L + q, L, r)
+
+
+def _filtered_forward(
+    lm: LoadedModel,
+    blend: GradualFilter,
+    cache: Cache,
+    values: torch.Tensor,
+    new_ids: torch.Tensor,
+    new_positions: torch.Tensor,
+    mask: torch.Tensor,
+    place: list[Callable[[], None]],
+    q: int,
+) -> torch.Tensor:
+    """cacheblend's forward, layer by layer: before each layer its cached chunks are placed
+    (`place`, when they arrive layer by layer) and `blend` drops the rows it no longer
+    recomputes, which then keep their cached KV from that layer on. new_ids, new_positions
+    [r+q]: the first layer's rows, the question last; values: the buffer [layers, kv_heads,
+    cap, head_dim]. The first answer token's logits [vocab]."""
+    length = mask.shape[-1]
+    question = new_positions[-q:]
+
+    def rows(layer: int) -> LayerRows | None:
+        if place:
+            place[layer]()
+        before = len(blend.rows)
+        keep = blend.next_rows(layer, values)
+        if keep is None:
+            return None
+        positions = torch.cat((blend.rows, question))
+        write_at(cache, positions)
+        keep = torch.cat((keep, torch.arange(before, before + q, device=keep.device)))
+        return LayerRows(keep, additive_mask(link_mask(positions, length), mask.dtype))
+
+    return forward_by_layer(
+        lm, new_ids[None], positions=new_positions[None], cache=cache, mask=mask, rows=rows
+    )
 
 
 def _recomputed(
@@ -141,16 +201,21 @@ def _recomputed(
     strategy: Strategy,
     prefix: LinkedPrefix | None,
     in_full: Sequence[bool] | None,
+    blend: GradualFilter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions [r] the strategy recomputes, every context token id [L]) on the device."""
+    """(positions [r] the strategy recomputes (cacheblend: in the first layer), every context
+    token id [L]) on the device."""
     P = prefix.num_tokens if prefix else 0
     token_ids = torch.tensor(
         [*(prefix.token_ids if prefix else ()), *(t for c in chunks for t in c.token_ids)],
         dtype=torch.long,
         device=lm.device,
     )  # [L]
-    if prefix is None:
-        recompute = choose_recomputed(lm, chunks, token_ids, strategy)  # [r] positions
+    if blend is not None:
+        recompute = blend.rows
+    elif prefix is None:
+        lengths = [c.num_tokens for c in chunks]
+        recompute = select_positions(strategy, lengths, lm.device, in_full)  # [r] positions
     else:
         if strategy.top and in_full is None:
             raise StrategyError(f"{strategy} after a linked prefix needs the chunks' in_full")
@@ -296,17 +361,18 @@ def link_reference(
     Chunks are placed with `apply_rope` (the reference rotation) and each token is a
     single-token forward over exactly the KV it may see (all earlier positions, recomputed
     ones already fresh), so no custom mask and no buffer bookkeeping is involved.
+    cacheblend, whose set changes from layer to layer, has its own: `blend_reference`.
     """
     check_chunks(lm, chunks, strategy, len(query_ids))
+    if strategy.kind == "cacheblend":
+        return blend_reference(lm, chunks, query_ids, strategy)
     token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=lm.device)
-    recompute = choose_recomputed(lm, chunks, token_ids, strategy)
+    recompute = select_positions(strategy, [c.num_tokens for c in chunks], lm.device)
     L, q = len(token_ids), len(query_ids)
-    offsets = [sum(c.num_tokens for c in chunks[:i]) for i in range(len(chunks))]
-    delta = torch.cat([torch.full((c.num_tokens,), o - c.start) for c, o in zip(chunks, offsets)])
-    placed_keys = apply_rope(torch.cat([c.keys for c in chunks], dim=2), delta, lm.inv_freq)
+    placed_keys, placed_values = _placed_reference(lm, chunks)
     pad = torch.zeros(*placed_keys.shape[:2], q, lm.head_dim, dtype=lm.dtype, device=lm.device)
     keys = torch.cat((placed_keys, pad), dim=2)  # [layers, h, L + q, d]
-    values = torch.cat((torch.cat([c.values for c in chunks], dim=2), pad), dim=2)
+    values = torch.cat((placed_values, pad), dim=2)
     order = [*recompute.tolist(), *range(L, L + q)]
     ids = [*token_ids[recompute].tolist(), *query_ids]
     logits = torch.empty(0)
@@ -326,3 +392,78 @@ def link_reference(
             values[layer, :, position] = v[0, :, -1]
     cache = build_cache([(k[None], v[None]) for k, v in zip(keys, values)], lm)
     return LinkedContext(cache, logits[0, -1], L + q, L, len(recompute))
+
+
+def blend_reference(
+    lm: LoadedModel, chunks: list[ChunkKV], query_ids: list[int], strategy: Strategy
+) -> LinkedContext:
+    """Oracle for `link` with cacheblend: every layer computes every token, none is dropped.
+
+    Each context token's K/V is held twice: fresh, as the layer running computes it, and
+    cached, placed with `apply_rope` in a second copy after the question. Each layer's mask
+    lets a row see, at every position up to its own, the fresh copy of the tokens recomputed
+    in that layer and the cached copy of the others: what a blended cache is, by definition.
+    Which tokens stay recomputed is decided in plain Python from the deviations read off the
+    two copies (same schedule, `filter_counts`), not by `GradualFilter`.
+    """
+    check_chunks(lm, chunks, strategy, len(query_ids))
+    lengths = [c.num_tokens for c in chunks]
+    L, q = sum(lengths), len(query_ids)
+    T = L + q
+    keys, values = new_buffers(lm, T + L)  # [layers, 1, h, T + L, d]: fresh, then cached
+    keys[:, 0, :, T:], values[:, 0, :, T:] = _placed_reference(lm, chunks)
+    cache = buffered_cache(lm, keys, values, T + L)
+    everything = torch.arange(T, device=lm.device)
+    write_at(cache, everything)  # each layer writes every token's fresh K/V, cached ones kept
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    flags = strategy.in_full(len(chunks) - 1)
+    whole = {p for s, n, f in zip(starts[1:], lengths[1:], flags) if f for p in range(s, s + n)}
+    pool = [p for p in range(lengths[0], L) if p not in whole]
+    target = min(round(strategy.ratio * (L - lengths[0])), len(pool))
+    counts = filter_counts(len(pool), target, lm.num_layers)
+    chosen = pool if counts[0] else []
+    sets: list[torch.Tensor] = []
+    causal = everything[None, :] <= everything[:, None]  # [T, T]
+
+    def blended(layer: int) -> LayerRows:
+        nonlocal chosen
+        if len(chosen) > counts[layer]:  # ranked on the layer before
+            v = values[layer - 1, 0]
+            moved = {p: float((v[:, p] - v[:, T + p]).double().norm()) for p in chosen}
+            chosen = sorted(sorted(chosen, key=moved.__getitem__, reverse=True)[: counts[layer]])
+        recomputed = sorted({*chosen, *whole})
+        sets.append(torch.tensor(recomputed, dtype=torch.long, device=lm.device))
+        fresh = everything >= L
+        fresh[recomputed] = True
+        allowed = torch.cat((causal & fresh, (causal & ~fresh)[:, :L]), dim=1)  # [T, T + L]
+        return LayerRows(None, additive_mask(allowed, lm.dtype))
+
+    ids = torch.tensor([[t for c in chunks for t in c.token_ids] + query_ids], device=lm.device)
+    first = blended(0).mask
+    logits = forward_by_layer(
+        lm,
+        ids,
+        positions=everything[None],
+        cache=cache,
+        mask=first,
+        rows=lambda layer: blended(layer) if layer else None,
+    )
+    layers = []
+    for layer, fresh in enumerate(sets):  # each layer: fresh where recomputed, else cached
+        k, v = keys[layer, :, :, :T].clone(), values[layer, :, :, :T].clone()
+        cached = torch.ones(L, dtype=torch.bool, device=lm.device)
+        cached[fresh] = False
+        k[:, :, :L][:, :, cached] = keys[layer, :, :, T:][:, :, cached]
+        v[:, :, :L][:, :, cached] = values[layer, :, :, T:][:, :, cached]
+        layers.append((k, v))
+    average = round(sum(len(s) for s in sets) / len(sets))
+    return LinkedContext(build_cache(layers, lm), logits, T, L, average, tuple(sets))
+
+
+def _placed_reference(lm: LoadedModel, chunks: list[ChunkKV]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks back to back from position 0, keys moved with `apply_rope` (the reference
+    rotation): keys and values [layers, kv_heads, L, head_dim]."""
+    offsets = [sum(c.num_tokens for c in chunks[:i]) for i in range(len(chunks))]
+    delta = torch.cat([torch.full((c.num_tokens,), o - c.start) for c, o in zip(chunks, offsets)])
+    keys = apply_rope(torch.cat([c.keys for c in chunks], dim=2), delta, lm.inv_freq)
+    return keys, torch.cat([c.values for c in chunks], dim=2)

@@ -2,14 +2,16 @@
 
 Everything version-specific lives here: our attention function and its registration,
 KV caches over preallocated buffers (build, unpack, write in place, per-layer hooks), the
-forward call, and the layer hook CacheBlend needs. Other modules see `LoadedModel`, plain
-tensors and an opaque `Cache`.
+forward call, and the forward that narrows its rows layer by layer (CacheBlend's). Other
+modules see `LoadedModel`, plain tensors and an opaque `Cache`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -361,31 +363,77 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None]
 
 
-class _StopForward(Exception):
-    pass
+@dataclass(frozen=True)
+class LayerRows:
+    """The token rows one decoder layer computes in `forward_by_layer`, and what they see."""
+
+    keep: torch.Tensor | None  # [T'] indices of the rows the layer before computed; None: all
+    mask: torch.Tensor  # additive [1, 1, T', K]: the keys each kept row attends to
 
 
-def layer_values(lm: LoadedModel, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """Values of `layer` [kv_heads, T, head_dim] for a causal prefill of input_ids [1, T].
+def forward_by_layer(
+    lm: LoadedModel,
+    input_ids: torch.Tensor,
+    *,
+    positions: torch.Tensor,
+    cache: Cache,
+    mask: torch.Tensor,
+    rows: Callable[[int], LayerRows | None],
+) -> torch.Tensor:
+    """A forward whose decoder layers may each compute fewer token rows than the layer before,
+    each with its own mask (CacheBlend's gradual filtering). Returns the last row's logits
+    [vocab]; the last row must go on through every layer.
 
-    Runs the model only up to that layer's value projection (a hook stops it there), which is
-    what CacheBlend's token selection needs, at a fraction of a full prefill.
+    input_ids, positions: [1, T]; mask: additive [1, 1, T, K]. Before decoder layer i runs,
+    `rows(i)` may narrow the rows (indices into those layer i - 1 computed) and give their
+    mask; None keeps both. A dropped row is simply not computed any further: its K/V from the
+    layers it went through stay where the cache wrote them (`write_at`, set by the caller).
+
+    The model's own forward runs, with a pre-hook on each decoder layer indexing its hidden
+    states, positions and position embeddings by the rows kept (plain tensor indexing), so
+    embedding, final norm and head stay the model's; a pre-hook on the head gives it the
+    last row only.
     """
-    captured: dict[str, torch.Tensor] = {}
-    attn = lm.model.model.layers[layer].self_attn
-    if not hasattr(attn, "v_proj"):
-        raise UnsupportedModelError("cacheblend needs a separate v_proj in the attention layers")
+    state: dict[str, Any] = {"index": None, "mask": mask, "narrowed": {}}
 
-    def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> None:
-        captured["v"] = output
-        raise _StopForward
+    def narrow(layer: int, _module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        step = rows(layer)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        if step is not None:
+            if step.keep is not None:
+                hidden = hidden[:, step.keep]
+                index = state["index"]
+                state["index"] = step.keep if index is None else index[step.keep]
+                state["narrowed"] = {}
+            state["mask"] = step.mask
+            if step.mask.device.type == "cpu":
+                state["narrowed"]["query_block_ends"] = query_block_ends(step.mask)
+        if state["index"] is not None and "position_ids" not in state["narrowed"]:
+            state["narrowed"].update(_rows_of(kwargs, state["index"]))
+        kwargs.update(state["narrowed"], attention_mask=state["mask"])
+        return (hidden, *args[1:]), kwargs
 
-    handle = attn.v_proj.register_forward_hook(hook)
+    def last_row(_module: Any, args: tuple) -> tuple:
+        return (args[0][:, -1:].contiguous(), *args[1:])
+
+    layers = list(lm.model.model.layers)
+    handles = [
+        layer.register_forward_pre_hook(partial(narrow, i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
+    handles.append(lm.model.get_output_embeddings().register_forward_pre_hook(last_row))
     try:
-        forward(lm, input_ids)
-    except _StopForward:
-        pass
+        logits, _ = forward(lm, input_ids, positions=positions, cache=cache, mask=mask)
     finally:
-        handle.remove()
-    values = captured["v"][0]  # [T, kv_heads * head_dim]
-    return values.view(values.shape[0], lm.num_kv_heads, lm.head_dim).transpose(0, 1)
+        for handle in handles:
+            handle.remove()
+    return logits[0, -1]
+
+
+def _rows_of(kwargs: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """The per-row inputs a decoder layer is given (positions [1, T], position embeddings
+    ([1, T, d], ...)), narrowed to rows `index`: the model hands every layer the full ones."""
+    narrowed: dict[str, Any] = {"position_ids": kwargs["position_ids"][:, index]}
+    if kwargs.get("position_embeddings") is not None:
+        narrowed["position_embeddings"] = tuple(t[:, index] for t in kwargs["position_embeddings"])
+    return narrowed
