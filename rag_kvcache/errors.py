@@ -64,3 +64,8 @@ class StoreNotFoundError(StoreError):
 
 class StoreFullError(StoreError, OSError):
     """The disk (of the blobs or of the catalog) is full: the chunk was not recorded."""
+
+
+class StoreDamagedError(StoreError):
+    """A store's parts disagree (its catalog is lost, or belongs to another store; blobs and
+    catalog differ wholesale): refused rather than read as an empty store."""

@@ -342,6 +342,16 @@ class Catalog(CatalogDatabase):
         with self._read() as conn:
             return [ChunkRow(**row._mapping) for row in conn.execute(stmt)]
 
+    def chunk_ids(self, state: str | None = None) -> set[str]:
+        """The IDs of every chunk (optionally only those in `state`), reading nothing else, so
+        a row with a damaged value does not stop gc or verify."""
+        stmt = select(Chunk.cache_id)
+        if state is not None:
+            _check_state(state)
+            stmt = stmt.where(Chunk.state == state)
+        with self._read() as conn:
+            return set(conn.scalars(stmt))
+
     def touch(self, cache_ids: Iterable[str]) -> None:
         """Record a use of each chunk (LRU time and LFU count) in one UPDATE."""
         ids = list(dict.fromkeys(cache_ids))

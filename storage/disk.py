@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ class DiskTier:
     def put(self, cache_id: str, data: bytes) -> None:
         target = self.path(cache_id)
         target.parent.mkdir(exist_ok=True)
+        self._clear_non_file(target)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -66,23 +68,39 @@ class DiskTier:
                         break
                     read += got
                 view.release()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):  # a folder in its place: damage
             return None
         return data if read == len(data) else data[:read]  # shrank while read: fails checks
 
     def contains(self, cache_id: str) -> bool:
-        return self.path(cache_id).exists()
+        return self.path(cache_id).is_file()
 
     def remove(self, cache_id: str) -> bool:
+        path = self.path(cache_id)
         try:
-            self.path(cache_id).unlink()
+            path.unlink()
             return True
         except FileNotFoundError:
             return False
+        except IsADirectoryError:
+            return self._clear_non_file(path)
+
+    @staticmethod
+    def _clear_non_file(path: Path) -> bool:
+        """A folder where a blob belongs is damage (never ours to keep): remove it, so the
+        blob can be written; a symlink is removed, never followed."""
+        if path.is_symlink():
+            path.unlink()
+            return True
+        if path.is_dir():
+            shutil.rmtree(path)
+            return True
+        return False
 
     def ids(self) -> Iterator[str]:
+        """The cache IDs with a blob file (a folder in a blob's place is not one)."""
         for file in self.root.glob("*/*.safetensors"):
-            if is_name("cache ID", file.stem):
+            if is_name("cache ID", file.stem) and file.is_file():
                 yield file.stem
 
     def remove_temporaries(self) -> int:
@@ -93,4 +111,4 @@ class DiskTier:
         return len(stray)
 
     def nbytes(self) -> int:
-        return sum(f.stat().st_size for f in self.root.glob("*/*.safetensors"))
+        return sum(f.stat().st_size for f in self.root.glob("*/*.safetensors") if f.is_file())

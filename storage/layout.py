@@ -1,5 +1,6 @@
 """A store's folder: what lives where, and the one door by which a name becomes a path.
 
+    <root>/store.json             the marker: format version, store ID, which catalog
     <root>/catalog.sqlite         the catalog (unless a catalog URL names another database)
     <root>/blobs/ab/<id>.safetensors   blobs of the disk tier (unless Redis keeps them)
     <root>/index.faiss, index.ids the vector index of retrieval (a cache of the catalog)
@@ -15,14 +16,18 @@ name can reach the file system.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rag_kvcache.errors import InvalidNameError, StoreError, StoreNotFoundError
+from rag_kvcache.errors import InvalidNameError, StoreDamagedError, StoreError, StoreNotFoundError
 
+MARKER_FILE = "store.json"
+FORMAT_VERSION = 1  # of the folder's layout; the catalog's own schema has Alembic revisions
 CATALOG_FILE = "catalog.sqlite"
 BLOBS_FOLDER = "blobs"
 SCHEMAS_FOLDER = "schemas"
@@ -108,3 +113,44 @@ def open_folder(root: Path, create: bool) -> None:
             f"no store at {root}: check --store, or ingest documents there first"
         )
     make_folder(root)
+
+
+# ----------------------------------------------------------------------------- the marker
+
+
+@dataclass(frozen=True)
+class StoreMarker:
+    """What a store's folder says about itself: written when the store is first opened, so a
+    store that lost its catalog is known to be damaged, never taken for a new empty one."""
+
+    format: int  # FORMAT_VERSION of the writer
+    store_id: str  # the catalog's store ID: the folder and the catalog belong together
+    catalog: str  # where the catalog is (URL, password hidden), for people reading the file
+
+
+def read_marker(root: Path) -> StoreMarker | None:
+    """The marker of the store at `root`, None if it has none (new, or from before markers)."""
+    path = Path(root) / MARKER_FILE
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        marker = StoreMarker(int(fields["format"]), str(fields["store_id"]), str(fields["catalog"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise StoreDamagedError(f"the store marker {path} is unreadable ({err})") from None
+    if marker.format > FORMAT_VERSION:
+        raise StoreDamagedError(
+            f"the store at {root} has format {marker.format}; this rag-kvcache reads up to "
+            f"{FORMAT_VERSION}: upgrade rag-kvcache"
+        )
+    checked_name("store ID", marker.store_id)
+    return marker
+
+
+def write_marker(root: Path, marker: StoreMarker) -> None:
+    """Write the marker atomically (a temporary file renamed over it)."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-marker-", dir=root)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(asdict(marker), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, Path(root) / MARKER_FILE)

@@ -8,7 +8,7 @@ upkeep reports `VerifyReport` and `GcReport`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from rag_kvcache.errors import RagKVCacheError
@@ -77,3 +77,5 @@ class VerifyReport:
     missing: list[str]
     repaired: int
     upgraded: int = 0  # sha256 checksums (older stores) rewritten as xxh3-128
+    unreadable: list[str] = field(default_factory=list)  # rows with damaged values (dropped
+    # when repairing: nothing can re-encode them; their documents are re-ingested next time)

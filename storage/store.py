@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from rag_kvcache.errors import UnknownCacheIdError
+from rag_kvcache.errors import StoreDamagedError, StoreNotFoundError, UnknownCacheIdError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.storage.blob import (
     XXH3,
@@ -32,11 +32,16 @@ from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier, StoreFullError
 from rag_kvcache.storage.hot import MemoryTier
 from rag_kvcache.storage.layout import (
+    BLOBS_FOLDER,
     CATALOG_FILE,
+    FORMAT_VERSION,
+    StoreMarker,
     checked_name,
     is_name,
     open_folder,
+    read_marker,
     redis_prefix,
+    write_marker,
 )
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
@@ -60,6 +65,46 @@ class BlobTier(Protocol):
     def ids(self) -> Iterator[str]: ...
     def remove_temporaries(self) -> int: ...
     def nbytes(self) -> int: ...
+
+
+def _open_catalog(
+    root: Path, catalog_url: str | None, create: bool, marker: StoreMarker | None
+) -> Catalog:
+    """The store's catalog. Once a store exists (it has a marker, or blobs), a missing or empty
+    catalog is damage (StoreDamagedError), never a new empty store whose gc would then delete
+    every blob."""
+    if catalog_url is None:
+        path = root / CATALOG_FILE
+        lost = not path.is_file() or path.stat().st_size == 0
+        if lost and (marker is not None or any((root / BLOBS_FOLDER).glob("*/*.safetensors"))):
+            raise StoreDamagedError(
+                f"the store at {root} has lost its catalog ({path} is missing or empty); "
+                "restore it from a backup (the blobs alone cannot be used)"
+            )
+    try:
+        if catalog_url:
+            return Catalog(catalog_url, create=create and marker is None)
+        return Catalog(path=root / CATALOG_FILE, create=create and marker is None)
+    except StoreNotFoundError:
+        if marker is None:
+            raise
+        raise StoreDamagedError(
+            f"the store at {root} has lost its catalog ({marker.catalog} holds none); "
+            "restore it from a backup, or give the --catalog-url it was made with"
+        ) from None
+
+
+def _check_marker(root: Path, marker: StoreMarker | None, catalog: Catalog) -> None:
+    """The folder and the catalog must be of one store; a store without a marker (new, or
+    made before markers) gets one."""
+    if marker is None:
+        write_marker(root, StoreMarker(FORMAT_VERSION, catalog.store_id, catalog.url))
+    elif marker.store_id != catalog.store_id:
+        raise StoreDamagedError(
+            f"the store folder {root} belongs to store {marker.store_id} (catalog "
+            f"{marker.catalog}), but the catalog {catalog.url} is store {catalog.store_id}: "
+            "give the catalog it was made with, or another --store folder"
+        )
 
 
 class TieredStore:
@@ -93,17 +138,22 @@ class TieredStore:
         # catalog and Redis blobs nothing else would make it); readers never make one
         open_folder(root, create)
         self.root = root
+        marker = read_marker(root)
+        given = catalog is not None
         if catalog is None:
-            if catalog_url:
-                catalog = Catalog(catalog_url, create=create)
-            else:
-                catalog = Catalog(path=root / CATALOG_FILE, create=create)
+            catalog = _open_catalog(root, catalog_url, create, marker)
+        try:
+            _check_marker(root, marker, catalog)
+        except BaseException:
+            if not given:
+                catalog.close()
+            raise
         self.catalog = catalog
         if durable is None:
             if redis_url:
                 durable = RedisTier(redis_url, prefix=redis_prefix(catalog.store_id))
             else:
-                durable = DiskTier(root / "blobs")
+                durable = DiskTier(root / BLOBS_FOLDER)
         self.durable = durable
         self.hot = [MemoryTier("cpu", cpu_bytes, "cpu", policy)]
         if gpu_bytes:
@@ -271,16 +321,26 @@ class TieredStore:
         self.durable.remove(cache_id)
         return removed
 
-    def gc(self, pending_after_s: float = 600.0) -> GcReport:
-        """Remove expired chunks, dead writers' pending rows, orphan blobs and temporaries."""
+    def gc(self, pending_after_s: float = 600.0, force: bool = False) -> GcReport:
+        """Remove expired chunks, dead writers' pending rows, orphan blobs and temporaries.
+
+        Orphan blobs are few (a writer killed at the wrong moment); when they outnumber the
+        chunks the catalog lists, the catalog is more likely lost or another store's than the
+        blobs garbage, so gc refuses (StoreDamagedError) unless `force`."""
         expired = self.catalog.expired()
         for cid in expired:
             self.remove(cid)
         pending = self.catalog.pending_older_than(pending_after_s)
         for cid in pending:
             self.remove(cid)
-        stored = {r.cache_id for r in self.catalog.all_chunks()}
-        orphans = [cid for cid in self.durable.ids() if cid not in stored]
+        listed = self.catalog.chunk_ids()
+        orphans = [cid for cid in self.durable.ids() if cid not in listed]
+        if not force and len(orphans) > max(2, len(listed)):
+            raise StoreDamagedError(
+                f"gc refused: {len(orphans)} blobs are not in the catalog, which lists "
+                f"{len(listed)} chunks ({self.catalog.url}); is it the right catalog, or one "
+                "restored from an old backup? Run gc with --force to delete them anyway"
+            )
         for cid in orphans:
             self.durable.remove(cid)
         temporaries = self.durable.remove_temporaries()
@@ -291,7 +351,12 @@ class TieredStore:
     ) -> VerifyReport:
         """Re-read every stored blob and check it; re-encode bad ones when `repair`. A good
         blob still under an older store's sha256 gets its xxh3-128 checksum (faster reads)."""
-        corrupt, missing, rows = [], [], self.catalog.all_chunks("stored")
+        rows, unreadable = self._readable_rows(self.catalog.chunk_ids("stored"))
+        if repair:  # nothing can re-encode them: drop them (their documents re-ingest)
+            for cid in unreadable:
+                self.remove(cid)
+        corrupt: list[str] = []
+        missing: list[str] = []
         repaired = upgraded = 0
         for row in rows:
             data = self.durable.get(row.cache_id)
@@ -315,7 +380,31 @@ class TieredStore:
                 repaired += 1
             if on_checked:
                 on_checked()
-        return VerifyReport(len(rows), corrupt, missing, repaired, upgraded)
+        return VerifyReport(
+            len(rows) + len(unreadable), corrupt, missing, repaired, upgraded, unreadable
+        )
+
+    def _readable_rows(self, cache_ids: set[str]) -> tuple[list[ChunkRow], list[str]]:
+        """The rows of these chunks, and the IDs of rows that cannot be read (damaged values)."""
+        rows: list[ChunkRow] = []
+        unreadable: list[str] = []
+        ordered = sorted(cache_ids)
+        for i in range(0, len(ordered), 1000):
+            batch = ordered[i : i + 1000]
+            try:
+                rows.extend(self.catalog.chunks(batch).values())
+                continue
+            except (ValueError, TypeError):
+                pass
+            for cid in batch:  # one by one, to name the bad rows
+                try:
+                    row = self.catalog.chunk(cid)
+                except (ValueError, TypeError):
+                    unreadable.append(cid)
+                    continue
+                if row is not None:
+                    rows.append(row)
+        return rows, unreadable
 
     def nbytes(self) -> int:
         """Bytes of every stored blob (counted in SQL from the durable tier's placements)."""

@@ -16,10 +16,13 @@ from conftest import Target
 from helpers import random_chunks
 from hypothesis import given
 from hypothesis import strategies as st
+from sqlalchemy import text as sql_text
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.engine import reencoder
 from rag_kvcache.errors import (
     InvalidNameError,
+    StoreDamagedError,
     StoreError,
     StoreFullError,
     StoreNotFoundError,
@@ -29,10 +32,20 @@ from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage import MemoryStore
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier
-from rag_kvcache.storage.layout import RULES, named_path, redis_prefix, schema_path
+from rag_kvcache.storage.layout import (
+    FORMAT_VERSION,
+    RULES,
+    StoreMarker,
+    named_path,
+    read_marker,
+    redis_prefix,
+    schema_path,
+)
+from rag_kvcache.storage.records import VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.tools.cli import main
+from rag_kvcache.tools.cli.store import index_problem, rebuild_index
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 PG = "postgresql+psycopg://"
@@ -361,3 +374,138 @@ def test_opening_a_missing_catalog_to_read_is_not_found(target: Target, tmp_path
     else:
         with pytest.raises(StoreNotFoundError, match="no catalog in"):
             Catalog(target.url, schema=target.schema, create=False)
+
+
+# ----------------------------------------------------------------------------- item 6: damage
+
+
+def _documented_store(root: Path, tiny32) -> tuple[TieredStore, RagKVCache]:
+    store = TieredStore(root)
+    engine = _engine(store, tiny32)
+    engine.ingest_document("harbor.md", DOCS)
+    engine.ingest_document("ferry.md", ["The ferry leaves at dawn.", "Tickets cost four marks."])
+    return store, engine
+
+
+def test_a_store_knows_it_exists_and_which_catalog_is_its(tmp_path: Path, tiny32) -> None:
+    ids = _make_store(tmp_path / "s", tiny32)
+    marker = read_marker(tmp_path / "s")
+    store = TieredStore(tmp_path / "s", create=False)
+    assert marker == StoreMarker(FORMAT_VERSION, store.catalog.store_id, store.catalog.url)
+    assert store.contains(ids[0])
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "zero-length"])
+def test_a_lost_sqlite_catalog_is_an_error_never_an_empty_store(
+    damage: str, tmp_path: Path, tiny32, capsys
+) -> None:
+    root = tmp_path / "s"
+    _make_store(root, tiny32)
+    blobs = sorted(DiskTier(root / "blobs").ids())
+    catalog = root / "catalog.sqlite"
+    catalog.unlink()
+    for extra in root.glob("catalog.sqlite-*"):  # the WAL and its index
+        extra.unlink()
+    if damage == "zero-length":
+        catalog.touch()
+    for create in (True, False):
+        with pytest.raises(StoreDamagedError, match="has lost its catalog"):
+            TieredStore(root, create=create)
+    assert main(["gc", "--store", str(root)]) == 1
+    one_error_line(capsys, "has lost its catalog")
+    (root / "store.json").unlink()  # a store from before markers: its blobs still tell
+    with pytest.raises(StoreDamagedError, match="has lost its catalog"):
+        TieredStore(root)
+    assert sorted(DiskTier(root / "blobs").ids()) == blobs  # nothing deleted
+
+
+def test_a_folder_with_another_stores_catalog_is_refused(target: Target, tmp_path: Path) -> None:
+    TieredStore(tmp_path / "a").close()
+    with pytest.raises(StoreDamagedError, match="belongs to store"):
+        TieredStore(tmp_path / "a", catalog=target.open())
+
+
+def test_gc_refuses_when_the_catalog_and_the_blobs_disagree_wholesale(
+    tmp_path: Path, tiny32, capsys
+) -> None:
+    """A catalog restored from an old backup lists 2 of 8 chunks: the 6 others are not
+    garbage; gc deletes them only when forced."""
+    root = tmp_path / "s"
+    store = TieredStore(root)
+    engine = _engine(store, tiny32)
+    engine.generate_context_cache(DOCS[:1])
+    store.close()
+    backup = (root / "catalog.sqlite").read_bytes()
+    store = TieredStore(root)
+    _engine(store, tiny32).generate_context_cache([f"later text {i}" for i in range(6)])
+    store.close()
+    for extra in root.glob("catalog.sqlite-*"):
+        extra.unlink()
+    (root / "catalog.sqlite").write_bytes(backup)
+    assert main(["gc", "--store", str(root)]) == 1
+    one_error_line(capsys, "gc refused: 6 blobs are not in the catalog")
+    assert len(list(DiskTier(root / "blobs").ids())) == 8
+    assert main(["gc", "--store", str(root), "--force"]) == 0
+    assert "6 orphan blobs" in capsys.readouterr().out
+    assert len(list(DiskTier(root / "blobs").ids())) == 2
+
+
+def test_a_folder_where_a_blob_belongs_and_a_bad_row_do_not_crash_verify_or_gc(
+    target: Target, tmp_path: Path, tiny32
+) -> None:
+    store = TieredStore(tmp_path / "s", catalog=target.open(), reencode=reencoder(tiny32))
+    engine = _engine(store, tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    blob = store.durable.path(ids[0])  # type: ignore[attr-defined]
+    blob.unlink()
+    (blob / "inside").mkdir(parents=True)
+    with store.catalog.engine.begin() as conn:  # a damaged value in a row
+        conn.execute(
+            sql_text("UPDATE chunks SET token_ids = 'not json' WHERE cache_id = :c"),
+            {"c": ids[1]},
+        )
+    for tier in store.hot:
+        for cid in ids:
+            tier.remove(cid)
+    report = store.verify(repair=False)
+    assert report.missing == [ids[0]] and report.unreadable == [ids[1]]
+    assert store.gc(pending_after_s=0).orphan_blobs == 0
+    report = store.verify(repair=True)
+    assert report.repaired == 1 and report.unreadable == [ids[1]]
+    assert store.catalog.chunk_ids() == {engine.prefix_id, ids[0]}
+    assert blob.is_file() and store.verify(repair=False) == VerifyReport(2, [], [], 0)
+    assert engine.generate("When?", ids[:1]).token_ids
+    store.close()
+
+
+def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(
+    tmp_path: Path, tiny32, capsys
+) -> None:
+    import faiss
+    import numpy as np
+
+    root = tmp_path / "s"
+    store, engine = _documented_store(root, tiny32)
+    want = engine.retrieve("When was the lighthouse built?", 1)[0].cache_id
+    assert index_problem(store) is None
+    index = faiss.read_index(str(root / "index.faiss"))
+    ids = (root / "index.ids").read_text().split()
+    keys = np.array([int(c[:15], 16) for c in ids], dtype=np.int64)
+    vectors = np.stack([index.reconstruct(int(k)) for k in keys])
+    vectors[0] = -vectors[0]  # one vector flipped: a quiet, wrong retrieval
+    index.remove_ids(keys)
+    index.add_with_ids(vectors, keys)
+    faiss.write_index(index, str(root / "index.faiss"))
+    assert index_problem(store) == "1 vectors differ from their chunk's embedding"
+    store.close()
+    assert main(["verify", "--store", str(root)]) == 1
+    assert "1 vectors differ" in capsys.readouterr().out
+    store = TieredStore(root)
+    assert rebuild_index(store) == 4 and index_problem(store) is None
+    with open(root / "index.ids", "a") as ids_file:
+        ids_file.write("not-a-cache-id\n")  # one bad line
+    assert index_problem(store).startswith("unreadable")  # type: ignore[union-attr]
+    rebuild_index(store)
+    assert _engine(store, tiny32).retrieve("When was the lighthouse built?", 1)[0].cache_id == want
+    store.close()

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from rag_kvcache.tools.cli.common import open_store, store_options
 
+if TYPE_CHECKING:
+    from rag_kvcache.storage.store import TieredStore
+
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     for name, text in [
         ("stats", "chunks, bytes per tier, hit and re-encode counters"),
-        ("verify", "re-read every blob and check its checksum (--repair re-encodes bad ones)"),
+        (
+            "verify",
+            "check every blob and the vector index (--repair re-encodes bad blobs, drops "
+            "unreadable rows and rebuilds the index)",
+        ),
         ("gc", "remove expired chunks, dead writers' rows, orphan blobs and temporaries"),
     ]:
         sub = commands.add_parser(name, help=text)
@@ -23,6 +31,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         sub.set_defaults(run=store_command)
         if name == "gc":
             sub.add_argument("--pending-after", type=float, default=600.0, metavar="SECONDS")
+            sub.add_argument(
+                "--force", action="store_true", help="delete orphan blobs even if most are"
+            )
 
 
 def store_command(args: argparse.Namespace, console: Console) -> int:
@@ -57,14 +68,68 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"checked {report.checked}: {len(report.corrupt)} corrupt, "
             f"{len(report.missing)} missing, {report.repaired} repaired, "
-            f"{report.upgraded} checksums upgraded to xxh3-128"
+            f"{report.upgraded} checksums upgraded to xxh3-128, "
+            f"{len(report.unreadable)} unreadable rows"
+            + (" dropped" if args.repair and report.unreadable else "")
         )
         bad = (len(report.corrupt) + len(report.missing)) - report.repaired
+        bad += 0 if args.repair else len(report.unreadable)
+        problem = index_problem(store)
+        if problem and args.repair:
+            entries = rebuild_index(store)
+            console.print(f"vector index: {problem}; rebuilt from the catalog ({entries} chunks)")
+        elif problem:
+            console.print(f"vector index: {problem} (verify --repair rebuilds it)")
+            bad += 1
+        else:
+            console.print("vector index: matches the catalog")
         return 1 if bad else 0
-    report_gc = store.gc(pending_after_s=args.pending_after)
+    report_gc = store.gc(pending_after_s=args.pending_after, force=args.force)
     console.print(
         f"gc: {report_gc.expired} expired, {report_gc.pending} dead writers' rows, "
         f"{report_gc.orphan_blobs} orphan blobs, {report_gc.temporaries} temporaries "
         "removed"
     )
     return 0
+
+
+def index_problem(store: TieredStore) -> str | None:
+    """What is wrong with the store's vector index, or None: it must list exactly the chunks
+    the catalog's documents list, each with the embedding of its text (so tampered or
+    bit-rotted vectors are found, not only unreadable files)."""
+    import faiss
+    import numpy as np
+
+    from rag_kvcache.errors import RagKVCacheError
+    from rag_kvcache.retrieval.embedding import Embedder
+    from rag_kvcache.retrieval.index import faiss_id
+
+    wanted = store.catalog.documented_ids()
+    index_path, ids_path = store.root / "index.faiss", store.root / "index.ids"
+    if not index_path.exists() and not ids_path.exists():
+        return "missing" if wanted else None
+    try:
+        index = faiss.read_index(str(index_path))
+        ids = ids_path.read_text(encoding="ascii").split()
+        keys = [faiss_id(c) for c in ids]
+        vectors = np.stack([index.reconstruct(k) for k in keys]) if keys else None
+    except (OSError, RuntimeError, UnicodeDecodeError, RagKVCacheError) as err:
+        return f"unreadable ({str(err).strip().splitlines()[0]})"
+    if len(ids) != len(set(ids)) or set(ids) != wanted or index.ntotal != len(ids):
+        return f"lists {len(set(ids) ^ wanted)} chunks other than the catalog's documents do"
+    if vectors is None:
+        return None
+    rows = store.catalog.chunks(ids)
+    expected = Embedder().embed([rows[c].text for c in ids])
+    wrong = int((np.abs(vectors - expected).max(axis=1) > 1e-3).sum())
+    return f"{wrong} vectors differ from their chunk's embedding" if wrong else None
+
+
+def rebuild_index(store: TieredStore) -> int:
+    """Rebuild the vector index from the catalog (its chunk texts); returns its size."""
+    from rag_kvcache.retrieval.corpus import Corpus
+    from rag_kvcache.retrieval.embedding import Embedder
+
+    for name in ("index.faiss", "index.ids"):
+        (store.root / name).unlink(missing_ok=True)
+    return len(Corpus(store, store.catalog, store.root, Embedder()).index)
