@@ -2,16 +2,19 @@
 
 A blob is written to a temporary name in the same folder, flushed, fsynced and renamed, and
 the folder fsynced, so a killed writer leaves either no file or a whole one (stray
-temporaries are removed by gc). Paths come only from validated cache IDs (`layout.named_path`),
-so nothing a caller or the catalog names can point outside the store's folder.
+temporaries are removed by gc; a live writer's are not: it holds a lock on its file). Paths
+come only from validated cache IDs (`layout.named_path`), so nothing a caller or the catalog
+names can point outside the store's folder.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from rag_kvcache.errors import StoreFullError
 from rag_kvcache.storage.layout import is_name, make_folder, named_path
 
 __all__ = ["DiskTier", "StoreFullError"]
+TEMPORARY_PREFIX = ".tmp-"
 
 
 class DiskTier:
@@ -35,13 +39,14 @@ class DiskTier:
         target = self.path(cache_id)
         target.parent.mkdir(exist_ok=True)
         self._clear_non_file(target)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # held until renamed: gc sees a live writer
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)
+                os.replace(tmp, target)
         except OSError as err:
             Path(tmp).unlink(missing_ok=True)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -103,12 +108,29 @@ class DiskTier:
             if is_name("cache ID", file.stem) and file.is_file():
                 yield file.stem
 
-    def remove_temporaries(self) -> int:
-        """Delete half-written files of killed writers; returns how many."""
-        stray = list(self.root.glob("*/.tmp-*"))
-        for tmp in stray:
-            tmp.unlink(missing_ok=True)
-        return len(stray)
+    def remove_temporaries(self, older_than_s: float = 600.0) -> int:
+        """Delete half-written files of dead writers; returns how many. A live writer holds
+        a lock on its temporary file until it renames it (a killed one's lock is gone), and
+        a file younger than `older_than_s` is left too (its writer may not have locked it
+        yet)."""
+        removed = 0
+        for tmp in self.root.glob(f"*/{TEMPORARY_PREFIX}*"):
+            try:
+                if time.time() - tmp.stat().st_mtime < older_than_s:
+                    continue
+                fd = os.open(tmp, os.O_RDONLY)
+            except FileNotFoundError:  # renamed by its writer meanwhile
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live writer holds it
+                continue
+            else:
+                tmp.unlink(missing_ok=True)
+                removed += 1
+            finally:
+                os.close(fd)
+        return removed
 
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in self.root.glob("*/*.safetensors") if f.is_file())

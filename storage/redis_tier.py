@@ -72,8 +72,8 @@ class RedisTier:
             if is_name("cache ID", cid):
                 yield cid
 
-    def remove_temporaries(self) -> int:
-        return 0
+    def remove_temporaries(self, older_than_s: float = 600.0) -> int:
+        return 0  # a SET is atomic: nothing half-written
 
     def nbytes(self) -> int:
         return sum(int(self._call(self._redis.strlen, self.prefix + c)) for c in self.ids())

@@ -63,7 +63,7 @@ class BlobTier(Protocol):
     def contains(self, cache_id: str) -> bool: ...
     def remove(self, cache_id: str) -> bool: ...
     def ids(self) -> Iterator[str]: ...
-    def remove_temporaries(self) -> int: ...
+    def remove_temporaries(self, older_than_s: float) -> int: ...
     def nbytes(self) -> int: ...
 
 
@@ -322,7 +322,9 @@ class TieredStore:
         return removed
 
     def gc(self, pending_after_s: float = 600.0, force: bool = False) -> GcReport:
-        """Remove expired chunks, dead writers' pending rows, orphan blobs and temporaries.
+        """Remove expired chunks, dead writers' pending rows, orphan blobs and temporaries
+        (a writer is taken for dead after `pending_after_s`; a live writer's temporary file is
+        locked, and kept whatever its age).
 
         Orphan blobs are few (a writer killed at the wrong moment); when they outnumber the
         chunks the catalog lists, the catalog is more likely lost or another store's than the
@@ -333,8 +335,11 @@ class TieredStore:
         pending = self.catalog.pending_older_than(pending_after_s)
         for cid in pending:
             self.remove(cid)
+        # blobs first, then the catalog: a writer claims its row before writing its blob, so
+        # every blob seen here whose writer is alive has a row in the catalog read after
+        blobs = list(self.durable.ids())
         listed = self.catalog.chunk_ids()
-        orphans = [cid for cid in self.durable.ids() if cid not in listed]
+        orphans = [cid for cid in blobs if cid not in listed]
         if not force and len(orphans) > max(2, len(listed)):
             raise StoreDamagedError(
                 f"gc refused: {len(orphans)} blobs are not in the catalog, which lists "
@@ -343,7 +348,7 @@ class TieredStore:
             )
         for cid in orphans:
             self.durable.remove(cid)
-        temporaries = self.durable.remove_temporaries()
+        temporaries = self.durable.remove_temporaries(older_than_s=pending_after_s)
         return GcReport(len(expired), len(pending), len(orphans), temporaries)
 
     def verify(

@@ -1,6 +1,7 @@
 """The tiered store, on SQLite and PostgreSQL catalogs: restart, corruption, eviction, gc."""
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -181,7 +182,9 @@ def test_expiry_ttl_and_gc(store, tiny64) -> None:
     on_disk = isinstance(store.durable, DiskTier)
     if on_disk:  # a file half-written by a killed writer (Redis SETs are atomic)
         (store.durable.root / "ab").mkdir(exist_ok=True)
-        (store.durable.root / "ab" / ".tmp-dead").write_bytes(b"half")
+        dead = store.durable.root / "ab" / ".tmp-dead"
+        dead.write_bytes(b"half")
+        os.utime(dead, (time.time() - 3600, time.time() - 3600))  # its writer died long ago
     report = store.gc()
     assert (report.expired, report.orphan_blobs, report.temporaries) == (1, 1, int(on_disk))
     assert not store.durable.contains(orphan.cache_id) and not store.durable.contains(kv.cache_id)
@@ -333,7 +336,7 @@ def test_writers_killed_at_random_points_never_break_the_store(tmp_path) -> None
         report = store.verify(repair=False)
         assert report.corrupt == [] and report.missing == [], attempt
         store.gc(pending_after_s=0)  # the dead writer's claim, if any
-        assert set(store.durable.ids()) == stored and store.durable.remove_temporaries() == 0
+        assert set(store.durable.ids()) == stored and store.durable.remove_temporaries(0) == 0
         assert {r.state for r in store.catalog.all_chunks()} <= {"stored"}
         store.close()
     assert len(reported) > 20  # the kills did land mid-ingest, after some work
@@ -363,7 +366,7 @@ def test_full_disk_is_a_clear_error_and_records_nothing(tmp_path, tiny64) -> Non
         rows = store.catalog.all_chunks()
         assert sorted(r.cache_id for r in rows) == sorted(stored)  # the failed one unrecorded
         assert {r.state for r in rows} == {"stored"}
-        assert store.durable.remove_temporaries() == 0  # the partial file was removed
+        assert store.durable.remove_temporaries(0) == 0  # the partial file was removed
         assert [k.cache_id for k in store.get(stored)] == stored
         store.close()
     finally:

@@ -5,7 +5,10 @@ damage that must be reported rather than read as emptiness."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -509,3 +512,55 @@ def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(
     rebuild_index(store)
     assert _engine(store, tiny32).retrieve("When was the lighthouse built?", 1)[0].cache_id == want
     store.close()
+
+
+# ----------------------------------------------------------------------------- item 3: gc
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from rag_kvcache.storage.disk import DiskTier
+tier, data = DiskTier(Path(sys.argv[1])), bytes(16 << 20)
+while True:  # one blob, written over and over (an orphan: gc may delete it, harmlessly)
+    tier.put("0" * 32, data)
+"""
+
+
+def test_gc_leaves_a_live_writers_temporary_file_alone(tmp_path: Path) -> None:
+    """A writer frozen mid-write (SIGSTOP: alive, just slow) keeps its temporary file through
+    gc, even gc(pending_after_s=0), and finishes; a killed writer's is removed."""
+    store = TieredStore(tmp_path / "s")
+    blobs = tmp_path / "s" / "blobs"
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(blobs)], stderr=subprocess.PIPE)
+    try:
+        for _ in range(2000):  # catch it between creating and renaming a temporary
+            child.send_signal(signal.SIGSTOP)
+            held = list(blobs.glob("*/.tmp-*"))
+            if held:
+                break
+            child.send_signal(signal.SIGCONT)
+            time.sleep(0.002)
+        assert held, "never caught the writer mid-write"
+        assert store.gc(pending_after_s=0).temporaries == 0
+        assert all(t.exists() for t in held)
+        child.send_signal(signal.SIGCONT)
+        time.sleep(1.0)
+        assert child.poll() is None, child.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+    finally:
+        child.kill()
+        child.wait()
+    assert store.gc(pending_after_s=0).temporaries <= 1  # the killed writer's, if any
+    assert list(blobs.glob("*/.tmp-*")) == []
+    store.close()
+
+
+def test_a_dead_writers_recent_temporary_waits_for_the_grace_period(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "blobs")
+    (tmp_path / "blobs" / "ab").mkdir()
+    dead = tmp_path / "blobs" / "ab" / ".tmp-dead"
+    dead.write_bytes(b"half")
+    assert tier.remove_temporaries(older_than_s=600) == 0 and dead.exists()
+    old = time.time() - 601
+    os.utime(dead, (old, old))
+    assert tier.remove_temporaries(older_than_s=600) == 1 and not dead.exists()
