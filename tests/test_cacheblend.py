@@ -3,6 +3,8 @@ filtering). Checked at its limits (`full`, `naive`), against a slow reference th
 every token in every layer and masks, and on the sets it records; and the adapter's
 layer-by-layer forward it runs on."""
 
+import threading
+
 import pytest
 import torch
 from helpers import random_chunks, tiny_config
@@ -15,6 +17,7 @@ from rag_kvcache.model.adapter import (
     LayerRows,
     additive_mask,
     buffered_cache,
+    forward,
     forward_by_layer,
     new_buffers,
     unpack_cache,
@@ -175,3 +178,38 @@ def test_dropping_rows_over_exact_kv_changes_nothing(model, request) -> None:
     assert computed == [40, 40] + [len(kept)] * (lm.num_layers - 2)
     torch.testing.assert_close(out, logits, rtol=1e-10, atol=1e-10)
     _assert_same_kv(cache, exact, 1e-10)
+
+
+def test_another_threads_forward_meanwhile_is_untouched(tiny64) -> None:
+    """The narrowing hooks sit on the shared model while a layer-by-layer forward runs; a
+    forward in another thread at that moment (the demo app serves sessions in threads) must
+    pass through them as if they were not there."""
+    other = torch.tensor([random_chunks([12], seed=4)[0]])
+    alone, _ = forward(tiny64, other)
+    meanwhile = []
+
+    def rows(layer: int) -> LayerRows | None:
+        if layer != 1:
+            return None
+        thread = threading.Thread(target=lambda: meanwhile.append(forward(tiny64, other)[0]))
+        thread.start()
+        thread.join()
+        kept = torch.tensor([2, 3])
+        write_at(cache, kept)
+        return LayerRows(kept, additive_mask(link_mask(kept, 4), tiny64.dtype))
+
+    keys, values = new_buffers(tiny64, 4)
+    cache = buffered_cache(tiny64, keys, values, 0)
+    positions = torch.arange(4)
+    write_at(cache, positions)
+    mask = additive_mask(link_mask(positions, 4), tiny64.dtype)
+    forward_by_layer(
+        tiny64,
+        torch.tensor([[5, 6, 7, 8]]),
+        positions=positions[None],
+        cache=cache,
+        mask=mask,
+        rows=rows,
+    )
+    assert len(meanwhile) == 1
+    torch.testing.assert_close(meanwhile[0], alone, rtol=0, atol=0)

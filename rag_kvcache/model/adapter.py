@@ -8,6 +8,7 @@ modules see `LoadedModel`, plain tensors and an opaque `Cache`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -392,11 +393,15 @@ def forward_by_layer(
     The model's own forward runs, with a pre-hook on each decoder layer indexing its hidden
     states, positions and position embeddings by the rows kept (plain tensor indexing), so
     embedding, final norm and head stay the model's; a pre-hook on the head gives it the
-    last row only.
+    last row only. The hooks act in the calling thread only: a forward another thread runs
+    on the same model meanwhile (the demo app's sessions) passes through them untouched.
     """
     state: dict[str, Any] = {"index": None, "mask": mask, "narrowed": {}}
+    caller = threading.get_ident()
 
-    def narrow(layer: int, _module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    def narrow(layer: int, _module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        if threading.get_ident() != caller:
+            return None
         step = rows(layer)
         hidden = args[0] if args else kwargs.pop("hidden_states")
         if step is not None:
@@ -413,7 +418,9 @@ def forward_by_layer(
         kwargs.update(state["narrowed"], attention_mask=state["mask"])
         return (hidden, *args[1:]), kwargs
 
-    def last_row(_module: Any, args: tuple) -> tuple:
+    def last_row(_module: Any, args: tuple) -> tuple | None:
+        if threading.get_ident() != caller:
+            return None
         return (args[0][:, -1:].contiguous(), *args[1:])
 
     layers = list(lm.model.model.layers)
