@@ -32,8 +32,8 @@ multiple of the final count (capped at every document token); layer 5 on keeps t
 
 The paper gives no numbers, only that each layer's share is "slightly" above the next one's.
 Twice the target, then shedding half of the surplus per layer, makes a token rank among the
-most changed at four consecutive layers before it is kept, and costs 0.75 x target
-token-layers beyond the final set's: at r = 0.15 under a tenth of one full layer, against the
+most changed at four consecutive layers before it is kept, and costs 1.75 x target
+token-layers beyond the final set's: at r = 0.15 about a quarter of one full layer, against the
 two full layers (2/30 of SmolLM2's prefill) that measuring every token costs anyway. A model
 with fewer layers uses the first widths that fit: its last layer always has the final count."""
 
