@@ -12,8 +12,8 @@ Chunks are written in two steps: `begin_chunk` (state 'pending') before the blob
 `commit_chunk` (state 'stored' + durable placement) after; a writer that dies in between leaves
 a pending row that `pending_older_than` finds for garbage collection.
 
-`set_document` and `remove_document` return the chunks no document refers to any more, for the
-store to delete; the blobs themselves are the store's business.
+`set_document` and `remove_document` delete, in their transaction, the rows of chunks no document
+refers to any more, and return them: the blobs themselves are the store's business.
 """
 
 from __future__ import annotations
@@ -128,9 +128,11 @@ class Catalog(CatalogDatabase):
         """Record that `source` (with this content hash) now consists of `cache_ids`, in order.
 
         One transaction: the hash, chunk count and chunk list change together, so a document
-        whose ingestion was interrupted keeps its old hash and is re-ingested next time. Returns
-        the row and the chunks that were the document's and now belong to no document (for the
-        store to delete). Every chunk must already be recorded.
+        whose ingestion was interrupted keeps its old hash and is re-ingested next time; and
+        the rows of chunks that were the document's and now belong to no document are deleted
+        in it, so a writer killed right after leaks no chunk (only blobs, which gc finds as
+        orphans). Returns the row and those chunks (for the store to delete their blobs and hot
+        copies). Every chunk must already be recorded.
         """
         new = set(cache_ids)
         try:
@@ -145,7 +147,7 @@ class Catalog(CatalogDatabase):
                             for i, cid in enumerate(cache_ids)
                         ],
                     )
-                return row, self._orphans(conn, [c for c in old if c not in new])
+                return row, self._drop_orphans(conn, [c for c in old if c not in new])
         except IntegrityError as e:
             raise CatalogError(
                 f"cannot record document {source!r}: a chunk it lists is not in the catalog "
@@ -153,7 +155,8 @@ class Catalog(CatalogDatabase):
             ) from e
 
     def remove_document(self, source: str) -> list[str]:
-        """Delete a document; returns its chunks that now belong to no document.
+        """Delete a document and, in the same transaction, the rows of its chunks that now
+        belong to no document; returns those chunks (for the store to delete their blobs).
 
         The document row is locked first (PostgreSQL), so no chunk can be linked in between.
         """
@@ -165,7 +168,7 @@ class Catalog(CatalogDatabase):
                 return []
             old = self._unlink(conn, doc_id)
             conn.execute(delete(Document).where(Document.id == doc_id))
-            return self._orphans(conn, old)
+            return self._drop_orphans(conn, old)
 
     def document_chunks(self, source: str) -> list[str]:
         """The cache IDs of a document's chunks, in order ([] if unknown)."""
@@ -226,6 +229,14 @@ class Catalog(CatalogDatabase):
         )
         conn.execute(delete(DocumentChunk).where(DocumentChunk.document_id == document_id))
         return old
+
+    @classmethod
+    def _drop_orphans(cls, conn: Connection, cache_ids: list[str]) -> list[str]:
+        """Delete the rows of those of `cache_ids` that no document lists; returns them."""
+        orphans = cls._orphans(conn, cache_ids)
+        for batch in _batches(orphans):
+            conn.execute(delete(Chunk).where(Chunk.cache_id.in_(batch)))
+        return orphans
 
     @staticmethod
     def _orphans(conn: Connection, cache_ids: list[str]) -> list[str]:

@@ -79,3 +79,4 @@ class VerifyReport:
     upgraded: int = 0  # sha256 checksums (older stores) rewritten as xxh3-128
     unreadable: list[str] = field(default_factory=list)  # rows with damaged values (dropped
     # when repairing: nothing can re-encode them; their documents are re-ingested next time)
+    orphans: list[str] = field(default_factory=list)  # blobs no row names (dropped by repair)

@@ -107,6 +107,12 @@ def _check_marker(root: Path, marker: StoreMarker | None, catalog: Catalog) -> N
         )
 
 
+def _wholesale(orphans: list[str], listed: set[str]) -> bool:
+    """Orphan blobs are few (writers killed at the wrong moment); more of them than chunks in
+    the catalog means the catalog is lost, old or another store's, not that they are garbage."""
+    return len(orphans) > max(2, len(listed))
+
+
 class TieredStore:
     """Durable, shared KV store. `root` holds the blobs (and the SQLite catalog by default).
 
@@ -340,7 +346,7 @@ class TieredStore:
         blobs = list(self.durable.ids())
         listed = self.catalog.chunk_ids()
         orphans = [cid for cid in blobs if cid not in listed]
-        if not force and len(orphans) > max(2, len(listed)):
+        if not force and _wholesale(orphans, listed):
             raise StoreDamagedError(
                 f"gc refused: {len(orphans)} blobs are not in the catalog, which lists "
                 f"{len(listed)} chunks ({self.catalog.url}); is it the right catalog, or one "
@@ -355,11 +361,19 @@ class TieredStore:
         self, repair: bool = True, on_checked: Callable[[], None] | None = None
     ) -> VerifyReport:
         """Re-read every stored blob and check it; re-encode bad ones when `repair`. A good
-        blob still under an older store's sha256 gets its xxh3-128 checksum (faster reads)."""
+        blob still under an older store's sha256 gets its xxh3-128 checksum (faster reads).
+        Orphan blobs (no row names them) are reported, and deleted when repairing unless
+        they disagree with the catalog wholesale (see gc)."""
+        blobs = list(self.durable.ids())  # before the catalog, as in gc
+        listed = self.catalog.chunk_ids()
+        orphans = [cid for cid in blobs if cid not in listed]
         rows, unreadable = self._readable_rows(self.catalog.chunk_ids("stored"))
         if repair:  # nothing can re-encode them: drop them (their documents re-ingest)
             for cid in unreadable:
                 self.remove(cid)
+            if not _wholesale(orphans, listed):
+                for cid in orphans:
+                    self.durable.remove(cid)
         corrupt: list[str] = []
         missing: list[str] = []
         repaired = upgraded = 0
@@ -386,7 +400,7 @@ class TieredStore:
             if on_checked:
                 on_checked()
         return VerifyReport(
-            len(rows) + len(unreadable), corrupt, missing, repaired, upgraded, unreadable
+            len(rows) + len(unreadable), corrupt, missing, repaired, upgraded, unreadable, orphans
         )
 
     def _readable_rows(self, cache_ids: set[str]) -> tuple[list[ChunkRow], list[str]]:

@@ -167,7 +167,8 @@ def test_upgrade_from_0001_moves_document_links_into_document_chunks(target: Tar
         assert cat.document_chunks("a.txt") == ["a1", "a0"]
         doc = cat.document("a.txt")
         assert doc is not None and doc.chunk_count == 2
-        assert cat.remove_document("a.txt") == ["a1", "a0"]
+        cat.set_document("b.txt", "2" * 64, ["a0", "a1"])  # keeps both chunks' rows
+        assert cat.remove_document("a.txt") == []
         assert set(cat.chunks(["a0", "a1"])) == {"a0", "a1"}  # no cascade from the old column
 
 
@@ -340,6 +341,7 @@ def test_set_document_lists_chunks_and_returns_orphans(cat: Catalog) -> None:
     again, orphans = cat.set_document("a.txt", "3" * 64, ["a0", "a2", "shared"])
     assert (again.id, again.content_hash, orphans) == (doc.id, "3" * 64, ["a1"])
     assert cat.document_chunks("a.txt") == ["a0", "a2", "shared"]
+    assert cat.chunk("a1") is None  # its row went in the same transaction
 
     with pytest.raises(CatalogError, match="not in the catalog"):
         cat.set_document("a.txt", "4" * 64, ["a0", "never-begun"])
@@ -356,7 +358,7 @@ def test_remove_document_returns_chunks_no_other_document_lists(cat: Catalog) ->
 
     assert cat.remove_document("a.txt") == ["a0"]  # a1 is still b.txt's
     assert cat.document("a.txt") is None
-    assert set(cat.chunks(["a0", "a1", "b0"])) == {"a0", "a1", "b0"}  # rows stay: store's call
+    assert set(cat.chunks(["a0", "a1", "b0"])) == {"a1", "b0"}  # a0's row went with it
     assert cat.placements("a1") == {"disk", "cpu"}
     assert cat.remove_document("b.txt") == ["b0", "a1"]
     assert cat.remove_document("a.txt") == []

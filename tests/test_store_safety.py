@@ -564,3 +564,63 @@ def test_a_dead_writers_recent_temporary_waits_for_the_grace_period(tmp_path: Pa
     old = time.time() - 601
     os.utime(dead, (old, old))
     assert tier.remove_temporaries(older_than_s=600) == 1 and not dead.exists()
+
+
+# ----------------------------------------------------------------------------- item 5: orphans
+
+REPLACER = """
+import os, signal, sys
+from pathlib import Path
+import torch
+from helpers import TINY_VOCAB, build_tiny
+from tiny_tokenizer import build_tokenizer
+from rag_kvcache import EngineConfig, RagKVCache
+from rag_kvcache.storage.store import TieredStore
+
+store = TieredStore(Path(sys.argv[1]))
+lm = build_tiny(torch.float32, tokenizer=build_tokenizer(TINY_VOCAB))
+engine = RagKVCache(EngineConfig(), lm=lm, store=store)
+engine.ingest_document("a.md", ["one", "two", "three"])
+print(" ".join(engine.corpus.catalog.document_chunks("a.md")), flush=True)
+set_document = store.catalog.set_document
+
+def set_document_then_die(*args, **kwargs):  # the kill lands right after the commit
+    set_document(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+store.catalog.set_document = set_document_then_die
+engine.ingest_document("a.md", ["one", "two, changed", "three, changed"])
+"""
+
+
+def test_a_kill_right_after_a_document_is_replaced_leaks_no_chunk(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    done = subprocess.run(
+        [sys.executable, "-c", REPLACER, str(root)],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    old = done.stdout.split()
+    store = TieredStore(root)
+    listed = store.catalog.document_chunks("a.md")
+    assert listed[0] == old[0] and set(old[1:]).isdisjoint(listed)
+    rows = store.catalog.chunk_ids()
+    assert set(old[1:]).isdisjoint(rows)  # the dropped chunks' rows went with the commit
+    report = store.verify(repair=False)
+    assert sorted(report.orphans) == sorted(old[1:])  # their blobs are found...
+    assert report.corrupt == report.missing == report.unreadable == []
+    assert store.gc(pending_after_s=0).orphan_blobs == 2  # ...and dropped
+    assert set(store.durable.ids()) == rows and store.verify(repair=False).orphans == []
+    store.close()
+
+
+def test_verify_repair_drops_orphan_blobs(tmp_path: Path, tiny32) -> None:
+    store = TieredStore(tmp_path / "s")
+    ids = _engine(store, tiny32).generate_context_cache(DOCS)
+    store.catalog.remove_chunk(ids[0])  # a row gone, its blob left behind
+    assert store.verify(repair=True).orphans == [ids[0]]
+    assert not store.durable.contains(ids[0]) and store.durable.contains(ids[1])
+    store.close()

@@ -69,11 +69,17 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
             f"checked {report.checked}: {len(report.corrupt)} corrupt, "
             f"{len(report.missing)} missing, {report.repaired} repaired, "
             f"{report.upgraded} checksums upgraded to xxh3-128, "
-            f"{len(report.unreadable)} unreadable rows"
-            + (" dropped" if args.repair and report.unreadable else "")
+            f"{len(report.unreadable)} unreadable rows, {len(report.orphans)} orphan blobs"
+            + (" (both dropped)" if args.repair else "")
         )
         bad = (len(report.corrupt) + len(report.missing)) - report.repaired
-        bad += 0 if args.repair else len(report.unreadable)
+        kept = [c for c in report.orphans if store.durable.contains(c)]
+        bad += len(kept) + (0 if args.repair else len(report.unreadable))
+        if args.repair and kept:
+            console.print(
+                f"{len(kept)} orphan blobs kept: most blobs are not in the catalog; is it the "
+                "right one? (`gc --force` deletes them)"
+            )
         problem = index_problem(store)
         if problem and args.repair:
             entries = rebuild_index(store)
