@@ -23,6 +23,7 @@ from rag_kvcache.tools.eval import (
     Journal,
     check_strategies,
     in_retrieval_order,
+    kept_against,
     load_dataset,
     needle_item,
     run_eval,
@@ -233,6 +234,22 @@ def test_kept_is_counted_against_prefill_with_the_same_placement() -> None:
     assert math.isnan(placed.kl)  # no teacher forcing asked for: no KL, not a zero
 
 
+def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:
+    """The dtype's noise floor: this run's answers against another run's prefill answers."""
+    other = tmp_path / "float32.json"
+    theirs = {"a": True, "b": True, "c": False, "d": True}
+    rows = [{"item": i, "strategy": "prefill", "contains": r} for i, r in theirs.items()]
+    other.write_text(json.dumps({"items": [*rows, {"item": "a", "strategy": "naive"}]}))
+    ours = [_result("a", "prefill", True), _result("b", "prefill", False)]
+    ours += [_result("c", "prefill", True), _result("d", "prefill", True)]
+    estimate = kept_against(ours, other)["prefill"]
+    assert (estimate.n, round(estimate.value, 1)) == (3, 66.7)  # a and d of a, b, d
+    with pytest.raises(ConfigError, match="no prefill answer"):
+        kept_against([*ours, _result("e", "prefill", True)], other)
+    with pytest.raises(ConfigError, match="not an eval report"):
+        kept_against(ours, tmp_path / "missing.json")
+
+
 def test_without_teacher_forcing_full_is_not_run(tiny32) -> None:
     strategies = check_strategies(["naive+top:1"], with_full=False)
     assert [str(s) for s in strategies] == ["prefill", "naive+top:1"]
@@ -332,4 +349,16 @@ def test_eval_command_writes_report_table_and_plots(tmp_path: Path, smol) -> Non
             assert list(answer.token_ids) == row["token_ids"], (item.id, row["strategy"])
     for png in ("eval_pareto.png", "eval_kl_k.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "eval.partial.jsonl").exists()  # finished: the next run starts afresh
+    # kept against another run's prefill: here a copy of this run in which prefill got every
+    # item right, so kept is this prefill's own accuracy
+    other = tmp_path / "other.json"
+    rows = [{**r, "contains": True} if r["strategy"] == "prefill" else r for r in report["items"]]
+    other.write_text(json.dumps({**report, "items": rows}))
+    again = tmp_path / "again"
+    quick = ["--teacher-tokens", "0", "--max-new-tokens", "12", "--strategies", "naive"]
+    assert main([*args[:4], *quick, "--kept-against", str(other), "--out", str(again)]) == 0
+    floor = json.loads((again / "eval.json").read_text())["kept_against"]["strategies"]
+    right = [r["contains"] for r in report["items"] if r["strategy"] == "prefill"]
+    assert (floor["prefill"]["n"], floor["prefill"]["value"]) == (2, 50.0 * sum(right))
     assert main(["eval", "--out", str(out)]) == 2  # neither a dataset nor --needle

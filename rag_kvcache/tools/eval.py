@@ -42,6 +42,7 @@ from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import PREFILL, Strategy
 from rag_kvcache.tools.metrics import (
+    Estimate,
     accuracy,
     contains_answer,
     exact_match,
@@ -251,6 +252,25 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
                 / sum(r.context_tokens for r in rows),
             )
         )
+    return out
+
+
+def kept_against(results: list[ItemResult], report: Path) -> dict[str, Estimate]:
+    """Per strategy of this run, "kept" against the `prefill` answers of another run's report
+    on the same items: prefill in bfloat16 against prefill in float32 is the noise floor of
+    the dtype (a change of arithmetic no user would call a loss)."""
+    try:
+        rows = json.loads(Path(report).read_text(encoding="utf-8"))["items"]
+        theirs = {str(r["item"]): bool(r["contains"]) for r in rows if r["strategy"] == "prefill"}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
+    missing = sorted({r.item for r in results} - theirs.keys())
+    if missing:
+        raise ConfigError(f"{report} has no prefill answer for items {missing[:5]}")
+    out = {}
+    for strategy in dict.fromkeys(r.strategy for r in results):
+        rows_ = [r for r in results if r.strategy == strategy]
+        out[strategy] = kept([theirs[r.item] for r in rows_], [r.contains for r in rows_])
     return out
 
 

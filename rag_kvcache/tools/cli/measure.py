@@ -87,6 +87,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="put each item's documents in retrieval order (most similar first), so that "
         "+reversed means most relevant nearest the question",
     )
+    evaluate.add_argument(
+        "--kept-against",
+        type=Path,
+        default=None,
+        metavar="EVAL.json",
+        help="also count kept against the prefill answers of another run on the same items "
+        "(e.g. this run in bfloat16 against a float32 run: the dtype's noise floor)",
+    )
     evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
     evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -129,6 +137,8 @@ def dataset_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def eval_command(args: argparse.Namespace, console: Console) -> int:
+    from dataclasses import asdict
+
     from rich.progress import Progress
 
     from rag_kvcache.config import ModelConfig
@@ -190,6 +200,14 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             on_item=on_item,
             journal=journal,
         )
+    if args.kept_against:
+        against = ev.kept_against(results, args.kept_against)
+        facts["kept_against"] = {
+            "report": str(args.kept_against),
+            "strategies": {s: asdict(e) for s, e in against.items()},
+        }
+        for strategy, estimate in against.items():
+            console.print(f"{strategy}: kept {estimate} against {args.kept_against}'s prefill")
     report = ev.report_dict(name, results, summary, **facts)
     ev.save_eval(args.out, name, report, summary)
     if args.needle:
