@@ -53,7 +53,8 @@ STRATEGIES = {
     "fastest of these, less accurate",
     "legolink:2": "2 tokens per chunk recomputed, chunks in retrieval order",
     "naive": "uses the cached chunks as they are: fastest, least faithful",
-    "cacheblend:0.15": "recomputes the 15% most changed tokens (CacheBlend baseline)",
+    "cacheblend:0.15": "recomputes the 15% most changed tokens, filtered layer by layer "
+    "(CacheBlend baseline)",
     "full": "recomputes every chunk token: equals a full prefill, for checking, not speed",
 }
 SAMPLE_QUESTIONS = (

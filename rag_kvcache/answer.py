@@ -42,7 +42,9 @@ class Answer:
     strategy: Strategy
     prompt_tokens: int  # context + new tokens (the question)
     context_tokens: int  # tokens of the cached context (system prefix and chunks)
-    recomputed_tokens: int  # context tokens computed afresh (all of them for prefill)
+    # context tokens computed afresh (all of them for prefill; cacheblend: the average over
+    # layers, since its set shrinks layer by layer)
+    recomputed_tokens: int
     ttft_s: float  # request start -> first token chosen (store fetch + context + first forward)
     decode_tokens_per_s: float
     total_s: float
