@@ -27,6 +27,7 @@ from rag_kvcache.tools.eval import (
     load_dataset,
     needle_item,
     run_eval,
+    save_eval,
     summarize,
 )
 from rag_kvcache.tools.metrics import (
@@ -232,6 +233,17 @@ def test_kept_is_counted_against_prefill_with_the_same_placement() -> None:
     floor = summary["prefill+reversed"]  # the noise floor: against prefill as given
     assert (floor.baseline, floor.kept_of, floor.kept) == ("prefill", 2, 50.0)
     assert math.isnan(placed.kl)  # no teacher forcing asked for: no KL, not a zero
+
+
+def test_reports_and_plots_take_every_spelling(tmp_path: Path) -> None:
+    """A placed or top-up legolink (`legolink:16+reversed`) is drawn beside the legolink:K
+    curve, not parsed as a point of it."""
+    strategies = check_strategies(["legolink:2", "legolink:16+reversed", "naive+reversed+top:1"])
+    results = [_result(i, str(s), i == "a") for i in "ab" for s in strategies]
+    save_eval(tmp_path, "eval", {"items": []}, summarize(results, strategies))
+    for png in ("eval_pareto.png", "eval_kl_k.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert "| legolink:16+reversed |" in (tmp_path / "eval.md").read_text()
 
 
 def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:

@@ -462,8 +462,11 @@ def plot_kl(summary: list[StrategySummary], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    parsed = [(Strategy.parse(s.strategy), s) for s in summary]
+    # plain legolink:K only (a placement or top part is another curve, not a point of this one)
     lego = sorted(
-        (int(s.strategy.split(":")[1]), s) for s in summary if s.strategy.startswith("legolink:")
+        ((st.k, s) for st, s in parsed if st == Strategy("legolink", k=st.k)),
+        key=lambda pair: pair[0],
     )
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if lego:
