@@ -150,16 +150,15 @@ class TieredStore:
             catalog = _open_catalog(root, catalog_url, create, marker)
         try:
             _check_marker(root, marker, catalog)
+            if durable is None and redis_url:
+                durable = RedisTier(redis_url, prefix=redis_prefix(catalog.store_id))
+            elif durable is None:
+                durable = DiskTier(root / BLOBS_FOLDER)
         except BaseException:
             if not given:
                 catalog.close()
             raise
         self.catalog = catalog
-        if durable is None:
-            if redis_url:
-                durable = RedisTier(redis_url, prefix=redis_prefix(catalog.store_id))
-            else:
-                durable = DiskTier(root / BLOBS_FOLDER)
         self.durable = durable
         self.hot = [MemoryTier("cpu", cpu_bytes, "cpu", policy)]
         if gpu_bytes:
