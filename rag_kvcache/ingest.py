@@ -1,23 +1,34 @@
 """Ingest files: find them, read them (text, Markdown, PDF), split, KV-encode, index.
 
-Two steps, so a progress bar can know the total before the slow part: `plan_ingest` reads and
-splits every new or changed file (bad files are reported, never fatal), `run_ingest` encodes
-and records them one document at a time. A document is recorded (content hash + chunk list, one
-transaction) only after all its chunks are stored, so an interrupted run resumes where it
-stopped: chunks already stored are not encoded again, unchanged documents are skipped.
+Two steps, so a progress bar can know the total before the slow part: `plan_ingest` finds the
+new or changed files and counts their chunks (bad files are reported, never fatal), `run_ingest`
+encodes and records them one document at a time. A document is recorded (content hash + chunk
+list, one transaction) only after all its chunks are stored, so an interrupted run resumes where
+it stopped: chunks already stored are not encoded again, unchanged documents are skipped.
+
+Memory does not grow with a file's size: a file is read and split a segment at a time (about
+`SEGMENT_CHARS` of text, cut at a paragraph break) and its chunks are encoded and stored
+`BATCH_CHUNKS` at a time; the plan keeps counts, not texts.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import itertools
 import os
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rag_kvcache.engine import DocumentIngest, RagKVCache
 
 MAX_BYTES = 16 << 20  # larger files are reported and skipped (raise with --max-bytes)
+SEGMENT_CHARS = 1 << 20  # text split at a time (a file's chunks never span two segments)
+BATCH_CHUNKS = 32  # chunks encoded and stored at a time
+READ_BYTES = 1 << 20
 Splitter = Callable[[str], list[str]]
 
 
@@ -30,19 +41,21 @@ class Skipped:
 @dataclass(frozen=True)
 class PlannedDocument:
     source: str  # the file's resolved path: the document's key in the catalog
-    content_hash: str  # sha256 of the file's bytes
-    chunks: list[str]
+    content_hash: str  # sha256 of the file's bytes when planned
+    chunk_count: int  # its chunks (read again, a segment at a time, when ingested)
 
 
 @dataclass
 class IngestPlan:
     todo: list[PlannedDocument] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)  # run_ingest adds files gone bad since
+    split: Splitter | None = None
+    max_bytes: int = MAX_BYTES
 
     @property
     def total_chunks(self) -> int:
-        return sum(len(d.chunks) for d in self.todo)
+        return sum(d.chunk_count for d in self.todo)
 
 
 class SkipFile(Exception):
@@ -54,62 +67,125 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
     but a folder reached twice — a symlink loop — is walked once and reported)."""
     files: dict[Path, None] = {}
     skipped: list[Skipped] = []
+
+    def unreadable(err: OSError) -> None:  # e.g. a path longer than the file system allows
+        skipped.append(Skipped(str(err.filename), f"cannot read: {err.strerror or err}"))
+
     for path in paths:
-        if path.is_file():
-            files[path.resolve()] = None
-        elif path.is_dir():
-            seen: set[Path] = set()
-            for folder, dirs, names in os.walk(path, followlinks=True):
-                real = Path(folder).resolve()
-                if real in seen:
-                    skipped.append(Skipped(folder, f"symlink loop (already walked {real})"))
-                    dirs[:] = []
-                    continue
-                seen.add(real)
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for name in sorted(names):
-                    if not name.startswith("."):
-                        file = Path(folder, name)
-                        if file.is_file():
-                            files[file.resolve()] = None
-                        else:
-                            skipped.append(Skipped(str(file), "not a regular file"))
-        else:
-            skipped.append(Skipped(str(path), "no such file or folder"))
+        try:
+            if path.is_file():
+                files[path.resolve()] = None
+            elif path.is_dir():
+                seen: set[Path] = set()
+                for folder, dirs, names in os.walk(path, followlinks=True, onerror=unreadable):
+                    real = Path(folder).resolve()
+                    if real in seen:
+                        skipped.append(Skipped(folder, f"symlink loop (already walked {real})"))
+                        dirs[:] = []
+                        continue
+                    seen.add(real)
+                    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                    for name in sorted(names):
+                        if not name.startswith("."):
+                            _add_file(Path(folder, name), files, skipped)
+            else:
+                skipped.append(Skipped(str(path), "no such file or folder"))
+        except OSError as err:
+            err.filename = err.filename or str(path)
+            unreadable(err)
     return list(files), skipped
+
+
+def _add_file(file: Path, files: dict[Path, None], skipped: list[Skipped]) -> None:
+    try:
+        if file.is_file():
+            files[file.resolve()] = None
+        else:
+            skipped.append(Skipped(str(file), "not a regular file"))
+    except OSError as err:
+        skipped.append(Skipped(str(file), f"cannot read: {err.strerror or err}"))
 
 
 def read_text(path: Path, max_bytes: int = MAX_BYTES) -> tuple[str, str]:
     """(text, sha256 of the bytes) of a text, Markdown or PDF file; SkipFile says why not."""
+    digest = hashlib.sha256()
+    text = "".join(_read_pieces(path, max_bytes, digest))
+    if not text.strip():
+        raise SkipFile("no text in it")
+    return text, digest.hexdigest()
+
+
+def _read_pieces(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
+    """The text of a file, a piece at a time as it is read, hashing its bytes into `digest`;
+    SkipFile says why it cannot be ingested."""
     size = path.stat().st_size
     if size == 0:
         raise SkipFile("empty file")
     if size > max_bytes:
         raise SkipFile(f"{size / 2**20:.1f} MiB is over the {max_bytes / 2**20:.1f} MiB limit")
-    data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if data.startswith(b"%PDF"):
-        text = _pdf_text(path)
-    elif b"\x00" in data[:8192]:
-        raise SkipFile("binary file")
-    else:
-        try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise SkipFile(f"not UTF-8 text (invalid byte at offset {e.start})") from None
-    if not text.strip():
-        raise SkipFile("no text in it")
-    return text, digest
+    with open(path, "rb") as f:
+        block = f.read(READ_BYTES)
+        if block.startswith(b"%PDF"):
+            while block:
+                digest.update(block)
+                block = f.read(READ_BYTES)
+            yield from _pdf_pages(path)
+            return
+        if b"\x00" in block[:8192]:
+            raise SkipFile("binary file")
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset = 0
+        if block.startswith(codecs.BOM_UTF8):
+            digest.update(block[:3])
+            block, offset = block[3:], 3
+        while True:
+            digest.update(block)
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                at = offset + e.start - len(decoder.getstate()[0])
+                raise SkipFile(f"not UTF-8 text (invalid byte at offset {at})") from None
+            if text:
+                yield text
+            if not block:
+                return
+            offset += len(block)
+            block = f.read(READ_BYTES)
 
 
-def _pdf_text(path: Path) -> str:
+def _segments(pieces: Iterable[str]) -> Iterator[str]:
+    """The text regrouped into segments of about SEGMENT_CHARS, each cut after a paragraph
+    break (else a line break), so a splitter never holds a whole big file."""
+    buffer = ""
+    for piece in pieces:
+        buffer += piece
+        while len(buffer) >= SEGMENT_CHARS:
+            cut = buffer.rfind("\n\n", 0, SEGMENT_CHARS) + 2
+            if cut < 2:
+                cut = buffer.rfind("\n", 0, SEGMENT_CHARS) + 1
+            cut = cut or SEGMENT_CHARS
+            yield buffer[:cut]
+            buffer = buffer[cut:]
+    if buffer:
+        yield buffer
+
+
+def iter_chunks(path: Path, split: Splitter, max_bytes: int, digest: Any) -> Iterator[str]:
+    """The file's non-blank chunks, read and split a segment at a time (SkipFile, OSError)."""
+    for segment in _segments(_read_pieces(path, max_bytes, digest)):
+        yield from (c for c in split(segment) if c.strip())
+
+
+def _pdf_pages(path: Path) -> Iterator[str]:
+    """The text of each page, pages apart by a paragraph break."""
     try:
         from pypdf import PdfReader
         from pypdf.errors import PyPdfError
     except ImportError:
         raise SkipFile("PDF, and no PDF reader is installed (pip install pypdf)") from None
     try:
-        return "\n\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
+        for number, page in enumerate(PdfReader(path).pages):
+            yield ("\n\n" if number else "") + (page.extract_text() or "")
     except (PyPdfError, ValueError, KeyError) as e:
         raise SkipFile(f"unreadable PDF ({e})") from None
 
@@ -121,45 +197,92 @@ def plan_ingest(
     max_bytes: int = MAX_BYTES,
     on_file: Callable[[], None] | None = None,
 ) -> IngestPlan:
-    """Read and split the files that are new or changed since they were last ingested."""
+    """Find the files that are new or changed since they were last ingested, and count their
+    chunks (read and split a segment at a time; the texts are not kept)."""
     files, skipped = find_files(paths)
-    plan = IngestPlan(skipped=skipped)
+    plan = IngestPlan(skipped=skipped, split=split, max_bytes=max_bytes)
     catalog = engine.corpus.catalog
     for path in files:
         if on_file:
             on_file()
         source = str(path)
         try:
-            text, digest = read_text(path, max_bytes)
+            digest = _file_digest(path, max_bytes)
+            known = catalog.document(source)
+            if (
+                known is not None
+                and known.content_hash == digest
+                and len(catalog.document_chunks(source)) == known.chunk_count
+            ):
+                plan.unchanged.append(source)
+                continue
+            count = sum(1 for _ in iter_chunks(path, split, max_bytes, hashlib.sha256()))
         except SkipFile as e:
             plan.skipped.append(Skipped(source, str(e)))
             continue
         except OSError as e:
             plan.skipped.append(Skipped(source, f"cannot read: {e.strerror or e}"))
             continue
-        known = catalog.document(source)
-        if (
-            known is not None
-            and known.content_hash == digest
-            and len(catalog.document_chunks(source)) == known.chunk_count
-        ):
-            plan.unchanged.append(source)
-            continue
-        chunks = [c for c in split(text) if c.strip()]
-        if not chunks:
+        if not count:
             plan.skipped.append(Skipped(source, "no text in it"))
             continue
-        plan.todo.append(PlannedDocument(source, digest, chunks))
+        plan.todo.append(PlannedDocument(source, digest, count))
     return plan
+
+
+def _file_digest(path: Path, max_bytes: int) -> str:
+    """sha256 of a file's bytes (read in blocks), after the size checks."""
+    size = path.stat().st_size
+    if size == 0:
+        raise SkipFile("empty file")
+    if size > max_bytes:
+        raise SkipFile(f"{size / 2**20:.1f} MiB is over the {max_bytes / 2**20:.1f} MiB limit")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def run_ingest(
     engine: RagKVCache, plan: IngestPlan, on_encoded: Callable[[int], None] | None = None
 ) -> list[DocumentIngest]:
-    """Encode, store and index each planned document (one catalog transaction each)."""
-    return [
-        engine.ingest_document(d.source, d.chunks, d.content_hash, on_encoded) for d in plan.todo
-    ]
+    """Encode, store and index each planned document (recorded in one catalog transaction
+    each); a file that went bad since it was planned is added to `plan.skipped`."""
+    done = []
+    for document in plan.todo:
+        try:
+            done.append(_ingest_document(engine, plan, document, on_encoded))
+        except SkipFile as e:
+            plan.skipped.append(Skipped(document.source, str(e)))
+        except OSError as e:
+            plan.skipped.append(Skipped(document.source, f"cannot read: {e.strerror or e}"))
+    return done
+
+
+def _ingest_document(
+    engine: RagKVCache,
+    plan: IngestPlan,
+    document: PlannedDocument,
+    on_encoded: Callable[[int], None] | None,
+) -> DocumentIngest:
+    """`engine.ingest_document` a batch at a time: the file is read again, split a segment at
+    a time, and its chunks encoded and stored BATCH_CHUNKS at a time."""
+    assert plan.split is not None, "plan_ingest makes plans"
+    start, digest = time.perf_counter(), hashlib.sha256()
+    chunks = iter_chunks(Path(document.source), plan.split, plan.max_bytes, digest)
+    ids: list[str] = []
+    encoded = 0
+    while batch := list(itertools.islice(chunks, BATCH_CHUNKS)):
+        tokens = [engine.template.chunk_ids(engine.lm.tokenizer, text) for text in batch]
+        batch_ids, n = engine.cache_token_ids(tokens, engine.doc_settings, batch, on_encoded)
+        ids += batch_ids
+        encoded += n
+    if not ids:
+        raise SkipFile("no text in it")
+    encode_s = time.perf_counter() - start
+    removed = engine.corpus.set_document(document.source, digest.hexdigest(), ids)
+    return DocumentIngest(document.source, tuple(ids), encoded, len(removed), encode_s)
 
 
 def prune(engine: RagKVCache, paths: Iterable[Path]) -> list[str]:

@@ -38,9 +38,13 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_engine(args: argparse.Namespace, console: Console, existing: bool = False) -> RagKVCache:
+def open_engine(
+    args: argparse.Namespace, console: Console, existing: bool = False, keep_hot: bool = True
+) -> RagKVCache:
     """The engine on --store; `existing`: the command only reads the store, so a store that is
-    not there is a StoreNotFoundError (checked before the model loads), never a new one."""
+    not there is a StoreNotFoundError (checked before the model loads), never a new one.
+    `keep_hot=False`: no hot copies in memory (ingesting reads nothing back; its memory then
+    stays bounded whatever it writes)."""
     from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig, StoreConfig
     from rag_kvcache.engine import RagKVCache
     from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
@@ -50,7 +54,12 @@ def open_engine(args: argparse.Namespace, console: Console, existing: bool = Fal
 
     config = EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
-        store=StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url),
+        store=StoreConfig(
+            args.store,
+            catalog_url=args.catalog_url,
+            redis_url=args.redis_url,
+            cpu_bytes=StoreConfig.cpu_bytes if keep_hot else 0,
+        ),
         generation=GenerationConfig(max_new_tokens=getattr(args, "max_new_tokens", 64)),
         strategy=getattr(args, "strategy", None) or DEFAULT_STRATEGY,
     )

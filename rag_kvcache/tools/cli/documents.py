@@ -53,7 +53,7 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
             f"--overlap must be from 0 to below --chunk-tokens ({args.chunk_tokens}), "
             f"got {args.overlap}"
         )
-    engine = open_engine(args, console)
+    engine = open_engine(args, console, keep_hot=False)
     split = split_text(engine.lm.tokenizer, args.chunk_tokens, args.overlap)
     start = time.perf_counter()
     with Progress(
