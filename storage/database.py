@@ -209,7 +209,8 @@ class CatalogDatabase:
         try:
             if schema is not None and sa_url.get_backend_name() == "postgresql":
                 _check_schema_name(schema)
-                _ensure_pg_schema(sa_url, schema)
+                if create:  # a reader finds no catalog in a missing schema; it makes none
+                    _ensure_pg_schema(sa_url, schema)
             self._engine = create_catalog_engine(sa_url, schema)
         except sa.exc.DBAPIError as err:
             raise _open_error(shown, err) from None

@@ -140,9 +140,10 @@ class TieredStore:
         create: bool = True,
     ):
         root = Path(root)
-        # the store's folder holds the vector index whatever the tiers are (with a PostgreSQL
-        # catalog and Redis blobs nothing else would make it); readers never make one
-        open_folder(root, create)
+        # the folder holds the vector index whatever the tiers are (with a PostgreSQL catalog
+        # and Redis blobs nothing else would make it). A reader never makes one, except beside
+        # a catalog kept elsewhere, which must exist (a worker's new folder on another machine)
+        open_folder(root, create or catalog is not None or catalog_url is not None)
         self.root = root
         marker = read_marker(root)
         given = catalog is not None

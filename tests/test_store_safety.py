@@ -289,6 +289,31 @@ def test_reading_commands_never_create_a_store(
     assert list((tmp_path / "empty").iterdir()) == []
 
 
+@pytest.mark.parametrize("target", ["postgresql"], indirect=True)
+def test_a_reader_may_open_a_new_folder_beside_an_existing_shared_catalog(
+    target: Target, tmp_path: Path, tiny32
+) -> None:
+    """Workers on several machines share a PostgreSQL catalog, each with its own folder: a
+    reader's new folder is fine when the catalog exists, and an error when it does not."""
+    writer = _engine(TieredStore(tmp_path / "first", catalog=target.open()), tiny32)
+    cached = writer.generate_context_cache(DOCS)
+    reader = TieredStore(tmp_path / "second", catalog=target.open(), create=False)
+    assert reader.contains(cached[0])
+    assert read_marker(tmp_path / "second") == read_marker(tmp_path / "first")
+    reader.close()
+    writer.store.close()  # type: ignore[attr-defined]
+    missing = f"{target.schema}_other"
+    with pytest.raises(StoreNotFoundError, match="no catalog in"):
+        Catalog(target.url, schema=missing, create=False)
+    with target.open().engine.connect() as conn:  # and it made no schema on the way
+        assert (
+            conn.scalar(
+                sql_text("SELECT count(*) FROM pg_namespace WHERE nspname = :s"), {"s": missing}
+            )
+            == 0
+        )
+
+
 def test_a_store_path_that_is_a_file_is_one_error_line(tmp_path: Path, capsys) -> None:
     file = tmp_path / "notes.txt"
     file.write_text("mine")
