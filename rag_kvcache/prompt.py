@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rag_kvcache.errors import ConfigError
+
 MARKER = "\x00RAG_KVCACHE_USER\x00"
 
 
@@ -53,4 +55,8 @@ class PromptTemplate:
         return self.tokenize(tokenizer, text.strip() + "\n\n")
 
     def question_ids(self, tokenizer: Any, question: str) -> list[int]:
+        """The question's tokens as the prompt holds them; an empty or blank question is an
+        error (there is nothing to answer: the model would only continue the documents)."""
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError(f"the question is empty ({question!r}): ask something")
         return self.tokenize(tokenizer, "Question: " + question.strip() + self.suffix)

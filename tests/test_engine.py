@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rag_kvcache import (
+    ConfigError,
     ContextTooLongError,
     EmptyChunkError,
     EncodeConfig,
@@ -17,6 +18,7 @@ from rag_kvcache import (
     UnknownCacheIdError,
 )
 from rag_kvcache.link.linker import link, link_reference
+from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.serving.decoding import prefill
 from rag_kvcache.strategy import Strategy
 
@@ -27,6 +29,15 @@ DOCS = ["The lighthouse at Hallam Point was built in 1788.", "Velmora has three 
 @pytest.fixture
 def tiny_engine(tiny64):
     return RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=8)), lm=tiny64)
+
+
+@pytest.mark.parametrize("question", ["", "   ", "\n\t"])
+def test_an_empty_question_is_an_error_not_an_answer(tiny_engine, question: str) -> None:
+    ids = tiny_engine.generate_context_cache(DOCS)
+    with pytest.raises(ConfigError, match="the question is empty"):
+        tiny_engine.generate(question, ids)
+    with pytest.raises(ConfigError, match="the question is empty"):
+        tiny_engine.generate_batch([BatchRequest(question, ids)])
 
 
 def test_full_link_answers_exactly_like_plain_prefill(tiny_engine) -> None:

@@ -309,3 +309,12 @@ def test_schema_and_prompt_commands(tmp_path: Path, capsys, monkeypatch) -> None
     assert "TTFT" in out and "full prefill" in out
     assert main(["prompt", '<prompt schema="personalization"><nope/>x</prompt>', *store]) == 1
     assert "no module 'nope'" in capsys.readouterr().out
+    hostile = tmp_path / "hostile.xml"
+    module = '<module name="m">Hi.</module>'
+    hostile.write_text(f'<schema name="../../escape"><user>{module}</user></schema>')
+    assert main(["schema", "add", str(hostile), *store]) == 1  # the name never becomes a path
+    assert "schema name" in capsys.readouterr().out
+    assert not list(tmp_path.rglob("escape*"))
+    missing = ["--store", str(tmp_path / "typo")]
+    assert main(["schema", "list", *missing]) == 1  # reading a store never creates one
+    assert not (tmp_path / "typo").exists()

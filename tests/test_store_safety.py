@@ -534,6 +534,8 @@ def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(
     with open(root / "index.ids", "a") as ids_file:
         ids_file.write("not-a-cache-id\n")  # one bad line
     assert index_problem(store).startswith("unreadable")  # type: ignore[union-attr]
+    # queries go on meanwhile: the unreadable index is rebuilt from the catalog, not fatal
+    assert _engine(store, tiny32).retrieve("When was the lighthouse built?", 1)[0].cache_id == want
     rebuild_index(store)
     assert _engine(store, tiny32).retrieve("When was the lighthouse built?", 1)[0].cache_id == want
     store.close()

@@ -114,7 +114,10 @@ class VectorIndex:
             ids = cache_ids_path.read_text(encoding="ascii").split()
         except (OSError, RuntimeError, UnicodeDecodeError):
             return index
-        keys = {faiss_id(c): c for c in ids}
+        try:
+            keys = {faiss_id(c): c for c in ids}
+        except RagKVCacheError:  # a damaged ID file: rebuilt from the catalog, not fatal
+            return index
         if not isinstance(loaded, faiss.IndexIDMap2) or loaded.d != dim:
             return index
         stored = faiss.vector_to_array(loaded.id_map)

@@ -36,16 +36,19 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 def schema_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.errors import RagKVCacheError
     from rag_kvcache.markup.prompt_cache import PromptCache
+    from rag_kvcache.storage.layout import SCHEMAS_FOLDER, schema_path
     from rag_kvcache.strategy import PREFILL
 
-    engine = open_engine(args, console)
-    folder = Path(args.store) / "schemas"
+    adding = args.command == "schema" and args.action == "add"
+    engine = open_engine(args, console, existing=not adding)  # listing and prompting only read
+    folder = Path(args.store) / SCHEMAS_FOLDER
     cache = PromptCache(engine)
     try:
-        if args.command == "schema" and args.action == "add":
+        if adding:
             added = cache.add_schema(args.file.read_text(encoding="utf-8"))
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{added.name}.xml").write_text(cache.schemas[added.name].source)
+            path = schema_path(Path(args.store), added.name)  # a hostile name is refused here
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(cache.schemas[added.name].source, encoding="utf-8")
             console.print(
                 f"schema {added.name!r}: {added.modules} modules, {added.units} units "
                 f"({added.encoded} encoded now, {added.units - added.encoded} already cached)"
