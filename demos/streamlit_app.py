@@ -45,10 +45,10 @@ CHUNK_TOKENS = 256
 PAGES = ("Ingest", "Ask", "Insight")
 # legolink0 is left out: it needs chunks encoded with sink tokens (EncodeConfig(sink_tokens=N)).
 STRATEGIES = {
-    "legolink:16+reversed": "the default: the best chunk nearest the question, 16 tokens of "
-    "each chunk recomputed",
-    "naive+reversed+top:1": "the best chunk nearest the question and recomputed whole: the "
-    "most accurate, slower",
+    "naive+reversed+top:1": "the default: the best chunk nearest the question and recomputed "
+    "whole; keeps prefill's answers",
+    "legolink:16+reversed": "the best chunk nearest the question, 16 tokens of each chunk "
+    "recomputed: faster at long contexts, loses answers",
     "legolink:2+reversed": "the best chunk nearest the question, 2 tokens per chunk recomputed: "
     "fastest of these, less accurate",
     "legolink:2": "2 tokens per chunk recomputed, chunks in retrieval order",

