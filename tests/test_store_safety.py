@@ -561,14 +561,16 @@ def test_gc_leaves_a_live_writers_temporary_file_alone(tmp_path: Path) -> None:
     blobs = tmp_path / "s" / "blobs"
     child = subprocess.Popen([sys.executable, "-c", WRITER, str(blobs)], stderr=subprocess.PIPE)
     try:
-        for _ in range(2000):  # catch it between creating and renaming a temporary
+        # catch it between creating and renaming a temporary; by a deadline, not a count of
+        # tries: on a loaded machine the writer's start (imports) alone can take many seconds
+        deadline, held = time.monotonic() + 180, []
+        while not held and time.monotonic() < deadline and child.poll() is None:
             child.send_signal(signal.SIGSTOP)
             held = list(blobs.glob("*/.tmp-*"))
-            if held:
-                break
-            child.send_signal(signal.SIGCONT)
-            time.sleep(0.002)
-        assert held, "never caught the writer mid-write"
+            if not held:
+                child.send_signal(signal.SIGCONT)
+                time.sleep(0.002)
+        assert held, f"never caught the writer mid-write (exit {child.poll()})"
         assert store.gc(pending_after_s=0).temporaries == 0
         assert all(t.exists() for t in held)
         child.send_signal(signal.SIGCONT)
