@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -224,7 +225,7 @@ class CatalogDatabase:
             else self._engine
         )
         try:
-            self._upgrade(create)
+            self._upgrade_when_free(create)
         except sa.exc.DBAPIError as err:
             self._engine.dispose()
             raise _open_error(shown, err) from None
@@ -267,6 +268,23 @@ class CatalogDatabase:
     def __repr__(self) -> str:
         schema = f", schema={self._schema!r}" if self._schema else ""
         return f"{type(self).__name__}({self.url!r}{schema})"
+
+    def _upgrade_when_free(self, create: bool) -> None:
+        """`_upgrade`, tried again while SQLite answers "database is locked" at once: it does
+        so without its busy timeout when several processes open a new catalog together (a
+        reader's snapshot goes stale under a concurrent migration), and the second try then
+        finds the work done. Bounded by the busy timeout."""
+        deadline = time.monotonic() + _SQLITE_BUSY_MS / 1000
+        pause = 0.01
+        while True:
+            try:
+                return self._upgrade(create)
+            except sa.exc.OperationalError as err:
+                locked = self._sqlite and "database is locked" in str(err.orig)
+                if not locked or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
     def _upgrade(self, create: bool = True) -> None:
         """Bring the schema to the newest migration; a no-op (one read) when it is there.
