@@ -25,6 +25,7 @@ import torch
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.kv import ChunkKV
+from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.linker import link
 from rag_kvcache.model.adapter import Cache, additive_mask, buffered_cache, forward, new_buffers
 from rag_kvcache.model.loading import LoadedModel
@@ -84,12 +85,14 @@ def prepare(
     strategy: Strategy,
     reserve: int = 0,
     placement: Placement | None = None,
+    calibration: Calibration | None = None,
 ) -> Prepared:
     """Compute the context (chunks, system prefix first) and the new tokens by `strategy`.
 
     `reserve` cache slots are kept free for the answer. `placement` (schema positions) goes
     with `positions`, which needs it, and `prefill`, which then reads the tokens in position
-    order; link strategies place chunks back to back.
+    order; link strategies place chunks back to back. `calibration` goes with `+calibrated`
+    strategies (the model's trained link tokens).
     """
     context = sum(c.num_tokens for c in chunks)
     if strategy.kind == "positions" and placement is None:
@@ -105,7 +108,7 @@ def prepare(
     if placement is not None:
         cache, logits, position = at_positions(lm, chunks, new_ids, placement, reserve)
         return Prepared(cache, logits, position, context, 0)
-    linked = link(lm, chunks, new_ids, strategy, reserve=reserve)
+    linked = link(lm, chunks, new_ids, strategy, reserve=reserve, calibration=calibration)
     return Prepared(linked.cache, linked.next_logits, linked.length, context, linked.recomputed)
 
 

@@ -48,6 +48,10 @@ class StrategyError(RagKVCacheError, ValueError):
     """A link strategy name cannot be parsed or cannot be applied to these chunks."""
 
 
+class CalibrationError(RagKVCacheError, ValueError):
+    """A link calibration is missing, damaged, or was trained for another model or encoding."""
+
+
 class InvalidNameError(RagKVCacheError, ValueError):
     """A name or ID given by a caller (cache ID, schema name) is not of the allowed form, so it
     can never become a path or a key."""

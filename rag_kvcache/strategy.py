@@ -39,6 +39,14 @@ APE's attention temperature and scale are a part of the same strategies, spelled
   every attention mask, so decoding pays nothing for T. `ape:1,1` is plain linking.
   Not with `cacheblend`, which leaves a different set of tokens stale in each layer.
 
+A learned per-model calibration (`rag-kvcache calibrate`) is a part of the same strategies,
+spelled last:
+- `+calibrated`: after every document chunk, the calibration's few trained link tokens (soft
+  embeddings; KVLink's link tokens, KV Packet's) are computed with the question, attending to
+  everything before them, so the question can read the independently encoded chunks through
+  them. The calibration for the loaded model comes from the store (`link.calibration`); a
+  calibration of zero link tokens is the strategy alone. Not with `cacheblend`.
+
 The question is always computed. A fidelity technique joins as a field of this record (with
 its spelling in `parse` / `__str__`), not as a new string grammar.
 """
@@ -59,7 +67,8 @@ _STALE = ("naive", "legolink", "legolink0", "cacheblend")  # kinds that leave to
 ORDERS = ("given", "reversed", "rotated")
 SPELLINGS = (
     "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
-    "each optionally +reversed or +rotated, then (not prefill or full) +top:N, then +ape:T,S"
+    "each optionally +reversed or +rotated, then (not prefill or full) +top:N, then +ape:T,S, "
+    "then +calibrated"
 )
 _NUMBER = r"([0-9.e+-]+)"
 T = TypeVar("T")
@@ -76,6 +85,7 @@ class Strategy:
     top: int = 0  # best-ranked document chunks recomputed whole (query-aware recompute)
     temperature: float = 1.0  # APE: scores on stale context tokens divided by this
     scale: float = 1.0  # APE: attention weight of stale context tokens multiplied by this
+    calibrated: bool = False  # the model's trained link tokens after every document chunk
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -96,6 +106,8 @@ class Strategy:
             raise StrategyError(f"ape is for {', '.join(_STALE)}: {self.kind} leaves none stale")
         if self.uses_ape and self.kind == "cacheblend":  # APE tempers one set in every layer
             raise StrategyError("ape with cacheblend: it leaves a different set stale per layer")
+        if self.calibrated and (self.kind not in _STALE or self.kind == "cacheblend"):
+            raise StrategyError(f"calibrated is for naive, legolink, legolink0, not {self.kind}")
 
     @classmethod
     def parse(cls, spec: str | Strategy) -> Strategy:
@@ -104,7 +116,7 @@ class Strategy:
             return spec
         text, *parts = str(spec).strip().lower().split("+")
         if parts:
-            base, order, top, ape = cls.parse(text), "given", 0, ("1", "1")
+            base, order, top, ape, calibrated = cls.parse(text), "given", 0, ("1", "1"), False
             seen = 0  # parts come in this order, each at most once
             for part in parts:
                 if part in ORDERS[1:] and seen < 1:
@@ -113,11 +125,20 @@ class Strategy:
                     top, seen = int(m.group(1)), 2
                 elif (m := re.fullmatch(f"ape:{_NUMBER},{_NUMBER}", part)) and seen < 3:
                     ape, seen = (m.group(1), m.group(2)), 3
+                elif part == "calibrated" and seen < 4:
+                    calibrated, seen = True, 4
                 else:
                     raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
             try:
                 temperature, scale = float(ape[0]), float(ape[1])
-                return replace(base, order=order, top=top, temperature=temperature, scale=scale)
+                return replace(
+                    base,
+                    order=order,
+                    top=top,
+                    temperature=temperature,
+                    scale=scale,
+                    calibrated=calibrated,
+                )
             except (StrategyError, ValueError) as e:
                 raise StrategyError(f"{spec!r}: {e}; use {SPELLINGS}") from None
         if text in _PLAIN:
@@ -145,6 +166,8 @@ class Strategy:
             base += f"+top:{self.top}"
         if self.uses_ape:
             base += f"+ape:{_exact(self.temperature)},{_exact(self.scale)}"
+        if self.calibrated:
+            base += "+calibrated"
         return base
 
     def arrange(self, chunks: Sequence[T]) -> list[T]:

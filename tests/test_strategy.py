@@ -36,6 +36,12 @@ from rag_kvcache.strategy import PREFILL, Strategy
             Strategy("legolink", k=2, order="reversed", top=1, temperature=0.5, scale=2.0),
         ),
         ("legolink:2+ape:1,1", Strategy("legolink", k=2)),  # APE at 1, 1 is plain linking
+        ("naive+calibrated", Strategy("naive", calibrated=True)),
+        (
+            "legolink:2+reversed+top:1+ape:0.5,2+calibrated",
+            Strategy("legolink", k=2, order="reversed", top=1, temperature=0.5, scale=2.0,
+                     calibrated=True),
+        ),
     ],
 )
 def test_parse(name: str, expected: Strategy) -> None:
@@ -83,6 +89,11 @@ def test_cacheblend_round_trips(ratio: float) -> None:
         "full+ape:0.5,1",
         "prefill+ape:1,2",
         "cacheblend:0.3+ape:0.5,1",  # its stale set changes from layer to layer
+        "prefill+calibrated",
+        "full+calibrated",
+        "cacheblend:0.3+calibrated",
+        "naive+calibrated+top:1",
+        "naive+calibrated+calibrated",
     ],
 )
 def test_parse_rejects_with_allowed_names(bad: str) -> None:

@@ -27,12 +27,14 @@ from functools import partial
 import torch
 
 from rag_kvcache.errors import (
+    CalibrationError,
     ContextTooLongError,
     DtypeMismatchError,
     FingerprintMismatchError,
     StrategyError,
 )
 from rag_kvcache.kv import ChunkKV
+from rag_kvcache.link.calibration import Calibration, soft_inputs, with_link_slots
 from rag_kvcache.link.layer_feed import LayerFeed
 from rag_kvcache.link.selection import GradualFilter, filter_counts, select_positions
 from rag_kvcache.model.adapter import (
@@ -94,6 +96,7 @@ def link(
     prefix: LinkedPrefix | None = None,
     layerwise: bool | None = None,
     in_full: Sequence[bool] | None = None,
+    calibration: Calibration | None = None,
 ) -> LinkedContext:
     """Link chunks (chunk 0 = system prefix) and prefill the query over them.
 
@@ -104,14 +107,25 @@ def link(
     (their ranks are the whole request's).
     `layerwise` places the chunks one layer at a time as the forward reaches it (`LayerFeed`;
     by default when their KV is on another device than the model, e.g. CPU-pinned for CUDA).
+    A `+calibrated` strategy needs the model's `calibration`: its link tokens are laid after
+    every document chunk and computed with the query (`link.calibration`).
     """
     check_chunks(lm, chunks, strategy, len(query_ids), prefix)
+    check_calibration(lm, chunks, strategy, calibration, prefix, len(query_ids))
     with record_function(STAGE_SELECT):
         blend = None
         if strategy.kind == "cacheblend":  # no prefix (check_chunks): chunk 0 is the system's
             lengths = [c.num_tokens for c in chunks]
             blend = GradualFilter(strategy, lengths, lm.num_layers, lm.device, in_full)
         recompute, token_ids = _recomputed(lm, chunks, strategy, prefix, in_full, blend)
+        slots = None
+        if calibration is not None:  # link slots after every document chunk, all computed
+            slots = with_link_slots(lm, chunks, calibration.link_tokens)
+            recompute = slots.computed(recompute, [c.num_tokens for c in chunks])
+            chunks = slots.chunks
+            token_ids = torch.tensor(
+                [t for c in chunks for t in c.token_ids], dtype=torch.long, device=lm.device
+            )
     P = prefix.num_tokens if prefix else 0
     L, r, q = len(token_ids), len(recompute), len(query_ids)
     # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
@@ -144,6 +158,9 @@ def link(
         else:
             if calls:
                 before_layer_update(cache, calls)
+            embeds = None
+            if slots is not None and calibration is not None:
+                embeds = soft_inputs(lm, new_ids, new_positions, slots, calibration.vectors)
             logits, _ = forward(
                 lm,
                 new_ids[None],
@@ -151,6 +168,7 @@ def link(
                 cache=cache,
                 mask=mask,
                 logits_to_keep=1,
+                embeds=embeds,
             )
             next_logits = logits[0, -1]
         write_at(cache, None)  # decoding appends after the query
@@ -304,6 +322,37 @@ def place_into(
         rotate_into(keys[:, :, span], c.keys.to(keys.device), offset - c.start, inv_freq)
         values[:, :, span] = c.values
         offset += c.num_tokens
+
+
+def check_calibration(
+    lm: LoadedModel,
+    chunks: list[ChunkKV],
+    strategy: Strategy,
+    calibration: Calibration | None,
+    prefix: LinkedPrefix | None,
+    query_tokens: int,
+) -> None:
+    """A calibration goes with `+calibrated` strategies, on the model and chunks it fits."""
+    if strategy.calibrated and calibration is None:
+        raise CalibrationError(
+            f"{strategy} needs the model's link calibration: run `rag-kvcache calibrate`"
+        )
+    if calibration is not None:
+        if not strategy.calibrated:
+            raise StrategyError(f"a calibration was given to {strategy}, which is not +calibrated")
+        if prefix is not None:
+            raise StrategyError(
+                "a calibrated link cannot extend a linked prefix yet: the prefix tree does not "
+                "keep link tokens"
+            )
+        calibration.check_compatible(lm, chunks)
+        total = sum(c.num_tokens for c in chunks) + query_tokens
+        total += calibration.link_tokens * (len(chunks) - 1)
+        if total > lm.max_context:
+            raise ContextTooLongError(
+                f"{total} tokens (context, link tokens and query) exceed the model's window of "
+                f"{lm.max_context}; retrieve fewer or smaller chunks"
+            )
 
 
 def check_chunks(

@@ -310,6 +310,17 @@ def unpack_cache(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in hf_layers]
 
 
+def embedding_width(lm: LoadedModel) -> int:
+    """Width of the model's input embeddings (what a soft token must have)."""
+    return int(lm.model.get_input_embeddings().weight.shape[1])
+
+
+def embed(lm: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's input embeddings of `input_ids` [B, T] -> [B, T, width] (no gradient)."""
+    with torch.no_grad():
+        return lm.model.get_input_embeddings()(input_ids)
+
+
 def forward(
     lm: LoadedModel,
     input_ids: torch.Tensor,
@@ -319,12 +330,17 @@ def forward(
     mask: torch.Tensor | None = None,
     logits_to_keep: int = 0,
     attention_hook: Any = None,
+    embeds: torch.Tensor | None = None,
+    grad: bool = False,
 ) -> tuple[torch.Tensor, Cache]:
     """One forward pass. input_ids, positions: [B, T]. mask: 2D padding mask [B, T] or a 4D
     additive mask [B, 1, T, past + T] (used as-is). Returns (logits [B, T or keep, V], cache).
 
     attention_hook(layer, query [B, heads, T, head_dim], scale) -> [B, T, heads, head_dim]
     replaces every layer's attention (the query is already RoPE'd).
+    embeds [B, T, width]: the input embeddings to use instead of input_ids' (soft tokens).
+    grad: build the autograd graph (training a calibration; the model's weights stay frozen
+    as the caller set them); otherwise nothing is recorded.
     """
     extra: dict[str, Any] = {}
     layers = list(cache.layers) if cache is not None else []
@@ -344,9 +360,13 @@ def forward(
         # SmolLM2's, per call); the gathered rows are compact
         length = input_ids.shape[1]
         keep = torch.arange(max(length - logits_to_keep, 0), length, device=input_ids.device)
-    with torch.no_grad():  # not inference_mode: the linker edits the returned KV in place
+    inputs: dict[str, Any] = (
+        {"input_ids": input_ids} if embeds is None else {"inputs_embeds": embeds}
+    )
+    # not inference_mode: the linker edits the returned KV in place
+    with torch.set_grad_enabled(grad):
         out = lm.model(
-            input_ids=input_ids,
+            **inputs,
             position_ids=positions,
             past_key_values=cache if cache is not None else DynamicCache(config=lm.model.config),
             attention_mask=mask,

@@ -1,0 +1,371 @@
+"""`rag-kvcache calibrate`: train a model's link tokens (`link.calibration`) by distillation.
+
+The model stays frozen; the only parameters are K link-token embeddings. For each training
+item (the project's own generated documents, split `train`: never the dev or test items),
+the teacher is a plain prefill of the prompt with the strategy's placement: its greedy answer,
+and its next-token distributions along that answer. The student is the same prompt linked
+from independently encoded chunks by the strategy, with the link tokens after every document
+chunk; the loss is KL(teacher || student) over the answer's tokens, fed in as the teacher
+wrote them. A held-out part of the training items measures the KL before and after.
+
+The link's own forward writes fresh K/V over stale copies in one buffer, in place, which
+autograd cannot follow; `trainable_logits` computes the same attention with the new tokens'
+K/V appended after the context and the stale copies masked out (a key's place in the buffer
+does not matter, only the RoPE position it carries). A test holds it equal to `link`, so
+what is trained is what the linker computes.
+
+Training is resumable: every `checkpoint_every` steps the vectors and the optimiser's state go
+to OUT/checkpoint.safetensors (no pickle); `resume` continues from there, with the same items
+in the same order (the order is a function of the seed and the step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from rag_kvcache.answer import Answer
+from rag_kvcache.config import EngineConfig, StoreConfig
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import CalibrationError, StrategyError
+from rag_kvcache.kv import ChunkKV
+from rag_kvcache.link.calibration import Calibration, soft_inputs, with_link_slots
+from rag_kvcache.link.linker import check_chunks, place_into
+from rag_kvcache.link.selection import select_positions
+from rag_kvcache.model.adapter import additive_mask, build_cache, embed, forward
+from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools.qa_set import make_split
+
+CHECKPOINT = "checkpoint.safetensors"
+RESULT = "calibration.safetensors"
+CELLS = 18  # items of one context size per repeat of the QA design
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """What a calibration run trains and on what (the checkpoint records it: a resumed run
+    must ask for the same)."""
+
+    strategy: str = "naive+reversed"  # the strategy whose stale KV the link tokens repair
+    link_tokens: int = 4  # K per document chunk
+    items: int = 64  # training items (split `train`)
+    held_out: int = 16  # further items, never trained on: the KL before / after
+    context: str = "1K"  # the items' context size ("1K", "2K", "4K")
+    steps: int = 300
+    lr: float = 5e-3
+    answer_tokens: int = 16  # teacher answer tokens distilled per item
+    seed: int = 0
+    checkpoint_every: int = 25
+
+    def __post_init__(self) -> None:
+        strategy = Strategy.parse(self.strategy)
+        if (
+            strategy.calibrated
+            or strategy.uses_ape
+            or strategy.kind
+            not in (
+                "naive",
+                "legolink",
+                "legolink0",
+            )
+        ):
+            raise StrategyError(
+                f"calibrate trains for naive, legolink:K or legolink0 (any placement, +top:N), "
+                f"not {self.strategy}"
+            )
+        if min(self.link_tokens, self.items, self.steps, self.answer_tokens) < 1:
+            raise CalibrationError("link tokens, items, steps and answer tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """What a run produced and what it bought in KL to prefill (held-out training items)."""
+
+    calibration: Calibration
+    config: CalibrateConfig
+    train_minutes: float
+    kl_before: float  # mean KL(prefill || strategy + initial link tokens)
+    kl_without: float  # mean KL(prefill || strategy alone)
+    kl_after: float  # mean KL(prefill || strategy + trained link tokens)
+    losses: list[float] = field(default_factory=list)  # training KL per step
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "config": asdict(self.config),
+            "train_minutes": self.train_minutes,
+            "kl_held_out": {
+                "strategy alone": self.kl_without,
+                "initial link tokens": self.kl_before,
+                "trained link tokens": self.kl_after,
+            },
+            "losses": self.losses,
+        }
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training item, ready: the linked chunks (arranged, system prefix first), the new
+    tokens (question, then the teacher's answer but its last token) and the teacher's
+    log-probabilities [answer tokens, vocab] at the rows that predict the answer."""
+
+    cache_ids: tuple[str, ...]
+    new_ids: tuple[int, ...]
+    teacher: torch.Tensor
+
+
+def trainable_logits(
+    lm: LoadedModel,
+    chunks: list[ChunkKV],
+    new_ids: list[int],
+    strategy: Strategy,
+    vectors: torch.Tensor,
+    keep: int,
+) -> torch.Tensor:
+    """`link`'s logits of the last `keep` new tokens [keep, vocab], differentiable in the
+    link-token `vectors` [K, width] (see the module docstring); chunks as `link` takes them."""
+    check_chunks(lm, chunks, strategy, len(new_ids))
+    lengths = [c.num_tokens for c in chunks]
+    slots = with_link_slots(lm, chunks, len(vectors))
+    recompute = slots.computed(select_positions(strategy, lengths, lm.device), lengths)
+    token_ids = torch.tensor([t for c in slots.chunks for t in c.token_ids], device=lm.device)
+    L = len(token_ids)
+    shape = (lm.num_layers, lm.num_kv_heads, L, lm.head_dim)
+    keys = torch.zeros(shape, dtype=lm.dtype, device=lm.device)
+    values = torch.zeros_like(keys)
+    place_into(keys, values, slots.chunks, lm.inv_freq)
+    positions = torch.cat((recompute, torch.arange(L, L + len(new_ids), device=lm.device)))
+    ids = torch.cat((token_ids[recompute], torch.tensor(new_ids, device=lm.device)))
+    inputs = soft_inputs(lm, ids, positions, slots, vectors)
+    stale = torch.ones(L, dtype=torch.bool, device=lm.device)
+    stale[recompute] = False  # their fresh copies come after the context
+    cached = (torch.arange(L, device=lm.device)[None, :] < positions[:, None]) & stale[None, :]
+    fresh = positions[None, :] <= positions[:, None]
+    mask = additive_mask(torch.cat((cached, fresh), dim=1), lm.dtype)
+    cache = build_cache([(k[None], v[None]) for k, v in zip(keys, values)], lm)
+    logits, _ = forward(
+        lm,
+        ids[None],
+        positions=positions[None],
+        cache=cache,
+        mask=mask,
+        logits_to_keep=keep,
+        embeds=inputs,
+        grad=True,
+    )
+    return logits[0]
+
+
+def initial_vectors(lm: LoadedModel, link_tokens: int) -> torch.Tensor:
+    """Where training starts: K newlines' embeddings (a separator the model knows)."""
+    newline = lm.tokenizer.encode("\n", add_special_tokens=False)[-1]
+    ids = torch.full((1, link_tokens), newline, device=lm.device)
+    return embed(lm, ids)[0].float().clone()
+
+
+def distillation_kl(teacher: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(teacher || student); teacher: log-probs, both [rows, vocab]."""
+    student = F.log_softmax(student_logits.float(), dim=-1)
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+def make_examples(
+    engine: RagKVCache,
+    items: list[dict[str, object]],
+    strategy: Strategy,
+    answer_tokens: int,
+    on_item: Callable[[], None] | None = None,
+) -> list[Example]:
+    """Cache each item's documents and take the teacher's answer and distributions."""
+    lm, tok = engine.lm, engine.lm.tokenizer
+    baseline = strategy.baseline
+    out = []
+    for item in items:
+        documents = item["documents"]
+        assert isinstance(documents, list)
+        cache_ids = engine.generate_context_cache([str(d["text"]) for d in documents])
+        question = str(item["question"])
+        answer = engine.generate(
+            question, cache_ids, strategy=baseline, max_new_tokens=answer_tokens
+        )
+        assert isinstance(answer, Answer)
+        tokens = list(answer.token_ids) or [lm.eos_ids[0]]
+        arranged = baseline.arrange(cache_ids)
+        prompt = engine.prompt_ids(question, arranged)
+        ids = torch.tensor([prompt + tokens[:-1]], device=lm.device)
+        logits, _ = forward(lm, ids, logits_to_keep=len(tokens))
+        question_ids = engine.template.question_ids(tok, question)
+        teacher = F.log_softmax(logits[0].float(), dim=-1)
+        out.append(Example(tuple(arranged), tuple(question_ids + tokens[:-1]), teacher))
+        if on_item:
+            on_item()
+    return out
+
+
+def example_kl(
+    engine: RagKVCache, example: Example, strategy: Strategy, vectors: torch.Tensor
+) -> torch.Tensor:
+    chunks = engine.store.get([engine.prefix_id, *example.cache_ids])
+    logits = trainable_logits(
+        engine.lm, chunks, list(example.new_ids), strategy, vectors, len(example.teacher)
+    )
+    return distillation_kl(example.teacher, logits)
+
+
+def mean_kl(
+    engine: RagKVCache, examples: list[Example], strategy: Strategy, vectors: torch.Tensor
+) -> float:
+    with torch.no_grad():
+        return sum(float(example_kl(engine, e, strategy, vectors)) for e in examples) / max(
+            len(examples), 1
+        )
+
+
+def step_order(seed: int, step: int, count: int) -> int:
+    """Which example step `step` trains on: each pass over the items in its own shuffle."""
+    order = list(range(count))
+    random.Random(seed * 1_000_003 + step // count).shuffle(order)
+    return order[step % count]
+
+
+def calibrate(
+    lm: LoadedModel,
+    config: CalibrateConfig,
+    out: Path,
+    resume: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+    items: list[dict[str, object]] | None = None,
+) -> CalibrationReport:
+    """Train link tokens for `lm` under `config`; OUT gets the checkpoint and the result.
+
+    `items` (the QA sets' JSON form: "documents" [{"text"}], "question") replace the train
+    split's, e.g. questions over a user's own documents; the first `config.items` are trained
+    on, the next `config.held_out` measured. `progress(phase, done, total)` reports the
+    teacher pass and every step.
+    """
+    strategy = Strategy.parse(config.strategy)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = RagKVCache(EngineConfig(store=StoreConfig(cpu_bytes=8 << 30)), lm=lm)
+    needed = config.items + config.held_out
+    if items is None:
+        repeats = math.ceil(needed / CELLS)
+        items = [i for i in make_split("train", repeats) if _context(i) == config.context]
+    pool = items
+    if len(pool) < needed:
+        raise CalibrationError(
+            f"{len(pool)} training items of {config.context}; "
+            f"asked for {config.items} + {config.held_out} held out"
+        )
+    chosen = pool[:needed]
+    done = 0
+
+    def ticked() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress("teacher", done, len(chosen))
+
+    examples = make_examples(scratch, chosen, strategy, config.answer_tokens, ticked)
+    train, held = examples[: config.items], examples[config.items :]
+    vectors = initial_vectors(lm, config.link_tokens).requires_grad_(True)
+    optimizer = torch.optim.AdamW([vectors], lr=config.lr, weight_decay=0.0)
+    start_step, losses = 0, list[float]()
+    checkpoint = out / CHECKPOINT
+    if resume and checkpoint.exists():
+        start_step, losses = _load_checkpoint(checkpoint, config, vectors, optimizer)
+    kl_without = mean_kl(scratch, held, strategy, vectors[:0])
+    kl_before = mean_kl(scratch, held, strategy, initial_vectors(lm, config.link_tokens))
+    began = time.perf_counter()
+    for step in range(start_step, config.steps):
+        example = train[step_order(config.seed, step, len(train))]
+        loss = example_kl(scratch, example, strategy, vectors)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            _save_checkpoint(checkpoint, config, vectors, optimizer, step + 1, losses)
+        if progress:
+            progress("train", step + 1, config.steps)
+    minutes = (time.perf_counter() - began) / 60
+    kl_after = mean_kl(scratch, held, strategy, vectors.detach())
+    encode = scratch.doc_settings.key()
+    recent = losses[-len(train) :] or [math.nan]
+    calibration = Calibration(
+        vectors.detach().clone(),
+        lm.fingerprint,
+        encode,
+        str(strategy),
+        config.steps,
+        sum(recent) / len(recent),
+    )
+    calibration.save(out / RESULT)
+    report = CalibrationReport(
+        calibration, config, minutes, kl_before, kl_without, kl_after, losses
+    )
+    (out / "calibration.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return report
+
+
+def _context(item: dict[str, object]) -> str:
+    meta = item["meta"]
+    assert isinstance(meta, dict)
+    return str(meta["context"])
+
+
+def _resumable(config: dict[str, object]) -> dict[str, object]:
+    """The settings a resumed run must share with the checkpoint's (more steps may follow)."""
+    return {k: v for k, v in config.items() if k not in ("steps", "checkpoint_every")}
+
+
+def _save_checkpoint(
+    path: Path,
+    config: CalibrateConfig,
+    vectors: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    losses: list[float],
+) -> None:
+    state = optimizer.state[vectors]
+    tensors = {
+        "vectors": vectors.detach().contiguous(),
+        "exp_avg": state["exp_avg"].contiguous(),
+        "exp_avg_sq": state["exp_avg_sq"].contiguous(),
+        "optimizer_step": torch.as_tensor(state["step"], dtype=torch.float64).reshape(1),
+    }
+    meta = {"config": json.dumps(asdict(config)), "step": str(step), "losses": json.dumps(losses)}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def _load_checkpoint(
+    path: Path, config: CalibrateConfig, vectors: torch.Tensor, optimizer: torch.optim.Optimizer
+) -> tuple[int, list[float]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if _resumable(json.loads(meta.get("config", "{}"))) != _resumable(asdict(config)):
+        raise CalibrationError(
+            f"{path} was written by a run with other settings ({meta.get('config')}); "
+            "resume with the same ones, or train afresh in another folder"
+        )
+    tensors = load_file(str(path))
+    with torch.no_grad():
+        vectors.copy_(tensors["vectors"])
+    optimizer.state[vectors] = {
+        "step": tensors["optimizer_step"][0].to(torch.float32),
+        "exp_avg": tensors["exp_avg"],
+        "exp_avg_sq": tensors["exp_avg_sq"],
+    }
+    return int(meta["step"]), json.loads(meta["losses"])

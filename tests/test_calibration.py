@@ -1,0 +1,164 @@
+"""Link calibration: the link tokens' exact limits, the training twin of the link's forward,
+the file format's refusals, and a training run that lowers the KL to prefill and resumes."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import random_chunks
+
+from rag_kvcache.errors import CalibrationError, StrategyError
+from rag_kvcache.kv import EncodeSettings
+from rag_kvcache.link.calibration import Calibration
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.link.linker import LinkedPrefix, link
+from rag_kvcache.model.adapter import embed
+from rag_kvcache.serving.decoding import prefill
+from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools.calibrate import (
+    CHECKPOINT,
+    CalibrateConfig,
+    calibrate,
+    trainable_logits,
+)
+
+LENGTHS = [6, 11, 4, 9]  # prefix, then three document chunks
+QUERY = [7, 8, 9, 10, 11]
+
+
+def _chunks(lm, settings=EncodeSettings()):
+    ids = random_chunks(LENGTHS, seed=5)
+    return encode_chunks(lm, ids[:1]) + encode_chunks(lm, ids[1:], settings), ids
+
+
+def _calibration(lm, vectors, encode=EncodeSettings().key()):
+    return Calibration(vectors, lm.fingerprint, encode, "naive")
+
+
+def test_zero_link_tokens_is_the_strategy_alone(tiny64) -> None:
+    chunks, _ = _chunks(tiny64)
+    empty = _calibration(tiny64, torch.zeros(0, 64, dtype=torch.float64))
+    for spelling in ("naive", "legolink:2+reversed+top:1"):
+        strategy = Strategy.parse(spelling)
+        alone = link(tiny64, chunks, QUERY, strategy)
+        calibrated = replace(strategy, calibrated=True)
+        linked = link(tiny64, chunks, QUERY, calibrated, calibration=empty)
+        torch.testing.assert_close(linked.next_logits, alone.next_logits, rtol=0, atol=0)
+        assert (linked.length, linked.recomputed) == (alone.length, alone.recomputed)
+
+
+def test_link_tokens_of_real_tokens_recomputed_everywhere_equal_prefill_with_them(tiny64) -> None:
+    """With every document token recomputed and link vectors that are real tokens'
+    embeddings, a calibrated link is a plain prefill of the prompt with those tokens written
+    after every document: the slots sit where they should and attend as they should."""
+    chunks, ids = _chunks(tiny64)
+    link_ids = [40, 41, 42]
+    vectors = embed(tiny64, torch.tensor([link_ids]))[0]
+    strategy = Strategy.parse("legolink:100+calibrated")
+    linked = link(tiny64, chunks, QUERY, strategy, calibration=_calibration(tiny64, vectors))
+    prompt = ids[0] + [t for doc in ids[1:] for t in doc + link_ids] + QUERY
+    _, logits = prefill(tiny64, prompt)
+    torch.testing.assert_close(linked.next_logits, logits, rtol=1e-10, atol=1e-10)
+    assert linked.length == len(prompt)
+    assert linked.recomputed == sum(LENGTHS[1:]) + 3 * len(link_ids)
+
+
+@pytest.mark.parametrize("spelling", ["naive", "legolink:2", "legolink:1+reversed+top:1"])
+def test_the_training_forward_equals_the_link(tiny64, spelling: str) -> None:
+    chunks, _ = _chunks(tiny64)
+    vectors = torch.randn(4, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    strategy = Strategy.parse(spelling + "+calibrated")
+    arranged = [chunks[0], *strategy.arrange(chunks[1:])]
+    linked = link(tiny64, arranged, QUERY, strategy, calibration=_calibration(tiny64, vectors))
+    trained = trainable_logits(tiny64, arranged, QUERY, strategy, vectors, keep=2)
+    torch.testing.assert_close(trained[-1], linked.next_logits, rtol=1e-10, atol=1e-10)
+    alone = link(tiny64, arranged, QUERY, replace(strategy, calibrated=False))
+    assert not torch.allclose(alone.next_logits, linked.next_logits)  # the tokens act
+    assert linked.length == alone.length + 3 * 4
+
+
+def test_the_training_forward_carries_gradients_to_the_vectors_only(tiny32) -> None:
+    chunks, _ = _chunks(tiny32)
+    vectors = torch.zeros(2, 64, requires_grad=True)
+    logits = trainable_logits(tiny32, chunks, QUERY, Strategy.parse("naive"), vectors, keep=3)
+    logits.logsumexp(-1).sum().backward()
+    assert vectors.grad is not None and vectors.grad.abs().sum() > 0
+    assert all(p.grad is None for p in tiny32.model.parameters())
+
+
+def test_calibration_file_round_trips_and_refuses_damage(tiny32, tmp_path) -> None:
+    vectors = torch.randn(3, 64)
+    calibration = Calibration(vectors, tiny32.fingerprint, "sinks=", "naive+reversed", 7, 0.25)
+    checksum = calibration.save(tmp_path / "c.safetensors")
+    back = Calibration.load(tmp_path / "c.safetensors", checksum)
+    torch.testing.assert_close(back.vectors, vectors)
+    assert (back.fingerprint, back.encode, back.trained_with, back.steps, back.loss) == (
+        tiny32.fingerprint, "sinks=", "naive+reversed", 7, 0.25
+    )  # fmt: skip
+    with pytest.raises(CalibrationError, match="checksum"):
+        Calibration.load(tmp_path / "c.safetensors", "0" * 64)
+    (tmp_path / "bad").write_bytes(b"\x00" * 3 + b"not a file")
+    with pytest.raises(CalibrationError, match="not a calibration"):
+        Calibration.load(tmp_path / "bad")
+    with pytest.raises(CalibrationError, match="cannot read"):
+        Calibration.load(tmp_path / "missing")
+
+
+def test_calibrated_links_refuse_what_does_not_fit(tiny32, tiny64) -> None:
+    chunks, _ = _chunks(tiny32)
+    strategy = Strategy.parse("naive+calibrated")
+    with pytest.raises(CalibrationError, match="rag-kvcache calibrate"):
+        link(tiny32, chunks, QUERY, strategy)
+    other = Calibration(torch.zeros(2, 64), tiny64.fingerprint, "sinks=", "naive")
+    with pytest.raises(CalibrationError, match="trained on model"):
+        link(tiny32, chunks, QUERY, strategy, calibration=other)
+    wide = _calibration(tiny32, torch.zeros(2, 65))
+    with pytest.raises(CalibrationError, match="width"):
+        link(tiny32, chunks, QUERY, strategy, calibration=wide)
+    sinks = _calibration(tiny32, torch.zeros(2, 64), EncodeSettings((1, 2)).key())
+    with pytest.raises(CalibrationError, match="encoded with"):
+        link(tiny32, chunks, QUERY, strategy, calibration=sinks)
+    fits = _calibration(tiny32, torch.zeros(2, 64))
+    with pytest.raises(StrategyError, match="not \\+calibrated"):
+        link(tiny32, chunks, QUERY, Strategy.parse("naive"), calibration=fits)
+    prefix = LinkedPrefix(chunks[0].keys, chunks[0].values, chunks[0].token_ids)
+    with pytest.raises(StrategyError, match="prefix"):
+        link(tiny32, chunks[1:], QUERY, strategy, prefix=prefix, calibration=fits)
+
+
+ITEMS = [
+    {
+        "question": f"Who founded {town}?",
+        "documents": [
+            {"text": f"{town} was founded by {founder} in {year}. It sits on a river."},
+            {"text": f"{other} was founded by Mara Quill in 1650. Its mayor is Ivo Stark."},
+            {"text": f"The festival of {town} is held in spring. {founder} built a bridge."},
+        ],
+    }
+    for town, founder, year, other in [
+        ("Ashford", "Tomas Vell", 1712, "Brindle"),
+        ("Corvale", "Anna Pike", 1801, "Dunmore"),
+        ("Elmstead", "Rudi Kahn", 1599, "Fenwick"),
+    ]
+]
+
+
+def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path) -> None:
+    config = CalibrateConfig(
+        strategy="naive+reversed", link_tokens=2, items=2, held_out=1, steps=6, lr=0.05,
+        answer_tokens=4, checkpoint_every=1,
+    )  # fmt: skip
+    whole = calibrate(tiny32, config, tmp_path / "whole", items=ITEMS)
+    assert len(whole.losses) == 6 and whole.calibration.steps == 6
+    assert whole.calibration.fingerprint == tiny32.fingerprint
+    assert min(whole.losses[-2:]) < whole.losses[0]  # training moves the KL down
+    assert (tmp_path / "whole" / CHECKPOINT).exists()
+    saved = Calibration.load(tmp_path / "whole" / "calibration.safetensors")
+    torch.testing.assert_close(saved.vectors, whole.calibration.vectors)
+    # stopped after 3 steps, then resumed to 6: the same vectors as the run never stopped
+    calibrate(tiny32, replace(config, steps=3), tmp_path / "cut", items=ITEMS)
+    resumed = calibrate(tiny32, config, tmp_path / "cut", resume=True, items=ITEMS)
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
+    torch.testing.assert_close(resumed.calibration.vectors, whole.calibration.vectors)
+    with pytest.raises(CalibrationError, match="other settings"):
+        calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", resume=True, items=ITEMS)
