@@ -22,8 +22,14 @@ from rag_kvcache.answer import (
     prompt_in_position_order,
 )
 from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, StoreConfig
-from rag_kvcache.errors import ConfigError, EmptyChunkError, FingerprintMismatchError
+from rag_kvcache.errors import (
+    CalibrationError,
+    ConfigError,
+    EmptyChunkError,
+    FingerprintMismatchError,
+)
 from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
+from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.prompt import PromptTemplate
@@ -110,6 +116,7 @@ class RagKVCache:
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
         self.prefix_trees: dict[str, PrefixTree] = {}  # linked prefixes, per link strategy
+        self._calibration: tuple[bytes, Calibration] | None = None  # parsed, with its bytes
         self.prefix_id = self.cache_token_ids([prefix], EncodeSettings(), [self.template.prefix])[
             0
         ][0]
@@ -240,7 +247,10 @@ class RagKVCache:
         def context() -> Prepared:
             with record_function(STAGE_FETCH):
                 chunks = self.store.get(ids)
-            return prepare(self.lm, chunks, question, strategy, gen.max_new_tokens)
+                calibration = self.calibration() if strategy.calibrated else None
+            return prepare(
+                self.lm, chunks, question, strategy, gen.max_new_tokens, calibration=calibration
+            )
 
         steps = answer_steps(self.lm, context, len(question), strategy, gen)
         return self._finish(AnswerStream(steps), stream)
@@ -268,8 +278,42 @@ class RagKVCache:
         strategy = Strategy.parse(strategy)
         question = self.template.question_ids(self.lm.tokenizer, query)
         chunks = self.store.get([self.prefix_id, *strategy.arrange(cache_ids)])
-        prepared = prepare(self.lm, chunks, question, strategy, reserve=len(tokens))
+        calibration = self.calibration() if strategy.calibrated else None
+        prepared = prepare(
+            self.lm, chunks, question, strategy, reserve=len(tokens), calibration=calibration
+        )
         return forced_logits(self.lm, prepared, tokens)
+
+    # ------------------------------------------------------------------ link calibration
+
+    def calibration(self) -> Calibration:
+        """The model's link calibration for this engine's chunk encoding, as the store keeps
+        it now (read from the catalog on each call, so a new one reaches every worker)."""
+        data = self.store.calibration(self.lm.fingerprint, self.doc_settings.key())
+        if data is None:
+            raise CalibrationError(
+                f"no link calibration for model {self.lm.name} ({self.lm.fingerprint}) in this "
+                "store; train one with `rag-kvcache calibrate`"
+            )
+        if self._calibration is None or self._calibration[0] != data:
+            self._calibration = (data, Calibration.from_bytes(data).to(self.lm))
+        return self._calibration[1]
+
+    def set_calibration(self, calibration: Calibration) -> str:
+        """Keep `calibration` in the store for this model and encoding (replacing any); every
+        `+calibrated` answer uses it from then on. Returns its checksum."""
+        if calibration.fingerprint != self.lm.fingerprint:
+            raise CalibrationError(
+                f"the calibration was trained on model {calibration.fingerprint}, not on "
+                f"{self.lm.fingerprint} ({self.lm.name})"
+            )
+        if calibration.encode != self.doc_settings.key():
+            raise CalibrationError(
+                f"the calibration was trained on chunks encoded with {calibration.encode!r}; "
+                f"this engine encodes with {self.doc_settings.key()!r}"
+            )
+        data = calibration.to_bytes()
+        return self.store.put_calibration(self.lm.fingerprint, self.doc_settings.key(), data)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """Render chat messages ({"role", "content"}) with the model's own chat template."""

@@ -19,6 +19,7 @@ refers to any more, and return them: the blobs themselves are the store's busine
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
@@ -37,6 +38,7 @@ from rag_kvcache.storage.tables import (
     Counter,
     Document,
     DocumentChunk,
+    LinkCalibration,
     Model,
     Placement,
     StoreIdentity,
@@ -102,6 +104,40 @@ class Catalog(CatalogDatabase):
         if store_id is None:
             raise CatalogError(f"catalog {self.url} has no store identity row; it is damaged")
         return str(store_id)
+
+    # -- link calibrations
+
+    def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str:
+        """Keep `data` as the model's link calibration for chunks encoded with
+        `encode_settings` (replacing any before it); returns its sha256. The model must be
+        registered."""
+        _check_key("fingerprint", fingerprint)
+        checksum = hashlib.sha256(data).hexdigest()
+        values = dict(data=data, checksum=checksum, created_at=utc_now())
+        stmt = (
+            self._insert(LinkCalibration)
+            .values(fingerprint=fingerprint, encode_settings=encode_settings, **values)
+            .on_conflict_do_update(index_elements=["fingerprint", "encode_settings"], set_=values)
+        )
+        try:
+            with self._write() as conn:
+                conn.execute(stmt)
+        except IntegrityError:
+            raise CatalogError(
+                f"model {fingerprint} is not registered in this catalog; open an engine with it"
+            ) from None
+        return checksum
+
+    def calibration(self, fingerprint: str, encode_settings: str) -> tuple[bytes, str] | None:
+        """(bytes, sha256 recorded when kept) of the model's calibration, or None."""
+        with self._read() as conn:
+            row = conn.execute(
+                select(LinkCalibration.data, LinkCalibration.checksum).where(
+                    LinkCalibration.fingerprint == fingerprint,
+                    LinkCalibration.encode_settings == encode_settings,
+                )
+            ).first()
+        return None if row is None else (bytes(row[0]), str(row[1]))
 
     # -- documents
 

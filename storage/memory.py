@@ -6,6 +6,7 @@ retrieval needs a durable store (TieredStore).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._chunks: dict[str, ChunkKV] = {}
+        self._calibrations: dict[tuple[str, str], bytes] = {}
 
     def register_model(
         self, fingerprint: str, name: str, dtype: str, layers: int, kv_heads: int, head_dim: int
@@ -40,6 +42,13 @@ class MemoryStore:
         if missing:
             raise UnknownCacheIdError(missing)
         return [self._chunks[c] for c in cache_ids]
+
+    def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str:
+        self._calibrations[fingerprint, encode_settings] = bytes(data)
+        return hashlib.sha256(data).hexdigest()
+
+    def calibration(self, fingerprint: str, encode_settings: str) -> bytes | None:
+        return self._calibrations.get((fingerprint, encode_settings))
 
     def contains(self, cache_id: str) -> bool:
         return checked_name("cache ID", cache_id) in self._chunks

@@ -11,6 +11,7 @@ A blob that is missing or fails its checksum is re-encoded from the token ids in
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -304,6 +305,23 @@ class TieredStore:
         kv = self.reencode(row)
         self._write(kv)
         return kv
+
+    def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str:
+        """Keep a model's link calibration in the catalog (shared by every worker on it)."""
+        return self.catalog.put_calibration(fingerprint, encode_settings, data)
+
+    def calibration(self, fingerprint: str, encode_settings: str) -> bytes | None:
+        """The model's link calibration bytes, or None; damaged bytes are a StoreDamagedError."""
+        found = self.catalog.calibration(fingerprint, encode_settings)
+        if found is None:
+            return None
+        data, checksum = found
+        if hashlib.sha256(data).hexdigest() != checksum:
+            raise StoreDamagedError(
+                f"the link calibration of model {fingerprint} in {self.catalog.url} is damaged "
+                "(checksum mismatch); run `rag-kvcache calibrate` again"
+            )
+        return data
 
     def contains(self, cache_id: str) -> bool:
         row = self.catalog.chunk(checked_name("cache ID", cache_id))

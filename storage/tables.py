@@ -26,6 +26,7 @@ from sqlalchemy import (
     Dialect,
     ForeignKey,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -198,6 +199,22 @@ class StoreIdentity(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     store_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class LinkCalibration(Base):
+    """A model's link calibration for chunks encoded with given settings (`rag-kvcache
+    calibrate`): its safetensors bytes (a few KiB) and their sha256, kept in the catalog so
+    every worker on the same catalog links with the same one."""
+
+    __tablename__ = "calibrations"
+
+    fingerprint: Mapped[str] = mapped_column(
+        String(64), ForeignKey("models.fingerprint", ondelete="CASCADE"), primary_key=True
+    )
+    encode_settings: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    checksum: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 

@@ -6,14 +6,20 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import random_chunks
+from sqlalchemy import update
 
-from rag_kvcache.errors import CalibrationError, StrategyError
+from rag_kvcache.config import EngineConfig, GenerationConfig
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import CalibrationError, StoreDamagedError, StrategyError
 from rag_kvcache.kv import EncodeSettings
 from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.model.adapter import embed
+from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.serving.decoding import prefill
+from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.storage.tables import LinkCalibration
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.calibrate import (
     CHECKPOINT,
@@ -31,7 +37,7 @@ def _chunks(lm, settings=EncodeSettings()):
     return encode_chunks(lm, ids[:1]) + encode_chunks(lm, ids[1:], settings), ids
 
 
-def _calibration(lm, vectors, encode=EncodeSettings().key()):
+def _calibration(lm, vectors, encode="sinks="):
     return Calibration(vectors, lm.fingerprint, encode, "naive")
 
 
@@ -162,3 +168,45 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     torch.testing.assert_close(resumed.calibration.vectors, whole.calibration.vectors)
     with pytest.raises(CalibrationError, match="other settings"):
         calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", resume=True, items=ITEMS)
+
+
+# ----------------------------------------------------------------------------- in the store
+
+
+def test_a_calibration_kept_in_the_catalog_reaches_every_engine_on_it(
+    tiny32, target, tmp_path
+) -> None:
+    """Kept per model and encoding in the catalog (SQLite, PostgreSQL): a second engine on
+    the same catalog answers with it; a damaged row is a clear error, never used."""
+
+    def engine() -> RagKVCache:
+        store = TieredStore(tmp_path / "kv", catalog=target.open())
+        config = EngineConfig(generation=GenerationConfig(max_new_tokens=6))
+        return RagKVCache(config, lm=tiny32, store=store)
+
+    first = engine()
+    ids = first.generate_context_cache(["The river is the Vell.", "Its mayor is Ivo Stark."])
+    with pytest.raises(CalibrationError, match="rag-kvcache calibrate"):
+        first.generate("Who is the mayor?", ids, strategy="naive+calibrated")
+    vectors = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    calibration = Calibration(vectors, tiny32.fingerprint, first.doc_settings.key(), "naive")
+    first.set_calibration(calibration)
+    second = engine()
+    answer = second.generate("Who is the mayor?", ids, strategy="naive+calibrated")
+    chunks = second.store.get([second.prefix_id, *ids])
+    question = second.template.question_ids(tiny32.tokenizer, "Who is the mayor?")
+    linked = link(
+        tiny32, chunks, question, Strategy.parse("naive+calibrated"), calibration=calibration
+    )
+    assert answer.token_ids[0] == int(linked.next_logits.argmax())
+    assert answer.recomputed_tokens == 2 * 3  # the link tokens, nothing else
+    with pytest.raises(CalibrationError, match="trained on model"):
+        first.set_calibration(replace(calibration, fingerprint="0" * 16))
+    with pytest.raises(StrategyError, match="one at a time"):
+        second.generate_batch([BatchRequest("Who?", ids)], strategy="naive+calibrated")
+    catalog = second.store.catalog
+    data, _ = catalog.calibration(tiny32.fingerprint, first.doc_settings.key())
+    with catalog._write() as conn:  # damage the row behind the catalog's back
+        conn.execute(update(LinkCalibration).values(data=data[:-1] + b"\x00"))
+    with pytest.raises(StoreDamagedError, match="calibrate"):
+        second.generate("Who is the mayor?", ids, strategy="naive+calibrated")

@@ -34,6 +34,7 @@ from rag_kvcache.storage.tables import Base
 
 TABLES = {
     "models",
+    "calibrations",
     "documents",
     "document_chunks",
     "chunks",

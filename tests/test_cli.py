@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.tools.cli import main
@@ -130,3 +131,43 @@ def test_bench_prefix_reports_both_methods_and_their_kv_bytes(tmp_path: Path) ->
     # plus one layer of rows while they are laid out (random:tiny has 4 layers), never twice
     tree, copies = rows[4, False, "prefix tree"], rows[4, False, "duplicated"]
     assert tree["peak_kv_bytes"] <= copies["peak_kv_bytes"] * (1 + 1 / 4)
+
+
+def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path) -> None:
+    from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
+    from rag_kvcache.engine import RagKVCache
+    from rag_kvcache.link.calibration import Calibration
+    from rag_kvcache.model.loading import load_model
+
+    store, out = tmp_path / "store", tmp_path / "cal"
+    args = ["calibrate", "--model", "random:tiny", "--items", "2", "--held-out", "1"]
+    args += ["--steps", "2", "--answer-tokens", "2", "--store", str(store), "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["config"]["steps"] == 2 and len(report["losses"]) == 2
+    assert set(report["kl_held_out"]) == {
+        "strategy alone", "initial link tokens", "trained link tokens"
+    }  # fmt: skip
+    trained = Calibration.load(out / "calibration.safetensors")
+    lm = load_model(ModelConfig(path="random:tiny"))
+    engine = RagKVCache(EngineConfig(store=StoreConfig(store)), lm=lm)
+    assert torch.equal(engine.calibration().vectors.float(), trained.vectors)
+    engine.store.close()
+
+    qa = tmp_path / "qa.jsonl"
+    item = {"id": "a", "question": "Who?", "answers": ["Ann"],
+            "documents": [{"text": "Ann rows."}, {"text": "Bo sings."}]}  # fmt: skip
+    qa.write_text(json.dumps(item) + "\n")
+    evaluate = ["eval", str(qa), "--model", "random:tiny", "--teacher-tokens", "0"]
+    evaluate += ["--max-new-tokens", "2", "--strategies", "naive+calibrated"]
+    assert main([*evaluate, "--out", str(tmp_path / "no")]) == 2  # no --calibration given
+    calibrated = [
+        *evaluate,
+        "--out",
+        str(tmp_path / "ev"),
+        "--calibration",
+        str(out / "calibration.safetensors"),
+    ]
+    assert main(calibrated) == 0
+    rows = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert "naive+calibrated" in rows["strategies"]

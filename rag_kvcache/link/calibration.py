@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +52,10 @@ class Calibration:
     @property
     def link_tokens(self) -> int:
         return int(self.vectors.shape[0])
+
+    def to(self, lm: LoadedModel) -> Calibration:
+        """The same calibration with its vectors on the model's device, in its dtype."""
+        return replace(self, vectors=self.vectors.to(lm.device, lm.dtype))
 
     def to_bytes(self) -> bytes:
         """safetensors bytes: the vectors, the rest as string metadata (never pickled)."""

@@ -86,6 +86,12 @@ class BatchDecoder:
                 f"{strategy}: batched decoding attends through the prefix tree, which does not "
                 "carry APE's scale yet; answer these requests one at a time (generate)"
             )
+        if strategy.calibrated:
+            raise StrategyError(
+                f"{strategy}: batched decoding shares linked prefixes through the prefix tree, "
+                "which does not keep link tokens yet; answer these requests one at a time "
+                "(generate)"
+            )
         self.lm, self.tree, self.strategy, self.fetch = lm, tree, strategy, fetch
         self.kv = BatchKV()  # the active requests' rows, laid out again when the batch changes
         self.started = 0.0  # when the current run began

@@ -37,6 +37,7 @@ from rag_kvcache.config import (
 )
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import ConfigError
+from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.storage.memory import MemoryStore
@@ -149,6 +150,7 @@ class Evaluator:
         teacher_tokens: int = 16,
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         sink_tokens: int = LEGOLINK0_SINKS,
+        calibration: Calibration | None = None,
     ):
         config = EngineConfig(
             generation=GenerationConfig(max_new_tokens=max_new_tokens),
@@ -156,6 +158,8 @@ class Evaluator:
         )
         self.engine = RagKVCache(config, lm=lm, store=MemoryStore())
         self.sink_engine = self.engine.with_encoding(EncodeConfig(sink_tokens=sink_tokens))
+        if calibration is not None:  # what `+calibrated` strategies link with
+            self.engine.set_calibration(calibration)
         self.teacher_tokens = teacher_tokens
         self._warm = False
 
@@ -311,12 +315,13 @@ def run_eval(
     teacher_tokens: int = 16,
     on_item: Callable[[EvalItem], None] | None = None,
     journal: Journal | None = None,
+    calibration: Calibration | None = None,
 ) -> tuple[list[ItemResult], list[StrategySummary]]:
     """Every item through every strategy. With a `journal`, each item's results are appended
     as soon as they exist and the items it already holds are not run again: a killed run,
     restarted with the same settings, loses at most the item it was on."""
     parsed = check_strategies(strategies, with_full=teacher_tokens > 0)
-    evaluator = Evaluator(lm, max_new_tokens, teacher_tokens)
+    evaluator = Evaluator(lm, max_new_tokens, teacher_tokens, calibration=calibration)
     done = journal.results() if journal else {}
     results: list[ItemResult] = []
     for item in items:

