@@ -159,9 +159,11 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     assert whole.calibration.fingerprint == tiny32.fingerprint
     assert min(whole.losses[-2:]) < whole.losses[0]  # training moves the KL down
     assert (tmp_path / "whole" / CHECKPOINT).exists()
+    assert len(list((tmp_path / "whole" / "teachers").glob("*.safetensors"))) == 3  # kept
     saved = Calibration.load(tmp_path / "whole" / "calibration.safetensors")
     torch.testing.assert_close(saved.vectors, whole.calibration.vectors)
-    # stopped after 3 steps, then resumed to 6: the same vectors as the run never stopped
+    # stopped after 3 steps, then resumed to 6 (its teachers read back from the first
+    # part): the same vectors as the run never stopped
     calibrate(tiny32, replace(config, steps=3), tmp_path / "cut", items=ITEMS)
     resumed = calibrate(tiny32, config, tmp_path / "cut", resume=True, items=ITEMS)
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)

@@ -21,6 +21,7 @@ in the same order (the order is a function of the seed and the step).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -48,6 +49,7 @@ from rag_kvcache.tools.qa_set import make_split
 
 CHECKPOINT = "checkpoint.safetensors"
 RESULT = "calibration.safetensors"
+TEACHERS = "teachers"  # the teacher's answers, kept for later runs in the same OUT
 CELLS = 18  # items of one context size per repeat of the QA design
 
 
@@ -184,31 +186,63 @@ def make_examples(
     strategy: Strategy,
     answer_tokens: int,
     on_item: Callable[[], None] | None = None,
+    teachers: Path | None = None,
 ) -> list[Example]:
-    """Cache each item's documents and take the teacher's answer and distributions."""
-    lm, tok = engine.lm, engine.lm.tokenizer
-    baseline = strategy.baseline
+    """Cache each item's documents and take the teacher's answer and distributions.
+
+    With `teachers`, a folder, each item's teacher is kept there (safetensors, float16
+    log-probs, named by a hash of everything it depends on) and read back by a later run: a
+    resumed run, or one with other training settings, skips the teacher's forwards."""
+    lm, baseline = engine.lm, strategy.baseline
     out = []
     for item in items:
         documents = item["documents"]
         assert isinstance(documents, list)
-        cache_ids = engine.generate_context_cache([str(d["text"]) for d in documents])
+        texts = [str(d["text"]) for d in documents]
         question = str(item["question"])
-        answer = engine.generate(
-            question, cache_ids, strategy=baseline, max_new_tokens=answer_tokens
-        )
-        assert isinstance(answer, Answer)
-        tokens = list(answer.token_ids) or [lm.eos_ids[0]]
+        cache_ids = engine.generate_context_cache(texts)
         arranged = baseline.arrange(cache_ids)
-        prompt = engine.prompt_ids(question, arranged)
-        ids = torch.tensor([prompt + tokens[:-1]], device=lm.device)
-        logits, _ = forward(lm, ids, logits_to_keep=len(tokens))
-        question_ids = engine.template.question_ids(tok, question)
-        teacher = F.log_softmax(logits[0].float(), dim=-1)
-        out.append(Example(tuple(arranged), tuple(question_ids + tokens[:-1]), teacher))
+        prompt = engine.config.system_prompt
+        key = json.dumps([lm.fingerprint, str(baseline), answer_tokens, prompt, question, texts])
+        name = f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+        kept = teachers / name if teachers is not None else None
+        if kept is not None and kept.exists():
+            saved = load_file(str(kept))
+            example = Example(
+                tuple(arranged), tuple(saved["new_ids"].tolist()), saved["teacher"].float()
+            )
+        else:
+            example = _teacher(engine, question, cache_ids, baseline, answer_tokens)
+            if kept is not None:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                tensors = {
+                    "teacher": example.teacher.half(),
+                    "new_ids": torch.tensor(example.new_ids, dtype=torch.long),
+                }
+                save_file(tensors, str(kept.with_suffix(".tmp")))
+                kept.with_suffix(".tmp").replace(kept)
+        out.append(example)
         if on_item:
             on_item()
     return out
+
+
+def _teacher(
+    engine: RagKVCache, question: str, cache_ids: list[str], baseline: Strategy, answer_tokens: int
+) -> Example:
+    """A plain prefill's greedy answer and its log-probs along it [answer tokens, vocab]."""
+    lm = engine.lm
+    answer = engine.generate(question, cache_ids, strategy=baseline, max_new_tokens=answer_tokens)
+    assert isinstance(answer, Answer)
+    tokens = list(answer.token_ids) or [lm.eos_ids[0]]
+    arranged = baseline.arrange(cache_ids)
+    prompt = engine.prompt_ids(question, arranged)
+    ids = torch.tensor([prompt + tokens[:-1]], device=lm.device)
+    logits, _ = forward(lm, ids, logits_to_keep=len(tokens))
+    question_ids = engine.template.question_ids(lm.tokenizer, question)
+    # rounded as a later run reads it back (`make_examples`): the same either way
+    teacher = F.log_softmax(logits[0].float(), dim=-1).half().float()
+    return Example(tuple(arranged), tuple(question_ids + tokens[:-1]), teacher)
 
 
 def example_kl(
@@ -274,7 +308,8 @@ def calibrate(
         if progress:
             progress("teacher", done, len(chosen))
 
-    examples = make_examples(scratch, chosen, strategy, config.answer_tokens, ticked)
+    teachers = out / TEACHERS
+    examples = make_examples(scratch, chosen, strategy, config.answer_tokens, ticked, teachers)
     train, held = examples[: config.items], examples[config.items :]
     vectors = initial_vectors(lm, config.link_tokens).requires_grad_(True)
     optimizer = torch.optim.AdamW([vectors], lr=config.lr, weight_decay=0.0)
