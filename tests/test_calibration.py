@@ -160,6 +160,7 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     assert min(whole.losses[-2:]) < whole.losses[0]  # training moves the KL down
     assert (tmp_path / "whole" / CHECKPOINT).exists()
     assert len(list((tmp_path / "whole" / "teachers").glob("*.safetensors"))) == 3  # kept
+    assert (tmp_path / "whole" / "calibration.png").stat().st_size > 10_000  # the plot
     saved = Calibration.load(tmp_path / "whole" / "calibration.safetensors")
     torch.testing.assert_close(saved.vectors, whole.calibration.vectors)
     # stopped after 3 steps, then resumed to 6 (its teachers read back from the first

@@ -348,7 +348,40 @@ def calibrate(
         calibration, config, minutes, kl_before, kl_without, kl_after, losses
     )
     (out / "calibration.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    plot_training(report, out / "calibration.png")
     return report
+
+
+def plot_training(report: CalibrationReport, path: Path) -> None:
+    """The training KL per step (and its running mean over one pass), with the held-out KL
+    of the strategy alone, the untrained and the trained link tokens as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = report.losses
+    window = max(1, min(report.config.items, len(losses)))
+    running = [
+        sum(losses[max(0, i - window + 1) : i + 1]) / min(window, i + 1) for i in range(len(losses))
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(losses, color="0.8", linewidth=0.8, label="training item, per step")
+    ax.plot(running, color="C0", label=f"training, mean of the last {window} steps")
+    for value, label, color in (
+        (report.kl_without, f"held out: {report.config.strategy} alone", "C3"),
+        (report.kl_before, "held out: untrained link tokens", "C1"),
+        (report.kl_after, "held out: trained link tokens", "C2"),
+    ):
+        ax.axhline(value, color=color, linestyle="--", label=f"{label} ({value:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(prefill || linked), nats per answer token")
+    k = report.config.link_tokens
+    ax.set_title(f"link calibration: {k} link tokens, {report.train_minutes:.1f} min")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _context(item: dict[str, object]) -> str:
