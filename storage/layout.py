@@ -3,7 +3,8 @@
     <root>/store.json             the marker: format version, store ID, which catalog
     <root>/catalog.sqlite         the catalog (unless a catalog URL names another database)
     <root>/blobs/ab/<id>.safetensors   blobs of the disk tier (unless Redis keeps them)
-    <root>/index.faiss, index.ids the vector index of retrieval (a cache of the catalog)
+    <root>/index.faiss, index.ids the vector index of retrieval (a cache of the catalog),
+    <root>/index.faiss.sha256     and the checksums it is loaded against
     <root>/schemas/<name>.xml     Prompt Cache schemas added with `rag-kvcache schema add`
 
 Every name or ID that comes from a caller (a cache ID, a schema name) becomes a path, or a

@@ -4,6 +4,7 @@ damage that must be reported rather than read as emptiness."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +33,8 @@ from rag_kvcache.errors import (
     UnknownCacheIdError,
 )
 from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.retrieval.embedding import Embedder
+from rag_kvcache.retrieval.index import VectorIndex, file_checksums
 from rag_kvcache.storage import MemoryStore
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.disk import DiskTier
@@ -525,6 +528,11 @@ def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(
     index.remove_ids(keys)
     index.add_with_ids(vectors, keys)
     faiss.write_index(index, str(root / "index.faiss"))
+    assert "do not match their checksums" in index_problem(store)  # type: ignore[operator]
+    loaded = VectorIndex.load(root / "index.faiss", root / "index.ids", Embedder().dim)
+    assert len(loaded) == 0  # never used: the corpus rebuilds it from the catalog
+    sums = root / "index.faiss.sha256"  # checksums rewritten to match: the vectors still tell
+    sums.write_text(json.dumps(file_checksums(root / "index.faiss", root / "index.ids")))
     assert index_problem(store) == "1 vectors differ from their chunk's embedding"
     store.close()
     assert main(["verify", "--store", str(root)]) == 1

@@ -5,10 +5,16 @@ cache ID (hex content hash) maps to the integer of its first 15 hex digits; the 
 kept beside the index. An ID map (`IndexIDMap2`) lets chunks be removed one by one. The file is
 FAISS's own binary format (never pickle), written to a temporary name and renamed. FAISS is
 imported when an index is first made or read, so paths without retrieval never load it.
+
+The sha256 of both files is written last, beside them (`index.faiss.sha256`); an index whose
+files do not match it (damaged, changed by hand, or half written by a killed process) loads
+as empty, and the corpus rebuilds it from the catalog's chunk texts.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -96,19 +102,26 @@ class VectorIndex:
         ]
 
     def save(self, path: Path, cache_ids_path: Path) -> None:
-        """Write the index and its key -> cache ID list (each atomically)."""
+        """Write the index, its key -> cache ID list and then their checksums (each
+        atomically; a kill between two leaves checksums that do not match: rebuilt)."""
         tmp = path.with_name(path.name + ".tmp")
         _faiss().write_index(self._index, str(tmp))
         os.replace(tmp, path)
         tmp_ids = cache_ids_path.with_name(cache_ids_path.name + ".tmp")
         tmp_ids.write_text("\n".join(self._ids.values()) + "\n", encoding="ascii")
         os.replace(tmp_ids, cache_ids_path)
+        sums = checksum_path(path)
+        tmp_sums = sums.with_name(sums.name + ".tmp")
+        tmp_sums.write_text(json.dumps(file_checksums(path, cache_ids_path)), encoding="ascii")
+        os.replace(tmp_sums, sums)
 
     @classmethod
     def load(cls, path: Path, cache_ids_path: Path, dim: int) -> VectorIndex:
         """Read a saved index; a missing, unreadable or mismatched file gives an empty one
         (the corpus rebuilds it from the catalog: the index is only a cache of it)."""
         index, faiss = cls(dim), _faiss()
+        if not checksums_match(path, cache_ids_path):
+            return index
         try:
             loaded = faiss.read_index(str(path))
             ids = cache_ids_path.read_text(encoding="ascii").split()
@@ -126,3 +139,24 @@ class VectorIndex:
         index._index = loaded
         index._ids = keys
         return index
+
+
+def checksum_path(path: Path) -> Path:
+    """Where the checksums of an index saved at `path` (and its ID list) are kept."""
+    return path.with_name(path.name + ".sha256")
+
+
+def file_checksums(path: Path, cache_ids_path: Path) -> dict[str, str]:
+    return {
+        "index": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "ids": hashlib.sha256(cache_ids_path.read_bytes()).hexdigest(),
+    }
+
+
+def checksums_match(path: Path, cache_ids_path: Path) -> bool:
+    """Whether both files are there and are exactly what `save` wrote last."""
+    try:
+        recorded = json.loads(checksum_path(path).read_text(encoding="ascii"))
+        return bool(recorded == file_checksums(path, cache_ids_path))
+    except (OSError, ValueError):
+        return False

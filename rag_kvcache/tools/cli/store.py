@@ -108,7 +108,7 @@ def index_problem(store: TieredStore) -> str | None:
 
     from rag_kvcache.errors import RagKVCacheError
     from rag_kvcache.retrieval.embedding import Embedder
-    from rag_kvcache.retrieval.index import faiss_id
+    from rag_kvcache.retrieval.index import checksums_match, faiss_id
 
     wanted = store.catalog.documented_ids()
     index_path, ids_path = store.root / "index.faiss", store.root / "index.ids"
@@ -123,6 +123,8 @@ def index_problem(store: TieredStore) -> str | None:
         return f"unreadable ({str(err).strip().splitlines()[0]})"
     if len(ids) != len(set(ids)) or set(ids) != wanted or index.ntotal != len(ids):
         return f"lists {len(set(ids) ^ wanted)} chunks other than the catalog's documents do"
+    if not checksums_match(index_path, ids_path):
+        return "its files do not match their checksums (changed since the library wrote them)"
     if vectors is None:
         return None
     rows = store.catalog.chunks(ids)
@@ -136,6 +138,6 @@ def rebuild_index(store: TieredStore) -> int:
     from rag_kvcache.retrieval.corpus import Corpus
     from rag_kvcache.retrieval.embedding import Embedder
 
-    for name in ("index.faiss", "index.ids"):
+    for name in ("index.faiss", "index.ids", "index.faiss.sha256"):
         (store.root / name).unlink(missing_ok=True)
     return len(Corpus(store, store.catalog, store.root, Embedder()).index)
