@@ -39,8 +39,15 @@ from rag_kvcache.strategy import PREFILL, Strategy
         ("naive+calibrated", Strategy("naive", calibrated=True)),
         (
             "legolink:2+reversed+top:1+ape:0.5,2+calibrated",
-            Strategy("legolink", k=2, order="reversed", top=1, temperature=0.5, scale=2.0,
-                     calibrated=True),
+            Strategy(
+                "legolink",
+                k=2,
+                order="reversed",
+                top=1,
+                temperature=0.5,
+                scale=2.0,
+                calibrated=True,
+            ),
         ),
     ],
 )
