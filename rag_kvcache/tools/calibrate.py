@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from rag_kvcache.answer import Answer
-from rag_kvcache.config import EngineConfig, StoreConfig
+from rag_kvcache.config import EngineConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import CalibrationError, StrategyError
 from rag_kvcache.kv import ChunkKV
@@ -44,6 +44,7 @@ from rag_kvcache.link.linker import check_chunks, place_into
 from rag_kvcache.link.selection import select_positions
 from rag_kvcache.model.adapter import additive_mask, build_cache, embed, forward
 from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.qa_set import make_split
 
@@ -288,18 +289,18 @@ def calibrate(
     """
     strategy = Strategy.parse(config.strategy)
     out.mkdir(parents=True, exist_ok=True)
-    scratch = RagKVCache(EngineConfig(store=StoreConfig(cpu_bytes=8 << 30)), lm=lm)
+    # the training chunks live in a scratch store of their own, never in the user's
+    scratch = RagKVCache(EngineConfig(), lm=lm, store=MemoryStore())
     needed = config.items + config.held_out
     if items is None:
         repeats = math.ceil(needed / CELLS)
         items = [i for i in make_split("train", repeats) if _context(i) == config.context]
-    pool = items
-    if len(pool) < needed:
+    if len(items) < needed:
         raise CalibrationError(
-            f"{len(pool)} training items of {config.context}; "
+            f"{len(items)} training items of {config.context}; "
             f"asked for {config.items} + {config.held_out} held out"
         )
-    chosen = pool[:needed]
+    chosen = items[:needed]
     done = 0
 
     def ticked() -> None:
