@@ -8,14 +8,14 @@ it stopped: chunks already stored are not encoded again, unchanged documents are
 
 Memory does not grow with a file's size: a file is read and split a segment at a time (about
 `SEGMENT_CHARS` of text, cut at a paragraph break) and its chunks are encoded and stored
-`BATCH_CHUNKS` at a time; the plan keeps counts, not texts.
+`BATCH_CHUNKS` (or `BATCH_TOKENS`) at a time, then embedded for retrieval a few hundred at a
+time; the plan keeps counts, not texts. `rag-kvcache bench memory` measures it.
 """
 
 from __future__ import annotations
 
 import codecs
 import hashlib
-import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +27,8 @@ from rag_kvcache.engine import DocumentIngest, RagKVCache
 
 MAX_BYTES = 16 << 20  # larger files are reported and skipped (raise with --max-bytes)
 SEGMENT_CHARS = 1 << 20  # text split at a time (a file's chunks never span two segments)
-BATCH_CHUNKS = 32  # chunks encoded and stored at a time
+BATCH_CHUNKS = 32  # chunks encoded and stored at a time, at most
+BATCH_TOKENS = 8192  # ... and tokens (32 chunks of the CLI's 256 tokens)
 READ_BYTES = 1 << 20
 Splitter = Callable[[str], list[str]]
 
@@ -271,11 +272,12 @@ def _ingest_document(
     assert plan.split is not None, "plan_ingest makes plans"
     start, digest = time.perf_counter(), hashlib.sha256()
     chunks = iter_chunks(Path(document.source), plan.split, plan.max_bytes, digest)
+    tokenized = ((engine.template.chunk_ids(engine.lm.tokenizer, t), t) for t in chunks)
     ids: list[str] = []
     encoded = 0
-    while batch := list(itertools.islice(chunks, BATCH_CHUNKS)):
-        tokens = [engine.template.chunk_ids(engine.lm.tokenizer, text) for text in batch]
-        batch_ids, n = engine.cache_token_ids(tokens, engine.doc_settings, batch, on_encoded)
+    for batch in _batches(tokenized):
+        tokens, texts = [b[0] for b in batch], [b[1] for b in batch]
+        batch_ids, n = engine.cache_token_ids(tokens, engine.doc_settings, texts, on_encoded)
         ids += batch_ids
         encoded += n
     if not ids:
@@ -283,6 +285,21 @@ def _ingest_document(
     encode_s = time.perf_counter() - start
     removed = engine.corpus.set_document(document.source, digest.hexdigest(), ids)
     return DocumentIngest(document.source, tuple(ids), encoded, len(removed), encode_s)
+
+
+def _batches(chunks: Iterator[tuple[list[int], str]]) -> Iterator[list[tuple[list[int], str]]]:
+    """Chunks grouped until a group holds BATCH_CHUNKS chunks or BATCH_TOKENS tokens: what
+    is encoded and held in memory at a time, bounded whatever the chunk size."""
+    batch: list[tuple[list[int], str]] = []
+    tokens = 0
+    for chunk in chunks:
+        batch.append(chunk)
+        tokens += len(chunk[0])
+        if len(batch) >= BATCH_CHUNKS or tokens >= BATCH_TOKENS:
+            yield batch
+            batch, tokens = [], 0
+    if batch:
+        yield batch
 
 
 def prune(engine: RagKVCache, paths: Iterable[Path]) -> list[str]:

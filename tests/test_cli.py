@@ -171,3 +171,31 @@ def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path)
     assert main(calibrated) == 0
     rows = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert "naive+calibrated" in rows["strategies"]
+
+
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+def test_bench_memory_measures_the_ingest_command_and_gathers_runs(tmp_path: Path) -> None:
+    """Each size is a real `rag-kvcache ingest` in its own process; a second run (another
+    dtype) adds its rows beside the first's, and a rerun of the same one replaces its own."""
+    from rag_kvcache.tools.bench.memory import write_text
+
+    text = tmp_path / "t.md"
+    write_text(text, 20_000, seed=5)
+    again = tmp_path / "u.md"
+    write_text(again, 20_000, seed=5)
+    assert text.read_bytes() == again.read_bytes() and 20_000 <= text.stat().st_size < 22_000
+    paragraphs = text.read_text().split("\n\n")
+    assert len(set(paragraphs)) == len(paragraphs)  # nothing deduplicated away
+
+    args = ["bench", "memory", "--model", "random:tiny", "--out", str(tmp_path / "r")]
+    assert main([*args, "--sizes-mb", "0.01,0.03"]) == 0
+    assert main([*args, "--sizes-mb", "0.01", "--dtype", "bfloat16"]) == 0
+    assert main([*args, "--sizes-mb", "0.02"]) == 0  # float32 again: its two rows replaced
+    report = json.loads((tmp_path / "r" / "memory.json").read_text())
+    rows = [(r["dtype"], r["file_mb"]) for r in report["rows"]]
+    assert rows == [("bfloat16", 0.01), ("float32", 0.02)]
+    small, big = report["rows"]
+    assert 0 < small["chunks"] < big["chunks"]  # ~256-token chunks of what was written
+    assert all(200 < r["peak_rss_mb"] < 4000 and r["store_mb"] > 0 for r in report["rows"])
+    assert (tmp_path / "r" / "memory.png").stat().st_size > 10_000
+    assert not [p for p in (tmp_path / "r").iterdir() if p.is_dir()]  # files and stores gone

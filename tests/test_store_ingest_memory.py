@@ -54,6 +54,46 @@ def test_a_big_file_is_read_split_and_encoded_a_segment_and_a_batch_at_a_time(
     assert again.todo == [] and again.unchanged == [str(path.resolve())]
 
 
+def test_batches_are_bounded_in_tokens_and_embedding_in_chunks(
+    tiny32, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long chunks make smaller batches (BATCH_TOKENS), and a document's chunks are embedded
+    for retrieval EMBED_CHUNKS at a time; every chunk is still stored, listed and indexed."""
+    from rag_kvcache.retrieval import corpus as corpus_module
+
+    monkeypatch.setattr(ingest_module, "BATCH_CHUNKS", 100)
+    monkeypatch.setattr(ingest_module, "BATCH_TOKENS", 60)
+    monkeypatch.setattr(corpus_module, "EMBED_CHUNKS", 4)
+    texts = [" ".join(_paragraph(i) for _ in range(1 + i % 3)) for i in range(15)]
+    path = tmp_path / "long.md"
+    path.write_text("\n\n".join(texts) + "\n")
+    engine = RagKVCache(
+        EngineConfig(store=StoreConfig(root=tmp_path / "s", cpu_bytes=0)), lm=tiny32
+    )
+    batches: list[list[int]] = []
+    cache_token_ids = engine.cache_token_ids
+
+    def spy(tokens: list[list[int]], *args: object, **kwargs: object) -> tuple[list[str], int]:
+        batches.append([len(t) for t in tokens])
+        return cache_token_ids(tokens, *args, **kwargs)  # type: ignore[arg-type]
+
+    embedded: list[int] = []
+    embed = engine.corpus.embedder.embed
+    monkeypatch.setattr(engine, "cache_token_ids", spy)
+    monkeypatch.setattr(
+        engine.corpus.embedder, "embed", lambda t: embedded.append(len(t)) or embed(t)
+    )
+    (done,) = run_ingest(engine, plan_ingest(engine, [path], paragraphs))
+    assert len(batches) > 2 and sum(map(len, batches)) == 15
+    assert all(sum(b[:-1]) < 60 <= sum(b) for b in batches[:-1])  # closed at the first over
+    assert sum(batches[-1][:-1]) < 60
+    assert embedded == [4, 4, 4, 3]
+    rows = engine.store.catalog.chunks(done.cache_ids)  # type: ignore[union-attr]
+    assert [rows[c].text for c in done.cache_ids] == texts
+    assert engine.corpus.index.cache_ids() == set(done.cache_ids)
+    assert engine.retrieve(texts[7], top_k=1)[0].cache_id == done.cache_ids[7]
+
+
 def test_a_path_longer_than_the_file_system_allows_is_reported(tmp_path: Path) -> None:
     long = tmp_path / ("x" * 300)  # over NAME_MAX (255)
     files, skipped = find_files([long, tmp_path / "d"])

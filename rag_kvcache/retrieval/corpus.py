@@ -17,6 +17,7 @@ from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
 
 VERSION = "corpus-version"  # catalog counter bumped by every document change
+EMBED_CHUNKS = 512  # chunk rows read and embedded at a time
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,12 @@ class Corpus:
         self._version = version + 1  # a later mismatch means someone else wrote meanwhile
 
     def _embed(self, cache_ids: list[str]) -> None:
-        """Add these chunks to the index, embedding the texts the catalog keeps."""
-        if cache_ids:
-            rows = self.catalog.chunks(cache_ids)
-            self.index.add(cache_ids, self.embedder.embed([rows[c].text for c in cache_ids]))
+        """Add these chunks to the index, embedding the texts the catalog keeps, EMBED_CHUNKS
+        at a time (a big file's rows, token IDs included, are never all in memory at once)."""
+        for i in range(0, len(cache_ids), EMBED_CHUNKS):
+            batch = cache_ids[i : i + EMBED_CHUNKS]
+            rows = self.catalog.chunks(batch)
+            self.index.add(batch, self.embedder.embed([rows[c].text for c in batch]))
 
     def _current_version(self) -> int:
         return self.catalog.counters().get(VERSION, 0)

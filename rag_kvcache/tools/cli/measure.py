@@ -54,6 +54,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ingest_bench.add_argument("--chunk-tokens", type=int, default=256)
     ingest_bench.add_argument("--repeats", type=int, default=3)
     ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
+    memory = kinds.add_parser("memory", help="peak memory of `ingest` against the file's size")
+    memory.add_argument("--out", type=Path, default=Path("bench-results"))
+    memory.add_argument(
+        "--sizes-mb", type=csv_list, default=["0.1", "0.5"], help="(default 0.1,0.5)"
+    )
+    memory.add_argument("--model", default="default", help=MODEL_HELP)
+    memory.add_argument("--dtype", default="float32")
 
     bench.set_defaults(run=bench_command)
     dataset = commands.add_parser(
@@ -312,6 +319,20 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "chunks/s": lambda r: f"{r['chunks_per_s']:.1f}",
             "encode chunks/s": lambda r: f"{r['encode_chunks_per_s']:.1f}",
             "B/token": lambda r: f"{r['kv_bytes_per_token']:.0f}",
+        }
+    elif args.kind == "memory":
+        from rag_kvcache.tools.bench.memory import run_memory_bench
+
+        sizes = [float(size) for size in args.sizes_mb]
+        report = run_memory_bench(args.out, sizes, args.model, args.dtype)
+        columns = {
+            "model": lambda r: r["model"],
+            "dtype": lambda r: r["dtype"],
+            "file MB": lambda r: f"{r['file_mb']:g}",
+            "chunks": lambda r: str(r["chunks"]),
+            "s": lambda r: f"{r['seconds']:.0f}",
+            "peak RSS MiB": lambda r: f"{r['peak_rss_mb']:.0f}",
+            "store MiB": lambda r: f"{r['store_mb']:.0f}",
         }
     elif args.kind == "store":
         from rag_kvcache.tools.bench.store import run_store_bench

@@ -1,0 +1,152 @@
+"""`rag-kvcache bench memory`: peak memory of `rag-kvcache ingest` against the file's size.
+
+Ingestion streams (a file is read and split a segment at a time, its chunks encoded and stored a
+batch at a time), so its peak memory should not grow with the file. This benchmark checks it as
+users run it: for each size it writes a text file of invented paragraphs, runs the `ingest`
+command on it in a fresh process, and reads that process's peak resident memory from the kernel
+(`wait4`'s ru_maxrss). Files of tens of MB are ~10M tokens: hours of encoding and hundreds of GB
+of KV with SmolLM2 on a CPU, so the large sizes run with a random-weight model of the same
+pipeline (`--model random:tiny`) and SmolLM2 at the sizes a CPU encodes in minutes. Results for
+several models gather in one JSON (a row is replaced when the same model and size run again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.progress import Progress
+
+from rag_kvcache.samples import sample_corpus_dir
+from rag_kvcache.tools.bench.report import save_report
+
+MB = 1 << 20
+TARGET_MB = 2048  # the peak an ingest of any size may reach with the default model
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    model: str  # as given to --model ("default": SmolLM2)
+    dtype: str
+    file_mb: float
+    chunks: int
+    seconds: float  # the whole command, model loading included
+    peak_rss_mb: float  # the ingest process's peak resident memory
+    store_mb: float  # what it wrote (KV blobs, catalog, index)
+
+
+def write_text(path: Path, nbytes: int, seed: int = 0) -> None:
+    """About nbytes of paragraphs of words drawn from the sample corpus (so they tokenize like
+    prose), written as they are made. Random, so no two chunks are the same and none is
+    deduplicated away."""
+    corpus = " ".join(p.read_text() for p in sorted(sample_corpus_dir().glob("*.md")))
+    words = sorted(set(re.findall(r"[A-Za-z]+", corpus)))
+    rng = random.Random(seed)
+    written = 0
+    with path.open("w", encoding="utf-8") as out:
+        while written < nbytes:
+            sentences = (
+                " ".join(rng.choices(words, k=rng.randint(8, 20))).capitalize() + "."
+                for _ in range(rng.randint(3, 8))
+            )
+            paragraph = " ".join(sentences) + "\n\n"
+            out.write(paragraph)
+            written += len(paragraph)
+
+
+def measure(file: Path, store: Path, model: str, dtype: str) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of `rag-kvcache ingest FILE` in a fresh process."""
+    command = [sys.executable, "-m", "rag_kvcache.tools.cli", "ingest", str(file)]
+    command += ["--store", str(store), "--dtype", dtype, "--max-bytes", str(1 << 40)]
+    if model != "default":
+        command += ["--model", model]
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert child.stdout is not None
+    output = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - start
+    if child.returncode != 0:
+        tail = output.decode(errors="replace")[-2000:]
+        raise RuntimeError(f"ingest of {file} exited with {child.returncode}:\n{tail}")
+    return seconds, usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def stored_chunks(store: Path) -> int:
+    from rag_kvcache.storage.catalog import Catalog
+    from rag_kvcache.storage.layout import CATALOG_FILE
+
+    catalog = Catalog(path=store / CATALOG_FILE, create=False)
+    try:
+        return sum(d.chunk_count for d in catalog.documents())
+    finally:
+        catalog.close()
+
+
+def folder_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / MB
+
+
+def run_memory_bench(
+    out_dir: Path, sizes_mb: list[float], model: str = "default", dtype: str = "float32"
+) -> dict[str, object]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in load_rows(out_dir / "memory.json") if (r.model, r.dtype) != (model, dtype)]
+    with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        task = progress.add_task(f"ingest memory ({model})", total=len(sizes_mb))
+        for size in sizes_mb:
+            file, store = Path(tmp) / f"{size}mb.md", Path(tmp) / "store"
+            write_text(file, int(size * MB))
+            seconds, peak = measure(file, store, model, dtype)
+            rows.append(
+                MemoryRow(model, dtype, size, stored_chunks(store), seconds, peak, folder_mb(store))
+            )
+            file.unlink()
+            shutil.rmtree(store)  # a 50 MB file's KV is several GB even with a small model
+            progress.advance(task)
+    rows.sort(key=lambda r: (r.model, r.dtype, r.file_mb))
+    return save_report(
+        out_dir, "memory", rows, lambda path: plot_memory(rows, path), target_mb=TARGET_MB
+    )
+
+
+def load_rows(path: Path) -> list[MemoryRow]:
+    """The rows of an earlier run in the same folder (other models' sizes are kept)."""
+    if not path.exists():
+        return []
+    return [MemoryRow(**row) for row in json.loads(path.read_text())["rows"]]
+
+
+def plot_memory(rows: list[MemoryRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for model, dtype in sorted({(r.model, r.dtype) for r in rows}):
+        mine = [r for r in rows if (r.model, r.dtype) == (model, dtype)]
+        name = "SmolLM2-135M" if model == "default" else model
+        ax.plot(
+            [r.file_mb for r in mine], [r.peak_rss_mb for r in mine], "o-", label=f"{name} {dtype}"
+        )
+    ax.axhline(TARGET_MB, color="gray", linestyle="--", label="2 GiB")
+    ax.set_xscale("log")
+    ax.set_ylim(0, max(TARGET_MB, *(r.peak_rss_mb for r in rows)) * 1.15)
+    ax.set_xlabel("file size (MB of text)")
+    ax.set_ylabel("peak RSS of `rag-kvcache ingest` (MiB)")
+    ax.set_title("ingestion memory does not grow with the file")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
