@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -15,7 +16,6 @@ from rag_kvcache.answer import (
     AnswerStream,
     Prepared,
     answer_steps,
-    answer_text,
     forced_logits,
     make_answer,
     prepare,
@@ -26,6 +26,7 @@ from rag_kvcache.errors import (
     CalibrationError,
     ConfigError,
     EmptyChunkError,
+    EngineClosedError,
     FingerprintMismatchError,
 )
 from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
@@ -36,7 +37,14 @@ from rag_kvcache.prompt import PromptTemplate
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved
-from rag_kvcache.serving.batch import BatchDecoder, BatchRequest, BatchStats
+from rag_kvcache.serving.batch import (
+    BatchDecoder,
+    BatchRequest,
+    BatchStats,
+    Finished,
+    check_batchable,
+)
+from rag_kvcache.serving.loop import AsyncTokenStream, EngineLoop, LoopRequest
 from rag_kvcache.serving.prefix_tree import PrefixTree
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.storage.records import ChunkRow
@@ -115,7 +123,12 @@ class RagKVCache:
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
-        self.prefix_trees: dict[str, PrefixTree] = {}  # linked prefixes, per link strategy
+        # linked prefixes of every strategy (each keyed by it), under one byte budget
+        self.prefix_tree = PrefixTree(self.config.prefix_tree_bytes)
+        self._tree_lock = threading.Lock()  # held by whoever decodes over the tree
+        self._loop: EngineLoop | None = None  # started by the first agenerate / astream
+        self._loop_guard = threading.Lock()
+        self._closed = False
         self._calibration: tuple[bytes, Calibration] | None = None  # parsed, with its bytes
         self.prefix_id = self.cache_token_ids([prefix], EncodeSettings(), [self.template.prefix])[
             0
@@ -327,38 +340,103 @@ class RagKVCache:
         max_batch: int = 32,
     ) -> BatchResult:
         """Answer many requests together, sharing linked prefixes (system prompt + leading
-        chunks in common) in a prefix tree and decoding them as one batch. Each answer equals
-        `generate(request.query, request.cache_ids)` alone (greedy: token for token)."""
+        chunks in common) in the prefix tree and decoding them as one batch. Each answer equals
+        `generate(request.query, request.cache_ids)` alone (greedy: token for token).
+
+        It decodes in the calling thread, holding the prefix tree meanwhile: requests of
+        `agenerate` / `astream` wait until it is done."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        tree = self.prefix_trees.setdefault(
-            str(strategy), PrefixTree(self.config.prefix_tree_bytes)
-        )
-        gen, tok = self.config.generation, self.lm.tokenizer
         work = [
-            (
-                [self.prefix_id, *strategy.arrange(r.cache_ids)],
-                self.template.question_ids(tok, r.query),
-                replace(gen, max_new_tokens=r.max_new_tokens or gen.max_new_tokens),
-            )
+            self._loop_request(r.query, list(r.cache_ids), strategy, r.max_new_tokens or None)
             for r in requests
         ]
-        done, stats = BatchDecoder(self.lm, tree, strategy, self.store.get).run(work, max_batch)
-        answers = [
-            make_answer(
-                self.lm,
-                r.tokens,
-                answer_text(self.lm, r.tokens),
-                strategy,
-                r.prompt_tokens,
-                r.context_tokens,
-                r.recomputed,
-                r.ttft_s,
-                r.total_s,
-                reused=r.reused,
+        with self._tree_lock:
+            decoder = BatchDecoder(self.lm, self.prefix_tree, self.store.get, max_batch)
+            done, stats = decoder.run(
+                [(list(w.path), list(w.question), w.config, w.strategy) for w in work]
             )
-            for r in done
-        ]
-        return BatchResult(answers, stats)
+        return BatchResult([self._answer(d) for d in done], stats)
+
+    # ------------------------------------------------------------------ concurrent answering
+
+    async def agenerate(
+        self,
+        query: str,
+        cache_ids: list[str],
+        *,
+        strategy: Strategy | str | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Answer:
+        """`generate`, awaited: the request joins the engine loop's running batch, sharing
+        linked prefixes with every other request in flight. Greedy answers equal `generate`'s
+        token for token. Cancelling the awaiting task aborts the request."""
+        stream = self.astream(query, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens)
+        async for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def astream(
+        self,
+        query: str,
+        cache_ids: list[str],
+        *,
+        strategy: Strategy | str | None = None,
+        max_new_tokens: int | None = None,
+    ) -> AsyncTokenStream[Answer]:
+        """The answer's text pieces as they are decoded in the engine loop (`async for`);
+        `.result` is the `Answer` once exhausted. Closing it early (`aclose()`, or cancelling
+        the task iterating it) aborts the request. Errors of the request itself (an unknown
+        cache ID) are raised from the iteration; bad arguments are raised here."""
+        strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
+        request = self._loop_request(query, cache_ids, strategy, max_new_tokens)
+        return AsyncTokenStream(self.serving_loop(), request, self._answer)
+
+    def serving_loop(self) -> EngineLoop:
+        """The engine loop (one thread owning the batch decoder), started on first use."""
+        with self._loop_guard:
+            if self._closed:
+                raise EngineClosedError("the engine is closed; open a new one to answer")
+            if self._loop is None:
+                decoder = BatchDecoder(self.lm, self.prefix_tree, self.store.get)
+                self._loop = EngineLoop(decoder, self._tree_lock)
+            return self._loop
+
+    def close(self) -> None:
+        """Stop the engine loop (if started): requests in flight fail with
+        EngineClosedError, and so do later `agenerate` / `astream` calls. `generate` and
+        `generate_batch` keep working."""
+        with self._loop_guard:
+            loop, self._loop, self._closed = self._loop, None, True
+        if loop is not None:
+            loop.close()
+
+    def clear_prefix_tree(self) -> int:
+        """Drop every linked prefix no request holds; returns bytes freed."""
+        with self._tree_lock:
+            return self.prefix_tree.clear()
+
+    def _loop_request(
+        self, query: str, cache_ids: list[str], strategy: Strategy, max_new_tokens: int | None
+    ) -> LoopRequest:
+        check_batchable(strategy)
+        question = self.template.question_ids(self.lm.tokenizer, query)
+        path = (self.prefix_id, *strategy.arrange(cache_ids))
+        return LoopRequest(path, tuple(question), self._generation(max_new_tokens), strategy)
+
+    def _answer(self, done: Finished) -> Answer:
+        return make_answer(
+            self.lm,
+            list(done.tokens),
+            done.text,
+            done.strategy,
+            done.prompt_tokens,
+            done.context_tokens,
+            done.recomputed,
+            done.ttft_s,
+            done.total_s,
+            reused=done.reused,
+        )
 
     def _generation(self, max_new_tokens: int | None) -> GenerationConfig:
         gen = self.config.generation

@@ -28,6 +28,10 @@ class UnknownCacheIdError(RagKVCacheError, KeyError):
         return str(self.args[0])
 
 
+class EngineClosedError(RagKVCacheError):
+    """The engine was closed: its loop takes no more requests and fails those in flight."""
+
+
 class FingerprintMismatchError(RagKVCacheError):
     """Cached KV was produced by a different model, dtype or RoPE setting."""
 

@@ -9,7 +9,7 @@ from helpers import linked_span
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.link.linker import LinkedPrefix, link
-from rag_kvcache.serving.batch import BatchRequest
+from rag_kvcache.serving.batch import BatchRequest, tree_path
 from rag_kvcache.strategy import Strategy
 
 DOCS = [
@@ -155,10 +155,10 @@ def test_a_tight_budget_never_evicts_the_path_being_extended(tiny64) -> None:
     longer = BatchRequest("When was it lit?", (ids[0], ids[1]))
     engine.generate_batch([first])
     result = engine.generate_batch([longer])
-    tree = engine.prefix_trees["legolink:2"]
+    tree = engine.prefix_tree
     in_tree = tree.nodes()
     assert all(n.parent is None or n.parent in in_tree for n in in_tree)
-    path = [engine.prefix_id, *longer.cache_ids]
+    path = tree_path(Strategy.parse("legolink:2"), [engine.prefix_id, *longer.cache_ids])
     assert tree.match(path).chunks == len(path)  # the whole path is still reachable
     assert result.answers[0].reused_tokens > 0  # it did build on the first request's path
     alone = engine.generate(longer.query, list(longer.cache_ids), max_new_tokens=4)

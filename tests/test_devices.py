@@ -52,7 +52,7 @@ def test_batched_generation_makes_every_tensor_on_the_models_device(engine) -> N
     ids = tuple(engine.generate_context_cache(DOCS))
     requests = [BatchRequest("Who built it?", ids), BatchRequest("Who rows?", ids[:1])]
     expected = engine.generate_batch(requests, strategy="legolink:2")
-    engine.prefix_trees.clear()
+    engine.clear_prefix_tree()
     with stray_tensors_on_meta():
         result = engine.generate_batch(requests, strategy="legolink:2")
     assert [a.token_ids for a in result.answers] == [a.token_ids for a in expected.answers]

@@ -7,20 +7,26 @@ together: one forward per step for the whole batch, where each layer's attention
 phases (`cascade_attention`): every tree node once for all requests passing through it, then
 each request's own tokens, merged by log-sum-exp. A node only one active request uses is
 kept in that request's row of the batch's KV instead (`BatchKV`), so a batch that shares
-nothing attends in one call per layer. Requests leave the batch when done and waiting ones
-join between steps.
+nothing attends in one call per layer.
+
+The decoder has the shape a server drives (vLLM's, SGLang's): `add_request` queues a request,
+`step` runs one batched forward and then lets waiting requests join, `abort` drops one. A
+request leaves the batch when done; the rows are laid out again only when the batch changes,
+so a step's bookkeeping is proportional to the batch, not to the tree.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.errors import StrategyError
+from rag_kvcache.errors import RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
 from rag_kvcache.model.adapter import forward, hook_cache
@@ -29,6 +35,7 @@ from rag_kvcache.serving.batch_kv import BatchKV
 from rag_kvcache.serving.cascade import cascade_attention
 from rag_kvcache.serving.decoding import finished, next_token
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
+from rag_kvcache.serving.text import TextPieces
 from rag_kvcache.strategy import Strategy
 
 
@@ -47,12 +54,51 @@ class BatchStats:
     peak_kv_bytes: int  # prefix tree + private question / answer KV, at the fullest
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A request's final numbers, what the answer layer turns into an `Answer`."""
+
+    tokens: tuple[int, ...]  # as chosen, end-of-sequence included
+    text: str  # the answer's text, end-of-sequence dropped, not stripped
+    strategy: Strategy
+    prompt_tokens: int
+    context_tokens: int
+    reused: int  # context tokens taken already linked from the tree
+    recomputed: int
+    ttft_s: float  # from add_request to its first token
+    total_s: float  # from add_request to its last token
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one request produced in one `step`: a token (with the text it completes), or the
+    error that failed it. `finished` is set on its last record, with `done` unless it failed."""
+
+    request_id: int
+    token_id: int | None  # None when the request failed before choosing a token
+    text: str  # new text ("" while half a UTF-8 character is held back)
+    finished: bool
+    done: Finished | None = None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    request_id: int
+    path: tuple[str, ...]  # cache IDs: system prefix, then the chunks in linked order
+    question: tuple[int, ...]
+    config: GenerationConfig
+    strategy: Strategy
+    arrived: float
+
+
 @dataclass(eq=False)
 class _Active:
     """One request while it decodes: its tree path and its own tokens (question + answer),
     whose KV lives in its row of the batch (`BatchKV`) once it has one."""
 
-    index: int
+    request_id: int
+    strategy: Strategy
     leaf: TreeNode  # deepest node of its path in the tree
     own_keys: list[torch.Tensor]  # the question's KV per layer, until it has a row
     own_values: list[torch.Tensor]
@@ -66,85 +112,158 @@ class _Active:
     config: GenerationConfig
     generator: torch.Generator
     logits: torch.Tensor
+    text: TextPieces
+    arrived: float
     tokens: list[int] = field(default_factory=list)
-    ttft_s: float = 0.0  # from the start of the run to its first token
-    total_s: float = 0.0  # from the start of the run to its last token
+    ttft_s: float = 0.0  # from its arrival to its first token
+
+
+def check_batchable(strategy: Strategy) -> None:
+    """Raise StrategyError for a strategy whose linked KV the prefix tree cannot share yet."""
+    if strategy.uses_ape:
+        raise StrategyError(
+            f"{strategy}: batched decoding attends through the prefix tree, which does not "
+            "carry APE's scale yet; answer these requests one at a time (generate)"
+        )
+    if strategy.calibrated:
+        raise StrategyError(
+            f"{strategy}: batched decoding shares linked prefixes through the prefix tree, "
+            "which does not keep link tokens yet; answer these requests one at a time "
+            "(generate)"
+        )
+
+
+def tree_path(strategy: Strategy, path: list[str] | tuple[str, ...]) -> list[str]:
+    """A request's key in the prefix tree: its cache IDs, the first one (the system prefix)
+    spelled with the strategy, since the same chunks linked by two strategies are different
+    KV; a chunk recomputed whole (`+top:N`, by its rank in this request) is marked too, as it
+    links to other KV than the same chunk left stale."""
+    in_full = [False, *strategy.in_full(len(path) - 1)]
+    keys = [f"{c}+whole" if full else c for c, full in zip(path, in_full, strict=True)]
+    if keys:
+        keys[0] = f"{strategy}/{keys[0]}"
+    return keys
 
 
 class BatchDecoder:
-    """Admits requests, shares their linked prefixes in `tree`, decodes them together."""
+    """Continuous batching over shared linked prefixes: `add_request` queues a request,
+    `step` admits waiting ones (up to `max_batch` active) and decodes every active one by one
+    token in a single batched forward, `abort` drops one. Requests of different strategies
+    share a batch (decoding does not depend on the strategy, only linking does; the tree
+    keeps their prefixes apart). Not thread-safe: one owner drives it (`serving.loop`)."""
 
     def __init__(
         self,
         lm: LoadedModel,
         tree: PrefixTree,
-        strategy: Strategy,
         fetch: Callable[[list[str]], list[ChunkKV]],
+        max_batch: int = 32,
     ):
-        if strategy.uses_ape:
-            raise StrategyError(
-                f"{strategy}: batched decoding attends through the prefix tree, which does not "
-                "carry APE's scale yet; answer these requests one at a time (generate)"
-            )
-        if strategy.calibrated:
-            raise StrategyError(
-                f"{strategy}: batched decoding shares linked prefixes through the prefix tree, "
-                "which does not keep link tokens yet; answer these requests one at a time "
-                "(generate)"
-            )
-        self.lm, self.tree, self.strategy, self.fetch = lm, tree, strategy, fetch
+        self.lm, self.tree, self.fetch, self.max_batch = lm, tree, fetch, max_batch
         self.kv = BatchKV()  # the active requests' rows, laid out again when the batch changes
-        self.started = 0.0  # when the current run began
         self.peak_bytes = 0  # prefix tree + rows, at the fullest (moves included)
+        self.waiting: deque[_Waiting] = deque()
+        self.waiting_ids: set[int] = set()  # an aborted waiting request leaves this set only
+        self.active: dict[int, _Active] = {}  # by request ID, in row order
+        self.steps = self.decode_tokens = 0  # batched forwards, and tokens they produced
+        self.decode_s = 0.0
+        self._ids = itertools.count()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting_ids or self.active)
+
+    def add_request(
+        self,
+        path: list[str],
+        question: list[int],
+        config: GenerationConfig,
+        strategy: Strategy,
+    ) -> int:
+        """Queue a request (cache IDs of its context in linked order, system prefix first; its
+        question's token ids); returns its ID. Linking waits for a free place in the batch."""
+        check_batchable(strategy)
+        request_id = next(self._ids)
+        arrived = time.perf_counter()
+        request = _Waiting(request_id, tuple(path), tuple(question), config, strategy, arrived)
+        self.waiting.append(request)
+        self.waiting_ids.add(request_id)
+        return request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting or active request, releasing its references into the tree (its
+        nodes become evictable); False if it is not here (finished, or never was)."""
+        if request_id in self.waiting_ids:
+            self.waiting_ids.discard(request_id)  # skipped when it reaches the queue's front
+            return True
+        request = self.active.pop(request_id, None)
+        if request is None:
+            return False
+        self.tree.release(request.leaf)
+        request.own_keys = request.own_values = []
+        if not self.active:
+            self.pack([])  # inlined nodes get their own copies back; the rows go
+        return True
+
+    def step(self) -> list[StepOutput]:
+        """One batched decode forward for the active requests, then admission of waiting ones
+        (each links its context and chooses its first token): at most one record a request."""
+        outputs: list[StepOutput] = []
+        if self.active:
+            active = list(self.active.values())
+            tick = time.perf_counter()
+            self.forward(active)
+            self.decode_s += time.perf_counter() - tick
+            self.steps, self.decode_tokens = self.steps + 1, self.decode_tokens + len(active)
+            outputs += [self.choose(request) for request in active]
+        while self.waiting and len(self.active) < self.max_batch:
+            waiting = self.waiting.popleft()
+            if waiting.request_id not in self.waiting_ids:
+                continue  # aborted while waiting
+            self.waiting_ids.discard(waiting.request_id)
+            try:
+                request = self.admit(waiting)
+            except RagKVCacheError as error:  # this request's fault: the others go on
+                outputs.append(StepOutput(waiting.request_id, None, "", True, error=error))
+                continue
+            self.active[request.request_id] = request
+            request.ttft_s = time.perf_counter() - request.arrived
+            outputs.append(self.choose(request))
+        if not self.active:
+            self.pack([])
+        return outputs
 
     def run(
-        self,
-        requests: list[tuple[list[str], list[int], GenerationConfig]],
-        max_batch: int = 32,
-    ) -> tuple[list[_Active], BatchStats]:
-        """requests: (path of cache IDs, question ids, generation config) each."""
-        start = self.started = time.perf_counter()
-        waiting = list(enumerate(requests))
-        active: list[_Active] = []
-        done: list[_Active] = []
-        steps = decode_tokens = 0
-        decode_s = 0.0
-        while waiting or active:
-            while waiting and len(active) < max_batch:
-                index, (path, question, config) = waiting.pop(0)
-                request = self.admit(index, path, question, config)
-                request.ttft_s = time.perf_counter() - start
-                if self.choose(request):
-                    active.append(request)
-                else:
-                    self.finish(request, done)
-            if not active:
-                continue
-            tick = time.perf_counter()
-            self.step(active)
-            decode_s += time.perf_counter() - tick
-            self.peak_bytes = max(self.peak_bytes, self.tree_nbytes() + self.kv.nbytes)
-            steps, decode_tokens = steps + 1, decode_tokens + len(active)
-            still: list[_Active] = []
-            for request in active:
-                if self.choose(request):
-                    still.append(request)
-                else:
-                    self.finish(request, done)
-            active = still
-        self.pack([])  # inlined nodes get their own copies back; the rows go
-        done.sort(key=lambda a: a.index)
-        return done, BatchStats(steps, decode_tokens, decode_s, self.peak_bytes)
+        self, requests: list[tuple[list[str], list[int], GenerationConfig, Strategy]]
+    ) -> tuple[list[Finished], BatchStats]:
+        """Answer a fixed list of requests (path of cache IDs, question ids, generation
+        config, strategy each) and return in their order; the first request that fails
+        raises its error (after the others are dropped)."""
+        steps, tokens, decode_s = self.steps, self.decode_tokens, self.decode_s
+        ids = [self.add_request(*r) for r in requests]
+        done: dict[int, Finished] = {}
+        while self.has_work:
+            for out in self.step():
+                if out.error is not None:
+                    for request_id in ids:
+                        self.abort(request_id)
+                    raise out.error
+                if out.done is not None:
+                    done[out.request_id] = out.done
+        stats = BatchStats(
+            self.steps - steps,
+            self.decode_tokens - tokens,
+            self.decode_s - decode_s,
+            self.peak_bytes,
+        )
+        return [done[i] for i in ids], stats
 
-    def admit(
-        self, index: int, path: list[str], question: list[int], config: GenerationConfig
-    ) -> _Active:
+    def admit(self, waiting: _Waiting) -> _Active:
         """Link the request over the longest shared prefix; add its new chunks to the tree."""
-        chunks = self.fetch(path)
-        # a chunk recomputed whole (`+top:N`, by its rank in this request) links to other KV
-        # than the same chunk left stale: the tree tells the two apart
-        in_full = [False, *self.strategy.in_full(len(path) - 1)]
-        path = [f"{c}+whole" if full else c for c, full in zip(path, in_full, strict=True)]
+        strategy, question, config = waiting.strategy, list(waiting.question), waiting.config
+        chunks = self.fetch(list(waiting.path))
+        in_full = [False, *strategy.in_full(len(chunks) - 1)]
+        path = tree_path(strategy, waiting.path)
         found = self.tree.match(path)
         prefix = None
         if found.nodes:
@@ -156,7 +275,7 @@ class BatchDecoder:
             )
         rest = chunks[found.chunks :]
         flags = in_full[found.chunks :] if prefix else in_full[1:]  # link's: after chunk 0
-        linked = link(self.lm, rest, question, self.strategy, prefix=prefix, in_full=flags)
+        linked = link(self.lm, rest, question, strategy, prefix=prefix, in_full=flags)
         leaf = found.nodes[-1] if found.nodes else None
         if rest:
             keys, values = linked_layers(linked, found.tokens, linked.context_tokens)
@@ -175,7 +294,8 @@ class BatchDecoder:
         q = len(question)
         keys, values = linked_layers(linked, linked.context_tokens, linked.length)
         return _Active(
-            index=index,
+            request_id=waiting.request_id,
+            strategy=strategy,
             leaf=leaf,
             own_keys=keys,  # the question's; its row in the batch gives it room for the answer
             own_values=values,
@@ -189,20 +309,35 @@ class BatchDecoder:
             config=config,
             generator=torch.Generator().manual_seed(config.seed),
             logits=linked.next_logits,
+            text=TextPieces(self.lm),
+            arrived=waiting.arrived,
         )
 
-    def choose(self, request: _Active) -> bool:
-        """Pick the request's next token from its logits; False once it is finished (the
-        stop rules of every decode loop, `decoding.finished`)."""
+    def choose(self, request: _Active) -> StepOutput:
+        """Pick the request's next token from its logits; once it is finished (the stop rules
+        of every decode loop, `decoding.finished`) it leaves the batch and the tree."""
         token = next_token(request.logits, request.config, request.generator)
         request.tokens.append(token)
-        return not finished(self.lm, token, len(request.tokens), request.position, request.config)
-
-    def finish(self, request: _Active, done: list[_Active]) -> None:
-        request.total_s = time.perf_counter() - self.started
+        piece = request.text.add(token)
+        if not finished(self.lm, token, len(request.tokens), request.position, request.config):
+            return StepOutput(request.request_id, token, piece, False)
+        total_s = time.perf_counter() - request.arrived
+        del self.active[request.request_id]
         self.tree.release(request.leaf)
         request.own_keys = request.own_values = []
-        done.append(request)
+        piece += request.text.finish()
+        done = Finished(
+            tuple(request.tokens),
+            request.text.text,
+            request.strategy,
+            request.prompt_tokens,
+            request.context_tokens,
+            request.reused,
+            request.recomputed,
+            request.ttft_s,
+            total_s,
+        )
+        return StepOutput(request.request_id, token, piece, True, done)
 
     def pack(self, active: list[_Active]) -> None:
         """Give the active requests their rows (if the batch changed), counting the move."""
@@ -215,7 +350,7 @@ class BatchDecoder:
         """The tree's KV not held in the batch's rows."""
         return self.kv.outside_nbytes(self.tree.nodes())
 
-    def step(self, active: list[_Active]) -> None:
+    def forward(self, active: list[_Active]) -> None:
         """One batched forward: every active request's last token at its own position."""
         device = self.lm.device
         self.pack(active)

@@ -18,6 +18,7 @@ lays a node used by one request inside that request's row of the batch buffer, s
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -171,18 +172,35 @@ class PrefixTree:
 
     def evict(self, need_bytes: int = 0) -> int:
         """Drop unreferenced leaves, least recently used first, until the tree plus
-        `need_bytes` fits the budget (or nothing more can go). Returns bytes freed."""
-        freed, total = 0, self.nbytes
-        while total + need_bytes > self.budget_bytes:
-            leaves = [n for n in self.nodes() if not n.children and n.refs == 0]
-            if not leaves:
-                break
-            victim = min(leaves, key=lambda n: n.last_used)
+        `need_bytes` fits the budget (or nothing more can go). Returns bytes freed.
+
+        One walk finds the leaves, a heap orders them; a parent left childless and
+        unreferenced joins the heap: O(n log n), not a walk per victim."""
+        total = self.nbytes
+        if total + need_bytes <= self.budget_bytes:
+            return 0
+        order = itertools.count()  # ties never compare nodes
+        heap = [(n.last_used, next(order), n) for n in self.nodes() if _evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while total + need_bytes > self.budget_bytes and heap:
+            victim = heapq.heappop(heap)[2]
             siblings = self.roots if victim.parent is None else victim.parent.children
             del siblings[victim.cache_ids[0]]
             freed += victim.nbytes
             total -= victim.nbytes
+            parent = victim.parent
+            if parent is not None and _evictable(parent):
+                heapq.heappush(heap, (parent.last_used, next(order), parent))
         return freed
+
+    def clear(self) -> int:
+        """Drop every node no request holds; returns bytes freed."""
+        return self.evict(self.budget_bytes + 1)  # more than the budget: nothing fits
+
+
+def _evictable(node: TreeNode) -> bool:
+    return not node.children and node.refs == 0
 
 
 def path_to(leaf: TreeNode | None) -> list[TreeNode]:

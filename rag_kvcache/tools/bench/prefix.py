@@ -94,7 +94,7 @@ def bench_case(
     prompts = [engine.prompt_ids(q, list(g)) for q, g in zip(asked, groups)]
     ours = theirs = 0.0
     for _ in range(repeats):
-        engine.prefix_trees.clear()  # linking is not what is timed, but start from nothing
+        engine.clear_prefix_tree()  # linking is not what is timed, but start from nothing
         result = engine.generate_batch(requests, strategy="legolink:2", max_batch=batch)
         ours = max(ours, result.stats.decode_tokens / result.stats.decode_s)
         speed, kv = duplicated_decode(engine.lm, prompts, new_tokens)

@@ -1,0 +1,39 @@
+"""A request's answer text as it grows, one token at a time.
+
+Decoding tokens one by one would split multi-byte characters and lose the tokenizer's spacing
+rules, so the text is decoded whole each time and the new part handed out; a piece ending in
+half a UTF-8 character waits for the next token. End-of-sequence tokens are not text. The
+pieces joined equal `answer.answer_text` of the tokens: the same rules as `answer_steps`.
+"""
+
+from __future__ import annotations
+
+from rag_kvcache.model.loading import LoadedModel
+
+
+class TextPieces:
+    """Feed tokens with `add` (each returns the text it completes), then `finish`."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.tokens: list[int] = []  # end-of-sequence dropped
+        self.text = ""  # handed out so far
+
+    def add(self, token: int) -> str:
+        if token in self.lm.eos_ids:
+            return ""
+        self.tokens.append(token)
+        full = self._decode()
+        if full.endswith("\ufffd"):  # hold back half a UTF-8 character
+            return ""
+        piece, self.text = full[len(self.text) :], full
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text (what was held back), once no token follows."""
+        full = self._decode()
+        piece, self.text = full[len(self.text) :], full
+        return piece
+
+    def _decode(self) -> str:
+        return str(self.lm.tokenizer.decode(self.tokens, skip_special_tokens=True))

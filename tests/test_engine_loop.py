@@ -1,0 +1,272 @@
+"""The engine loop: requests arriving, finishing and leaving at any step of a running batch
+get exactly what `generate` gives each alone; cancelled requests let go of the prefix tree."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.answer import Answer
+from rag_kvcache.errors import EngineClosedError, UnknownCacheIdError
+from rag_kvcache.serving.batch import BatchDecoder
+from rag_kvcache.serving.loop import AsyncTokenStream, EngineLoop
+from rag_kvcache.serving.prefix_tree import PrefixTree
+from rag_kvcache.strategy import Strategy
+
+DOCS = [
+    "The Hallam Point lighthouse was designed by Mara Quell.",
+    "It was first lit in 1788 and burned whale oil until 1861.",
+    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
+    "The kite festival is held every April on Brindle Hill.",
+    "The rowing league has six crews; the oldest was founded in 1901.",
+]
+QUESTIONS = ["Who designed the lighthouse?", "How deep is the harbor?", "When is it?"]
+STRATEGIES = ["legolink:2", "naive", "full", "legolink:1+top:1"]
+
+
+@pytest.fixture
+def engine(tiny64) -> Iterator[RagKVCache]:
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
+    yield engine
+    engine.close()
+
+
+def refs(tree: PrefixTree) -> int:
+    return sum(node.refs for node in tree.nodes())
+
+
+def test_random_arrivals_lengths_and_aborts_equal_each_request_alone(engine, tiny64) -> None:
+    """A seeded random schedule drives the decoder: requests of several strategies over
+    overlapping chunks join at random steps with random lengths, some are aborted waiting or
+    decoding. Every request that finishes has `generate`'s tokens and text, whatever else was
+    in the batch; at the end the tree holds no reference."""
+    ids = engine.generate_context_cache(DOCS)
+    rng = random.Random(7)
+    tree = engine.prefix_tree
+    decoder = BatchDecoder(tiny64, tree, engine.store.get, max_batch=3)
+    specs: dict[int, tuple[str, tuple[str, ...], str, int]] = {}
+    tokens: dict[int, list[int]] = {}
+    text: dict[int, str] = {}
+    done: dict[int, Answer] = {}
+    aborted: set[int] = set()
+    decoding = 0  # aborts of requests already in the batch (the others were waiting)
+    to_add = 14
+    while to_add or decoder.has_work:
+        for _ in range(min(to_add, rng.choice([0, 0, 1, 2]))):
+            chunks = tuple(rng.sample(ids, rng.randint(0, 3)))
+            spec = (rng.choice(QUESTIONS), chunks, rng.choice(STRATEGIES), rng.randint(1, 8))
+            request = engine._loop_request(spec[0], list(chunks), Strategy.parse(spec[2]), spec[3])
+            request_id = decoder.add_request(
+                list(request.path), list(request.question), request.config, request.strategy
+            )
+            specs[request_id], tokens[request_id], text[request_id] = spec, [], ""
+            to_add -= 1
+        live = [i for i in specs if i not in done and i not in aborted]
+        if live and rng.random() < 0.1:
+            victim = rng.choice(live)
+            decoding += victim in decoder.active
+            assert decoder.abort(victim)
+            aborted.add(victim)
+        for out in decoder.step():
+            assert out.error is None and out.token_id is not None
+            assert out.request_id not in done and out.request_id not in aborted
+            tokens[out.request_id].append(out.token_id)
+            text[out.request_id] += out.text
+            if out.finished:
+                assert out.done is not None
+                done[out.request_id] = engine._answer(out.done)
+        assert len(decoder.active) <= 3
+    assert 0 < decoding < len(aborted) and len(done) + len(aborted) == len(specs) == 14
+    assert decoder.steps < sum(len(a.token_ids) for a in done.values())  # they did share steps
+    for request_id, answer in done.items():
+        query, chunks, strategy, max_new = specs[request_id]
+        alone = engine.generate(query, list(chunks), strategy=strategy, max_new_tokens=max_new)
+        assert isinstance(alone, Answer)
+        assert answer.token_ids == alone.token_ids, specs[request_id]
+        assert answer.text == alone.text == text[request_id].strip()
+        assert answer.prompt_tokens == alone.prompt_tokens
+        assert tuple(t for t in tokens[request_id] if t not in tiny64.eos_ids) == alone.token_ids
+    assert refs(tree) == 0 and not decoder.abort(next(iter(done)))
+    # one tree for every strategy, each keeping its own prefixes: a root per strategy used
+    used = {specs[i][2] for i in specs}
+    assert {root.cache_ids[0].split("/")[0] for root in tree.roots.values()} <= used
+    assert len(tree.roots) > 1
+    tree.clear()
+    assert tree.nodes() == [] and tree.nbytes == 0
+
+
+def test_aborting_an_active_request_releases_its_path(engine, tiny64) -> None:
+    ids = engine.generate_context_cache(DOCS)
+    decoder = BatchDecoder(tiny64, engine.prefix_tree, engine.store.get)
+    strategy = Strategy.parse("legolink:2")
+    keep = engine._loop_request("Who designed it?", ids[:2], strategy, 20)
+    drop = engine._loop_request("How deep is it?", ids[2:4], strategy, 20)
+    kept = decoder.add_request(list(keep.path), list(keep.question), keep.config, strategy)
+    dropped = decoder.add_request(list(drop.path), list(drop.question), drop.config, strategy)
+    decoder.step()
+    decoder.step()  # both decode, in rows of the batch
+    assert set(decoder.active) == {kept, dropped}
+    leaf = decoder.active[dropped].leaf
+    only_dropped = [n for n in engine.prefix_tree.nodes() if n.cache_ids[0] in leaf.cache_ids]
+    assert only_dropped and all(n.refs == 1 for n in only_dropped)
+    before = engine.prefix_tree.nbytes
+    assert decoder.abort(dropped)
+    assert all(n.refs == 0 for n in only_dropped) and set(decoder.active) == {kept}
+    freed = engine.prefix_tree.clear()  # its chunks' KV can go now; the other's cannot
+    assert freed == sum(n.nbytes for n in only_dropped) > 0
+    assert engine.prefix_tree.nbytes == before - freed > 0
+    while decoder.has_work:
+        decoder.step()
+    assert refs(engine.prefix_tree) == 0
+
+
+def test_concurrent_agenerate_equals_sequential_generate_in_fewer_steps(engine) -> None:
+    ids = engine.generate_context_cache(DOCS)
+    requests = [
+        ("Who designed the lighthouse?", ids[:3], "legolink:2", 6),
+        ("When was it first lit?", ids[:2], "legolink:2", 4),
+        ("How deep is the harbor?", ids[1:3], "naive", 6),
+        ("When is the festival?", [ids[3], ids[0]], "full", 5),
+        ("How many crews?", [], "legolink:2", 6),
+    ]
+
+    async def together() -> list[Answer]:
+        return await asyncio.gather(
+            *(engine.agenerate(q, c, strategy=s, max_new_tokens=n) for q, c, s, n in requests)
+        )
+
+    answers = asyncio.run(together())
+    alone = [engine.generate(q, c, strategy=s, max_new_tokens=n) for q, c, s, n in requests]
+    assert [a.token_ids for a in answers] == [a.token_ids for a in alone]
+    assert [a.text for a in answers] == [a.text for a in alone]
+    assert all(isinstance(a, Answer) and a.token_ids for a in answers)
+    steps = engine.serving_loop().decoder.steps
+    assert 0 < steps < sum(len(a.token_ids) for a in answers)
+    assert refs(engine.prefix_tree) == 0
+
+
+def test_astream_pieces_make_the_answer_and_closing_it_aborts(engine) -> None:
+    ids = engine.generate_context_cache(DOCS)
+    alone = engine.generate("Who designed it?", ids[:2], max_new_tokens=40)
+    assert isinstance(alone, Answer) and len(alone.token_ids) > 10  # long enough to cut short
+
+    async def scenario() -> tuple[str, int, Answer]:
+        stream = engine.astream("Who designed it?", ids[:2], max_new_tokens=40)
+        pieces = [piece async for piece in stream]
+        assert stream.result is not None
+        cut = engine.astream("Who designed it?", ids[:2], max_new_tokens=40)
+        async for _ in cut:
+            break  # one piece, then the caller walks away
+        await cut.aclose()
+        # a later request is taken after the abort (the loop's inbox is in order)
+        after = await engine.agenerate("How deep is it?", ids[2:3], max_new_tokens=2)
+        return "".join(pieces), engine.serving_loop().decoder.steps, after
+
+    text, steps, after = asyncio.run(scenario())
+    assert text.strip() == alone.text and len(after.token_ids) == 2
+    decoder = engine.serving_loop().decoder
+    assert not decoder.has_work and refs(engine.prefix_tree) == 0
+    # the first request took len - 1 steps; the cut one did not run its 40 tokens
+    assert steps < 2 * len(alone.token_ids)
+
+
+def test_cancelling_an_awaiting_task_aborts_its_request(engine) -> None:
+    ids = engine.generate_context_cache(DOCS)
+    decoder = engine.serving_loop().decoder
+
+    async def scenario() -> None:
+        task = asyncio.create_task(engine.agenerate("Who?", ids[:3], max_new_tokens=200))
+        while not decoder.active:  # wait until it decodes
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.agenerate("How deep is it?", ids[2:3], max_new_tokens=1)
+
+    asyncio.run(scenario())
+    assert not decoder.has_work and decoder.steps < 100
+    assert refs(engine.prefix_tree) == 0
+
+
+def test_an_unknown_cache_id_fails_that_request_only(engine) -> None:
+    ids = engine.generate_context_cache(DOCS)
+    missing = "0" * len(ids[0])
+
+    async def together() -> list[Answer | BaseException]:
+        return await asyncio.gather(
+            engine.agenerate("Who designed it?", ids[:2]),
+            engine.agenerate("Who?", [ids[0], missing]),
+            engine.agenerate("How deep is it?", ids[1:3]),
+            return_exceptions=True,
+        )
+
+    first, bad, last = asyncio.run(together())
+    assert isinstance(bad, UnknownCacheIdError) and missing in str(bad)
+    for answer, (query, chunks) in [
+        (first, ("Who designed it?", ids[:2])),
+        (last, ("How deep is it?", ids[1:3])),
+    ]:
+        alone = engine.generate(query, chunks)
+        assert isinstance(answer, Answer) and isinstance(alone, Answer)
+        assert answer.token_ids == alone.token_ids
+    assert refs(engine.prefix_tree) == 0
+
+
+def test_closing_fails_requests_in_flight_and_refuses_new_ones(engine) -> None:
+    ids = engine.generate_context_cache(DOCS)
+    decoder = engine.serving_loop().decoder
+
+    async def scenario() -> None:
+        task = asyncio.create_task(engine.agenerate("Who?", ids[:2], max_new_tokens=200))
+        while not decoder.active:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.close)  # joins the loop thread
+        with pytest.raises(EngineClosedError):
+            await task
+        with pytest.raises(EngineClosedError):
+            await engine.agenerate("Who?", ids[:1])
+
+    asyncio.run(scenario())
+    assert refs(engine.prefix_tree) == 0 and not decoder.has_work
+    alone = engine.generate("Who?", ids[:1])  # the plain path does not need the loop
+    assert isinstance(alone, Answer) and alone.token_ids
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine, tiny64) -> None:
+    """A bug (not a library error) inside a step reaches every request then in flight; the
+    loop thread survives it and answers the next request."""
+    ids = engine.generate_context_cache(DOCS)
+    broken = {ids[4]}
+
+    def fetch(path: list[str]) -> list:
+        if broken & set(path):
+            raise RuntimeError("the store fell over")
+        return engine.store.get(path)
+
+    loop = EngineLoop(BatchDecoder(tiny64, engine.prefix_tree, fetch))
+    strategy = Strategy.parse("legolink:2")
+    try:
+
+        async def run(chunks: list[str]) -> Answer:
+            request = engine._loop_request("Who?", chunks, strategy, None)
+            stream = AsyncTokenStream(loop, request, engine._answer)
+            async for _ in stream:
+                pass
+            assert stream.result is not None
+            return stream.result
+
+        async def scenario() -> list[Answer | BaseException]:
+            return await asyncio.gather(run([ids[4]]), return_exceptions=True)
+
+        (failed,) = asyncio.run(scenario())
+        assert isinstance(failed, RuntimeError) and "fell over" in str(failed)
+        answer = asyncio.run(run(ids[:2]))
+        alone = engine.generate("Who?", ids[:2], strategy=strategy)
+        assert isinstance(alone, Answer) and answer.token_ids == alone.token_ids
+        assert loop.decoder.has_work is False and refs(engine.prefix_tree) == 0
+    finally:
+        loop.close()
