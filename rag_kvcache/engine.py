@@ -366,11 +366,22 @@ class RagKVCache:
         *,
         strategy: Strategy | str | None = None,
         max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
     ) -> Answer:
         """`generate`, awaited: the request joins the engine loop's running batch, sharing
         linked prefixes with every other request in flight. Greedy answers equal `generate`'s
         token for token. Cancelling the awaiting task aborts the request."""
-        stream = self.astream(query, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens)
+        stream = self.astream(
+            query,
+            cache_ids,
+            strategy=strategy,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+        )
         async for _ in stream:
             pass
         assert stream.result is not None
@@ -383,13 +394,53 @@ class RagKVCache:
         *,
         strategy: Strategy | str | None = None,
         max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
     ) -> AsyncTokenStream[Answer]:
         """The answer's text pieces as they are decoded in the engine loop (`async for`);
         `.result` is the `Answer` once exhausted. Closing it early (`aclose()`, or cancelling
         the task iterating it) aborts the request. Errors of the request itself (an unknown
-        cache ID) are raised from the iteration; bad arguments are raised here."""
+        cache ID) are raised from the iteration; bad arguments are raised here. Sampling
+        settings left None are the engine's (`GenerationConfig`)."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        request = self._loop_request(query, cache_ids, strategy, max_new_tokens)
+        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        request = self._loop_request(query, cache_ids, strategy, gen.max_new_tokens, gen)
+        return AsyncTokenStream(self.serving_loop(), request, self._answer)
+
+    async def acomplete(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> Answer:
+        """`complete`, awaited: the formatted prompt is prefilled in the engine loop and
+        decodes in its running batch. Greedy answers equal `complete`'s token for token."""
+        stream = self.astream_complete(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
+        async for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def astream_complete(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> AsyncTokenStream[Answer]:
+        """`complete`'s text pieces as the engine loop decodes them (see `astream`): a
+        request with no cached chunks, its prompt tokenized as is and prefilled alone."""
+        ids = self.template.tokenize(self.lm.tokenizer, prompt)
+        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        request = LoopRequest((), tuple(ids), gen, PREFILL)
         return AsyncTokenStream(self.serving_loop(), request, self._answer)
 
     def serving_loop(self) -> EngineLoop:
@@ -417,12 +468,18 @@ class RagKVCache:
             return self.prefix_tree.clear()
 
     def _loop_request(
-        self, query: str, cache_ids: list[str], strategy: Strategy, max_new_tokens: int | None
+        self,
+        query: str,
+        cache_ids: list[str],
+        strategy: Strategy,
+        max_new_tokens: int | None,
+        generation: GenerationConfig | None = None,
     ) -> LoopRequest:
         check_batchable(strategy)
         question = self.template.question_ids(self.lm.tokenizer, query)
         path = (self.prefix_id, *strategy.arrange(cache_ids))
-        return LoopRequest(path, tuple(question), self._generation(max_new_tokens), strategy)
+        gen = generation or self._generation(max_new_tokens)
+        return LoopRequest(path, tuple(question), gen, strategy)
 
     def _answer(self, done: Finished) -> Answer:
         return make_answer(
@@ -438,9 +495,22 @@ class RagKVCache:
             reused=done.reused,
         )
 
-    def _generation(self, max_new_tokens: int | None) -> GenerationConfig:
+    def _generation(
+        self,
+        max_new_tokens: int | None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> GenerationConfig:
+        """The engine's generation settings, with those given (not None) instead."""
         gen = self.config.generation
-        return gen if max_new_tokens is None else replace(gen, max_new_tokens=max_new_tokens)
+        return replace(
+            gen,
+            max_new_tokens=gen.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            temperature=gen.temperature if temperature is None else temperature,
+            top_p=gen.top_p if top_p is None else top_p,
+            seed=gen.seed if seed is None else seed,
+        )
 
     @staticmethod
     def _finish(answer_stream: AnswerStream, stream: bool) -> Answer | AnswerStream:

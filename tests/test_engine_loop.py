@@ -270,3 +270,71 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine
         assert loop.decoder.has_work is False and refs(engine.prefix_tree) == 0
     finally:
         loop.close()
+
+
+def test_plain_prompts_and_prefill_decode_in_the_batch_as_complete_and_generate(engine) -> None:
+    """A plain prompt (`acomplete`, no chunks) and the `prefill` strategy are prefilled alone
+    and decode in the loop's batch beside linked requests: each equals its sync twin token for
+    token, and none of them leaves anything in the prefix tree."""
+    ids = engine.generate_context_cache(DOCS)
+    prompts = [
+        engine.chat_prompt([{"role": "user", "content": "Who designed the lighthouse?"}]),
+        "The harbor has three basins and",
+    ]
+    linked = ("How deep is the harbor?", ids[1:3], "legolink:2")
+    prefilled = ("When is the festival?", [ids[3], ids[0]], "prefill")
+
+    async def together() -> list[Answer]:
+        return await asyncio.gather(
+            engine.acomplete(prompts[0], max_new_tokens=6),
+            engine.agenerate(*linked[:2], strategy=linked[2], max_new_tokens=6),
+            engine.acomplete(prompts[1], max_new_tokens=5),
+            engine.agenerate(*prefilled[:2], strategy=prefilled[2], max_new_tokens=6),
+        )
+
+    answers = asyncio.run(together())
+    alone = [
+        engine.complete(prompts[0], max_new_tokens=6),
+        engine.generate(*linked[:2], strategy=linked[2], max_new_tokens=6),
+        engine.complete(prompts[1], max_new_tokens=5),
+        engine.generate(*prefilled[:2], strategy=prefilled[2], max_new_tokens=6),
+    ]
+    for answer, sync in zip(answers, alone, strict=True):
+        assert isinstance(sync, Answer) and sync.token_ids
+        assert answer.token_ids == sync.token_ids and answer.text == sync.text
+        assert answer.strategy == sync.strategy
+        assert answer.prompt_tokens == sync.prompt_tokens
+        assert answer.context_tokens == sync.context_tokens
+        assert answer.recomputed_tokens == sync.recomputed_tokens
+    assert answers[0].context_tokens == 0 and answers[3].recomputed_tokens > 0
+    decoder = engine.serving_loop().decoder
+    assert 0 < decoder.steps < sum(len(a.token_ids) for a in answers)
+    # only the linked request put KV in the tree: one root, its strategy's
+    assert [r.cache_ids[0].split("/")[0] for r in engine.prefix_tree.roots.values()] == [
+        "legolink:2"
+    ]
+    assert refs(engine.prefix_tree) == 0 and not decoder.has_work
+
+
+def test_sampling_settings_reach_the_loop_as_generate_would_use_them(engine, tiny64) -> None:
+    """temperature / top_p / seed given to astream sample as an engine configured with them
+    samples in `generate` (float64: the batched logits equal the lone ones)."""
+    ids = engine.generate_context_cache(DOCS)
+    sampled = GenerationConfig(max_new_tokens=8, temperature=1.3, top_p=0.9, seed=11)
+    configured = RagKVCache(EngineConfig(generation=sampled), lm=tiny64, store=engine.store)
+
+    async def both() -> list[Answer]:
+        kwargs = {"max_new_tokens": 8, "temperature": 1.3, "top_p": 0.9}
+        return list(
+            await asyncio.gather(
+                engine.agenerate("Who designed it?", ids[:2], seed=11, **kwargs),
+                engine.agenerate("Who designed it?", ids[:2], seed=12, **kwargs),
+            )
+        )
+
+    eleven, twelve = asyncio.run(both())
+    alone = configured.generate("Who designed it?", ids[:2])
+    greedy = engine.generate("Who designed it?", ids[:2], max_new_tokens=8)
+    assert isinstance(alone, Answer) and isinstance(greedy, Answer)
+    assert eleven.token_ids == alone.token_ids
+    assert eleven.token_ids != greedy.token_ids or twelve.token_ids != greedy.token_ids

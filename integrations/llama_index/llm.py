@@ -5,23 +5,33 @@ own chat template). Called with `cache_ids=[...]` it instead answers the prompt 
 over those cached chunks, linking their stored KV rather than prefilling their text. Usage
 counts travel in `response.raw` (flat, and OpenAI-style under "usage" for LlamaIndex's
 TokenCountingHandler); link and first-token facts go out as instrumentation events.
+
+The async methods (`acomplete`, `astream_complete`, `achat`, `astream_chat`) are native: each
+call is a request of the engine loop (`RagKVCache.agenerate` / `astream`, and `acomplete` /
+`astream_complete` for a plain prompt), so concurrent calls from many query and chat engines
+decode in one batch and share linked prefixes, and the event loop never waits on the model.
+Cancelling a call (or closing its stream) aborts its request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from llama_index.core.base.llms.generic_utils import (
+    astream_completion_response_to_chat_response,
     completion_response_to_chat_response,
     stream_completion_response_to_chat_response,
 )
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
+    ChatResponseAsyncGen,
     ChatResponseGen,
     CompletionResponse,
+    CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
@@ -34,6 +44,8 @@ from llama_index.core.llms.custom import CustomLLM
 from rag_kvcache.answer import Answer, AnswerStream
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.events import FirstTokenEvent, KVLinkEvent
+from rag_kvcache.serving.batch import batchable
+from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import PREFILL, Strategy
 
 dispatcher = get_dispatcher(__name__)
@@ -86,18 +98,29 @@ def usage(answer: Answer, cache_ids: Sequence[str] | None) -> dict[str, Any]:
     }
 
 
-def trimmed(pieces: Iterable[str]) -> Iterator[str]:
-    """Re-chunk streamed text so the pieces join to the stripped whole, as `Answer.text` is:
+class Trimmer:
+    """Re-chunks streamed text so the pieces join to the stripped whole, as `Answer.text` is:
     leading whitespace dropped, trailing whitespace held until more text follows."""
-    held, started = "", False
-    for piece in pieces:
-        if not started:
+
+    def __init__(self) -> None:
+        self.held, self.started = "", False
+
+    def add(self, piece: str) -> str:
+        """The text to pass on now ("" for none)."""
+        if not self.started:
             piece = piece.lstrip()
-            started = bool(piece)
-        body = held + piece
+            self.started = bool(piece)
+        body = self.held + piece
         text = body.rstrip()
-        held = body[len(text) :]
-        if text:
+        self.held = body[len(text) :]
+        return text
+
+
+def trimmed(pieces: Iterable[str]) -> Iterator[str]:
+    """Streamed text pieces, trimmed (see `Trimmer`)."""
+    trimmer = Trimmer()
+    for piece in pieces:
+        if text := trimmer.add(piece):
             yield text
 
 
@@ -181,6 +204,31 @@ class KVCacheLLM(CustomLLM):
         responses = self._generate(self._chat_prompt(messages, kwargs), True, kwargs)
         return stream_completion_response_to_chat_response(responses)
 
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        last = await _last(self._agenerate(prompt, formatted, kwargs))
+        return CompletionResponse(text=last.text, raw=last.raw)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return self._agenerate(prompt, formatted, kwargs)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        last = await _last(self._agenerate(self._chat_prompt(messages, kwargs), True, kwargs))
+        return completion_response_to_chat_response(last)
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        responses = self._agenerate(self._chat_prompt(messages, kwargs), True, kwargs)
+        return astream_completion_response_to_chat_response(responses)
+
     # ------------------------------------------------------------------ internals
 
     def _render_chat(self, messages: Sequence[ChatMessage]) -> str:
@@ -205,21 +253,46 @@ class KVCacheLLM(CustomLLM):
     ) -> CompletionResponseGen:
         """Start the engine; one response per new piece of text, then a final one (empty delta,
         whole text) carrying the usage in `raw`."""
-        cache_ids = kwargs.get("cache_ids")
-        max_new_tokens = kwargs.get("max_new_tokens") or self.max_new_tokens
+        cache_ids, strategy, max_new_tokens = self._call_args(kwargs)
         if cache_ids is None:
             text = prompt if formatted else self._as_prompt(prompt)
             run = self._engine.complete(text, max_new_tokens=max_new_tokens, stream=True)
-            name = str(PREFILL)
         else:
-            cache_ids = list(cache_ids)
-            strategy = kwargs.get("strategy") or self.strategy or self._engine.config.strategy
             run = self._engine.generate(
                 prompt, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens, stream=True
             )
-            name = strategy_name(strategy)
         assert isinstance(run, AnswerStream)
-        return self._responses(run, cache_ids, name)
+        return self._responses(run, cache_ids, str(strategy))
+
+    def _agenerate(
+        self, prompt: str, formatted: bool, kwargs: dict[str, Any]
+    ) -> CompletionResponseAsyncGen:
+        """`_generate` on the engine loop: the request is submitted when iteration starts.
+        Bad arguments (an unknown strategy) raise here, as in the sync calls."""
+        cache_ids, strategy, max_new_tokens = self._call_args(kwargs)
+        if cache_ids is None:
+            text = prompt if formatted else self._as_prompt(prompt)
+            stream = self._engine.astream_complete(text, max_new_tokens=max_new_tokens)
+        elif batchable(strategy):
+            stream = self._engine.astream(
+                prompt, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens
+            )
+        else:
+            # The batch decoder refuses this strategy (APE's attention scale, calibrated link
+            # tokens: the prefix tree keeps neither yet). Refusing would break async callers
+            # whose sync calls work, so it keeps its exact sync answer path, each step in a
+            # worker thread: the event loop runs on, but this request shares no batch.
+            return _in_thread(self._generate(prompt, formatted, kwargs))
+        return self._aresponses(stream, cache_ids, str(strategy))
+
+    def _call_args(self, kwargs: dict[str, Any]) -> tuple[list[str] | None, Strategy, int | None]:
+        """(cache IDs or None for a plain prompt, strategy, max_new_tokens) of one call."""
+        max_new_tokens = kwargs.get("max_new_tokens") or self.max_new_tokens
+        cache_ids = kwargs.get("cache_ids")
+        if cache_ids is None:
+            return None, PREFILL, max_new_tokens
+        strategy = kwargs.get("strategy") or self.strategy or self._engine.config.strategy
+        return list(cache_ids), Strategy.parse(strategy), max_new_tokens
 
     def _as_prompt(self, prompt: str) -> str:
         assert self.completion_to_prompt is not None  # set in __init__ or by the caller
@@ -236,18 +309,63 @@ class KVCacheLLM(CustomLLM):
                 dispatcher.event(FirstTokenEvent(ttft_s=ttft, strategy=strategy))
             text += delta
             yield CompletionResponse(text=text, delta=delta)
-        answer = run.answer
-        assert answer is not None
-        if not text:  # the model ended at once: the first token was end-of-text
-            dispatcher.event(FirstTokenEvent(ttft_s=answer.ttft_s, strategy=strategy))
-        if cache_ids is not None:
-            dispatcher.event(
-                KVLinkEvent(
-                    cache_ids=cache_ids,
-                    strategy=str(answer.strategy),
-                    prompt_tokens=answer.prompt_tokens,
-                    context_tokens=answer.context_tokens,
-                    recomputed_tokens=answer.recomputed_tokens,
-                )
+        assert run.answer is not None
+        yield _final(run.answer, bool(text), cache_ids, strategy)
+
+    async def _aresponses(
+        self, stream: AsyncTokenStream[Answer], cache_ids: list[str] | None, strategy: str
+    ) -> CompletionResponseAsyncGen:
+        """`_responses` of an engine-loop request; leaving early (aclose, a cancelled task)
+        aborts the request."""
+        start = time.perf_counter()
+        text, trimmer = "", Trimmer()
+        try:
+            async for piece in stream:
+                if not (delta := trimmer.add(piece)):
+                    continue
+                if not text:
+                    ttft = time.perf_counter() - start
+                    dispatcher.event(FirstTokenEvent(ttft_s=ttft, strategy=strategy))
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+        finally:
+            await stream.aclose()  # a no-op once finished; else the request is aborted
+        assert stream.result is not None
+        yield _final(stream.result, bool(text), cache_ids, strategy)
+
+
+def _final(
+    answer: Answer, streamed: bool, cache_ids: list[str] | None, strategy: str
+) -> CompletionResponse:
+    """The last response of a call (empty delta, whole text, usage in `raw`), after its
+    events: the link, and the first token if no text was streamed (the model ended at once:
+    the first token was end-of-text)."""
+    if not streamed:
+        dispatcher.event(FirstTokenEvent(ttft_s=answer.ttft_s, strategy=strategy))
+    if cache_ids is not None:
+        dispatcher.event(
+            KVLinkEvent(
+                cache_ids=cache_ids,
+                strategy=str(answer.strategy),
+                prompt_tokens=answer.prompt_tokens,
+                context_tokens=answer.context_tokens,
+                recomputed_tokens=answer.recomputed_tokens,
             )
-        yield CompletionResponse(text=answer.text, delta="", raw=usage(answer, cache_ids))
+        )
+    return CompletionResponse(text=answer.text, delta="", raw=usage(answer, cache_ids))
+
+
+async def _last(responses: CompletionResponseAsyncGen) -> CompletionResponse:
+    """Run a call to its end; its final response (whole text, usage)."""
+    last = None
+    async for response in responses:
+        last = response
+    assert last is not None  # the final response always comes
+    return last
+
+
+async def _in_thread(responses: CompletionResponseGen) -> CompletionResponseAsyncGen:
+    """A sync stream of responses as an async one, each step run in a worker thread."""
+    end = object()
+    while (response := await asyncio.to_thread(next, responses, end)) is not end:
+        yield cast(CompletionResponse, response)

@@ -4,11 +4,15 @@ LlamaIndex's synthesizers paste node text into a prompt, so every chunk is prefi
 every query. This one reads each node's `cache_id` (in retrieval order) and has the KVCacheLLM
 link those chunks behind the engine's system prompt, then asks the question. Nodes without a
 usable cache ID are encoded on the spot (and tagged), so no retrieved context is ever dropped.
+
+`asynthesize` (what `aquery`, `achat` and `astream_chat` call) awaits the LLM's native async
+methods, so many concurrent queries decode in the engine loop's one batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator, Iterable, Iterator, Sequence
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterable, Generator, Iterable, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
@@ -103,15 +107,30 @@ class KVCacheSynthesizer(BaseSynthesizer):
         additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
-        """The engine is synchronous: this runs inline (a streamed answer is wrapped)."""
-        response = self.synthesize(query, nodes, additional_source_nodes, **response_kwargs)
-        if not isinstance(response, StreamingResponse):
-            return response
-        return AsyncStreamingResponse(
-            response_gen=_async(response.response_gen),
-            source_nodes=response.source_nodes,
-            metadata=response.metadata,
-        )
+        """`synthesize` on the engine loop: a Response, or an AsyncStreamingResponse when
+        streaming (what LlamaIndex's async chat engines expect)."""
+        if not nodes:
+            return await super().asynthesize(
+                query, nodes, additional_source_nodes, **response_kwargs
+            )
+        bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
+        dispatcher.event(SynthesizeStartEvent(query=bundle))
+        sources = list(nodes) + list(additional_source_nodes or [])
+        metadata = self._get_metadata_for_response([n.node for n in sources]) or {}
+        with self._callback_manager.event(
+            CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: bundle.query_str}
+        ) as cb_event:
+            # a store lookup per node, and an encode for an untagged one: off the event loop
+            cache_ids = await asyncio.to_thread(self._cache_ids, nodes)
+            answer = await self._aanswer(bundle.query_str, cache_ids, metadata, **response_kwargs)
+            response: RESPONSE_TYPE
+            if isinstance(answer, str):
+                response = Response(answer, source_nodes=sources, metadata=metadata)
+            else:
+                response = AsyncStreamingResponse(answer, source_nodes=sources, metadata=metadata)
+            cb_event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=bundle, response=response))
+        return response
 
     # ------------------------------------------------------------------ texts -> answer
 
@@ -125,8 +144,9 @@ class KVCacheSynthesizer(BaseSynthesizer):
     async def aget_response(
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
-        response = self.get_response(query_str, text_chunks, **response_kwargs)
-        return _async(response) if isinstance(response, Generator) else response
+        engine = self._kv_llm.engine
+        cache_ids = await asyncio.to_thread(engine.generate_context_cache, list(text_chunks))
+        return await self._aanswer(query_str, cache_ids, {}, **response_kwargs)
 
     # ------------------------------------------------------------------ internals
 
@@ -150,12 +170,10 @@ class KVCacheSynthesizer(BaseSynthesizer):
         self, query: str, cache_ids: list[str], metadata: dict[str, Any], **kwargs: Any
     ) -> str | Generator[str, None, None]:
         """One linked LLM call; its usage goes into `metadata` (at the end, when streaming)."""
-        kwargs = {"cache_ids": cache_ids, **kwargs}
-        if self._strategy is not None:
-            kwargs.setdefault("strategy", self._strategy)
+        kwargs = self._call_kwargs(cache_ids, kwargs)
         llm = self._kv_llm
         if self._chat_history:
-            messages = [*self._chat_history, ChatMessage(role=MessageRole.USER, content=query)]
+            messages = self._messages(query)
             if not self._streaming:
                 chat = llm.chat(messages, **kwargs)
                 metadata[USAGE_KEY] = chat.raw
@@ -169,6 +187,36 @@ class KVCacheSynthesizer(BaseSynthesizer):
         pieces = ((r.delta or "", r.raw) for r in llm.stream_complete(query, **kwargs))
         return _deltas(pieces, metadata)
 
+    async def _aanswer(
+        self, query: str, cache_ids: list[str], metadata: dict[str, Any], **kwargs: Any
+    ) -> str | AsyncGenerator[str, None]:
+        """`_answer` through the LLM's async methods (a request of the engine loop)."""
+        kwargs = self._call_kwargs(cache_ids, kwargs)
+        llm = self._kv_llm
+        if self._chat_history:
+            messages = self._messages(query)
+            if not self._streaming:
+                chat = await llm.achat(messages, **kwargs)
+                metadata[USAGE_KEY] = chat.raw
+                return chat.message.content or ""
+            chats = await llm.astream_chat(messages, **kwargs)
+            return _adeltas(((r.delta or "", r.raw) async for r in chats), metadata)
+        if not self._streaming:
+            completion = await llm.acomplete(query, **kwargs)
+            metadata[USAGE_KEY] = completion.raw
+            return completion.text
+        completions = await llm.astream_complete(query, **kwargs)
+        return _adeltas(((r.delta or "", r.raw) async for r in completions), metadata)
+
+    def _call_kwargs(self, cache_ids: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = {"cache_ids": cache_ids, **kwargs}
+        if self._strategy is not None:
+            kwargs.setdefault("strategy", self._strategy)
+        return kwargs
+
+    def _messages(self, query: str) -> list[ChatMessage]:
+        return [*self._chat_history, ChatMessage(role=MessageRole.USER, content=query)]
+
 
 def _deltas(
     responses: Iterable[tuple[str, Any]], metadata: dict[str, Any]
@@ -181,6 +229,12 @@ def _deltas(
             yield delta
 
 
-async def _async(gen: Iterator[str]) -> AsyncGenerator[str, None]:
-    for piece in gen:
-        yield piece
+async def _adeltas(
+    responses: AsyncIterable[tuple[str, Any]], metadata: dict[str, Any]
+) -> AsyncGenerator[str, None]:
+    """`_deltas` of an async streamed call."""
+    async for delta, raw in responses:
+        if raw:
+            metadata[USAGE_KEY] = raw
+        if delta:
+            yield delta

@@ -13,6 +13,10 @@ The decoder has the shape a server drives (vLLM's, SGLang's): `add_request` queu
 `step` runs one batched forward and then lets waiting requests join, `abort` drops one. A
 request leaves the batch when done; the rows are laid out again only when the batch changes,
 so a step's bookkeeping is proportional to the batch, not to the tree.
+
+A `prefill` request (a plain prompt, or chunks computed afresh) links nothing: its whole
+prompt is prefilled alone and kept in its row, outside the tree, and it decodes in the same
+batch as the linked ones.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
-from rag_kvcache.model.adapter import forward, hook_cache
+from rag_kvcache.model.adapter import forward, hook_cache, unpack_cache
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.serving.batch_kv import BatchKV
 from rag_kvcache.serving.cascade import cascade_attention
-from rag_kvcache.serving.decoding import finished, next_token
+from rag_kvcache.serving.decoding import finished, next_token, prefill
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
 from rag_kvcache.serving.text import TextPieces
 from rag_kvcache.strategy import Strategy
@@ -99,7 +103,7 @@ class _Active:
 
     request_id: int
     strategy: Strategy
-    leaf: TreeNode  # deepest node of its path in the tree
+    leaf: TreeNode | None  # deepest node of its path in the tree; None: `prefill` (no path)
     own_keys: list[torch.Tensor]  # the question's KV per layer, until it has a row
     own_values: list[torch.Tensor]
     length: int  # own tokens with KV
@@ -116,6 +120,11 @@ class _Active:
     arrived: float
     tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0  # from its arrival to its first token
+
+
+def batchable(strategy: Strategy) -> bool:
+    """Whether the batch decoder serves `strategy` (see `check_batchable`)."""
+    return not (strategy.uses_ape or strategy.calibrated)
 
 
 def check_batchable(strategy: Strategy) -> None:
@@ -199,7 +208,8 @@ class BatchDecoder:
         request = self.active.pop(request_id, None)
         if request is None:
             return False
-        self.tree.release(request.leaf)
+        if request.leaf is not None:
+            self.tree.release(request.leaf)
         request.own_keys = request.own_values = []
         if not self.active:
             self.pack([])  # inlined nodes get their own copies back; the rows go
@@ -262,6 +272,8 @@ class BatchDecoder:
         """Link the request over the longest shared prefix; add its new chunks to the tree."""
         strategy, question, config = waiting.strategy, list(waiting.question), waiting.config
         chunks = self.fetch(list(waiting.path))
+        if not strategy.uses_cache:
+            return self.prefilled(waiting, chunks)
         in_full = [False, *strategy.in_full(len(chunks) - 1)]
         path = tree_path(strategy, waiting.path)
         found = self.tree.match(path)
@@ -313,6 +325,36 @@ class BatchDecoder:
             arrived=waiting.arrived,
         )
 
+    def prefilled(self, waiting: _Waiting, chunks: list[ChunkKV]) -> _Active:
+        """A `prefill` request (a plain prompt: no chunks, the question is the whole prompt):
+        its chunks' tokens and its question computed afresh by the one plain prefill
+        (`decoding.prefill`, as `generate` and `complete` do), all of it kept in its own row.
+        Nothing goes into the tree: a plain prefill has no linked KV to share."""
+        context = sum(c.num_tokens for c in chunks)
+        ids = [t for c in chunks for t in c.token_ids] + list(waiting.question)
+        cache, logits = prefill(self.lm, ids)
+        layers = unpack_cache(cache)
+        n = len(ids)
+        return _Active(
+            request_id=waiting.request_id,
+            strategy=waiting.strategy,
+            leaf=None,
+            own_keys=[k[0, :, :n] for k, _ in layers],  # [kv_heads, n, head_dim] each
+            own_values=[v[0, :, :n] for _, v in layers],
+            length=n,
+            capacity=n + waiting.config.max_new_tokens,
+            position=n,
+            prompt_tokens=n,
+            context_tokens=context,
+            reused=0,
+            recomputed=context,
+            config=waiting.config,
+            generator=torch.Generator().manual_seed(waiting.config.seed),
+            logits=logits,
+            text=TextPieces(self.lm),
+            arrived=waiting.arrived,
+        )
+
     def choose(self, request: _Active) -> StepOutput:
         """Pick the request's next token from its logits; once it is finished (the stop rules
         of every decode loop, `decoding.finished`) it leaves the batch and the tree."""
@@ -323,7 +365,8 @@ class BatchDecoder:
             return StepOutput(request.request_id, token, piece, False)
         total_s = time.perf_counter() - request.arrived
         del self.active[request.request_id]
-        self.tree.release(request.leaf)
+        if request.leaf is not None:
+            self.tree.release(request.leaf)
         request.own_keys = request.own_values = []
         piece += request.text.finish()
         done = Finished(

@@ -34,7 +34,7 @@ from rag_kvcache.serving.prefix_tree import TreeNode, path_to
 class Member(Protocol):
     """What the batch needs of a request."""
 
-    leaf: TreeNode  # deepest node of its path
+    leaf: TreeNode | None  # deepest node of its path; None: no path (a plain prefill)
     length: int  # own tokens written so far
     capacity: int  # own tokens it may reach (question + max_new_tokens)
     # own KV per layer ([kv_heads, length, head_dim]) until it has a row; then unused
@@ -108,7 +108,8 @@ class BatchKV:
             id(m): (row, lay.offset)
             for row, (m, lay) in enumerate(zip(self.members, self.layouts, strict=True))
         }
-        layers = len(members[0].leaf.keys) if members else len(self.keys)
+        # old rows, or (none yet: every member is new) the first member's own KV
+        layers = len(self.keys) or (len(members[0].own_keys) if members else 0)
         held = most = self.nbytes  # the old rows, then the new ones as they fill
         new_keys: list[torch.Tensor] = []
         new_values: list[torch.Tensor] = []
@@ -155,7 +156,8 @@ class BatchKV:
         if not members:
             return None, 0
         moved_in = 0
-        template = getattr(members[0].leaf, side)[layer]  # [kv_heads, tokens, head_dim]
+        # [kv_heads, tokens, head_dim]: an old row, or a new member's own KV (no old rows)
+        template = old[0] if old is not None else getattr(members[0], "own_" + side)[layer]
         kv_heads, dim = template.shape[0], template.shape[2]
         new = template.new_zeros(len(members), kv_heads, capacity, dim)
         for row, (m, lay) in enumerate(zip(members, layouts)):

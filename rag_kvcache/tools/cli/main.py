@@ -7,7 +7,7 @@ import argparse
 
 from rich.console import Console
 
-from rag_kvcache.tools.cli import calibration, documents, markup, measure, store
+from rag_kvcache.tools.cli import calibration, documents, markup, measure, serve, store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Encode RAG chunks' KV once; answer from the linked cache.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for group in (measure, calibration, documents, markup, store):
+    for group in (measure, calibration, documents, markup, store, serve):
         group.add_parsers(commands)
     return parser
 

@@ -1,0 +1,44 @@
+"""`rag-kvcache serve`: the OpenAI-compatible HTTP server over an existing store."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from rag_kvcache.tools.cli.common import engine_options, open_engine
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP API: chat and completions, RAG over the store"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="(default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    serve.add_argument(
+        "--api-key", default=None, help="clients must send Authorization: Bearer KEY"
+    )
+    serve.add_argument(
+        "--model-name", default=None, help="what clients call the model (default: its file name)"
+    )
+    serve.add_argument("--strategy", default=None, help="link strategy of RAG requests")
+    serve.add_argument("--max-new-tokens", type=int, default=256, help="when a request says none")
+    engine_options(serve)
+    serve.set_defaults(run=serve_command)
+
+
+def serve_command(args: argparse.Namespace, console: Console) -> int:
+    import uvicorn
+
+    from rag_kvcache.tools.cli.common import open_store
+    from rag_kvcache.tools.server import create_app
+
+    open_store(args).close()  # a mistyped --store fails now, with one line, not after loading
+    app = create_app(
+        lambda: open_engine(args, console, existing=True),
+        api_key=args.api_key,
+        model_name=args.model_name,
+    )
+    console.print(f"serving on http://{args.host}:{args.port} (the model loads in the background)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,400 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one engine's loop.
+
+Every request becomes one request of the engine loop (`RagKVCache.astream`), so concurrent
+clients decode in one batch and share linked prefixes. The model loads in a thread after the
+server starts: `/health` answers 503 until it is ready. Every error is OpenAI's JSON shape
+`{"error": {"message", "type", "code"}}`, never a traceback or an HTML page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from rag_kvcache.answer import Answer
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import (
+    ContextTooLongError,
+    EngineClosedError,
+    RagKVCacheError,
+    StoreError,
+    UnknownCacheIdError,
+)
+from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools.server.metrics import ServerMetrics
+from rag_kvcache.tools.server.schema import (
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    RagUsage,
+    Sampling,
+    Usage,
+)
+
+log = logging.getLogger("rag_kvcache.server")
+DEFAULT_TOP_K = 4
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass
+class Loading:
+    """The engine once loaded, or why it could not be."""
+
+    engine: RagKVCache | None = None
+    error: str | None = None
+
+    def ready(self) -> RagKVCache:
+        if self.engine is None:
+            why = (
+                f"the model failed to load: {self.error}" if self.error else "the model is loading"
+            )
+            raise ApiError(503, why, "model_not_ready")
+        return self.engine
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one request asks the engine: a question over chunks (RAG) or a plain prompt."""
+
+    text: str  # the question, or the whole formatted prompt
+    rag: bool
+    cache_ids: list[str]
+    strategy: Strategy | None
+    max_tokens: int | None
+
+
+def create_app(
+    load: Callable[[], RagKVCache], api_key: str | None = None, model_name: str | None = None
+) -> FastAPI:
+    """The app; `load` builds the engine (called once, in a thread, at start-up).
+    `model_name`: what clients call the model (default: the loaded model's own name)."""
+    loading = Loading()
+
+    def served_name(engine: RagKVCache) -> str:
+        return model_name or engine.lm.name
+
+    def load_engine() -> None:
+        try:
+            loading.engine = load()
+        except Exception as error:  # reported by /health and every request
+            log.exception("loading the engine failed")
+            loading.error = str(error)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        thread = threading.Thread(target=load_engine, name="rag-kvcache-load", daemon=True)
+        thread.start()
+        yield
+        if loading.engine is not None:
+            loading.engine.close()
+
+    app = FastAPI(title="rag-kvcache", lifespan=lifespan, docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(
+        batch=lambda: _batch_size(loading.engine), hits=lambda: _store_hits(loading.engine)
+    )
+
+    def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise ApiError(
+                401, "missing or wrong API key (Authorization: Bearer KEY)", "invalid_api_key"
+            )
+
+    # ------------------------------------------------------------------ errors
+
+    def error(status: int, message: str, code: str | None) -> JSONResponse:
+        metrics.failed(status)
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(status)
+        if kind is None:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+        body = {"error": {"message": message, "type": kind, "code": code}}
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error(e.status, e.message, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(p) for p in d['loc'] if p != 'body') or 'body'}: {d['msg']}"
+            for d in e.errors()[:5]
+        ]
+        return error(400, "; ".join(problems), "invalid_request")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return error(e.status_code, str(e.detail), None)
+
+    @app.exception_handler(RagKVCacheError)
+    async def library_error(request: Request, e: RagKVCacheError) -> JSONResponse:
+        status, code = _status_of(e)
+        return error(status, str(e), code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error(500, "internal error; the server's log has the details", None)
+
+    # ------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if loading.engine is not None:
+            return JSONResponse({"status": "ok", "model": served_name(loading.engine)})
+        status = "failed" if loading.error else "loading"
+        return JSONResponse({"status": status, "error": loading.error}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict[str, Any]:
+        engine = loading.ready()
+        model = {"id": served_name(engine), "object": "model", "created": 0}
+        model["owned_by"] = "rag-kvcache"
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat(body: ChatRequest) -> Response:
+        engine = loading.ready()
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        _check(engine, served_name(engine), body, max_tokens)
+        if body.messages[-1].role != "user":
+            raise ApiError(400, "the last message must be the user's", "invalid_request")
+        if body.rag is None:
+            messages = [{"role": m.role, "content": m.text} for m in body.messages]
+            job = Job(engine.chat_prompt(messages), False, [], None, max_tokens)
+        else:
+            job = await _rag_job(engine, body, _question(body.messages), max_tokens)
+        return await _respond(engine, served_name(engine), body, job, "chat.completion", metrics)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest) -> Response:
+        engine = loading.ready()
+        _check(engine, served_name(engine), body, body.max_tokens)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise ApiError(400, "one prompt per request", "invalid_request")
+        if body.rag is None:
+            job = Job(prompts[0], False, [], None, body.max_tokens)
+        else:
+            job = await _rag_job(engine, body, prompts[0], body.max_tokens)
+        return await _respond(engine, served_name(engine), body, job, "text_completion", metrics)
+
+    return app
+
+
+# ---------------------------------------------------------------------- answering
+
+
+async def _rag_job(
+    engine: RagKVCache, body: Sampling, question: str, max_tokens: int | None
+) -> Job:
+    rag = body.rag
+    assert rag is not None
+    if not question.strip():
+        raise ApiError(400, "the question is empty", "invalid_request")
+    strategy = Strategy.parse(rag.strategy) if rag.strategy else engine.config.strategy
+    if rag.cache_ids is not None:
+        if rag.top_k is not None:
+            raise ApiError(400, "give rag.cache_ids or rag.top_k, not both", "invalid_request")
+        cache_ids = rag.cache_ids
+    else:
+        hits = await asyncio.to_thread(engine.retrieve, question, rag.top_k or DEFAULT_TOP_K)
+        cache_ids = [hit.cache_id for hit in hits]
+    return Job(question, True, cache_ids, strategy, max_tokens)
+
+
+def _question(messages: list[Message]) -> str:
+    """The last user message; earlier turns, when there are any, ride along as a transcript
+    before it (the engine's own system prompt and the chunks come first)."""
+    *earlier, last = messages
+    if not earlier:
+        return last.text
+    transcript = "\n".join(f"{m.role}: {m.text}" for m in earlier)
+    return f"Conversation so far:\n{transcript}\n\nQuestion: {last.text}"
+
+
+async def _respond(
+    engine: RagKVCache, model: str, body: Sampling, job: Job, kind: str, metrics: ServerMetrics
+) -> Response:
+    temperature, top_p, seed = body.temperature, body.top_p, body.seed
+    if job.rag:
+        stream = engine.astream(
+            job.text,
+            job.cache_ids,
+            strategy=job.strategy,
+            max_new_tokens=job.max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+        )
+    else:
+        stream = engine.astream_complete(
+            job.text, max_new_tokens=job.max_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
+    pieces = aiter(stream)
+    # the first piece (or the request's own error: an unknown chunk, a context too long)
+    # before any byte is sent, so errors keep their status code
+    try:
+        first: str | None = await anext(pieces)
+    except StopAsyncIteration:
+        first = None
+    request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+
+    def finish_reason(answer: Answer) -> str:
+        limit = job.max_tokens or engine.config.generation.max_new_tokens
+        return "length" if len(answer.token_ids) >= limit else "stop"
+
+    if not body.stream:
+        text = first or ""
+        async for piece in pieces:
+            text += piece
+        answer = stream.result
+        assert answer is not None
+        metrics.answered(answer)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(answer)}
+        if kind == "chat.completion":
+            choice["message"] = {"role": "assistant", "content": answer.text}
+        else:
+            choice["text"] = answer.text
+        response: dict[str, Any] = {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": _usage(answer).model_dump(),
+        }
+        if job.rag:
+            response["rag"] = _rag_usage(job, answer).model_dump()
+        return JSONResponse(response)
+
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+
+    def chunk(delta: str | None, reason: str | None = None, **extra: Any) -> str:
+        if kind == "chat.completion":
+            content: dict[str, str] = {} if delta is None else {"content": delta}
+            if delta == "" and reason is None:
+                content = {"role": "assistant", "content": ""}  # the first chunk names the role
+            choice = {"index": 0, "delta": content, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": reason}
+        body_ = {"id": request_id, "object": chunk_kind, "created": created, "model": model}
+        return f"data: {json.dumps({**body_, 'choices': [choice], **extra})}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if kind == "chat.completion":
+                yield chunk("")
+            if first:
+                yield chunk(first)
+            async for piece in pieces:
+                yield chunk(piece)
+            answer = stream.result
+            assert answer is not None
+            metrics.answered(answer)
+            extra: dict[str, Any] = {"rag": _rag_usage(job, answer).model_dump()} if job.rag else {}
+            yield chunk(None, finish_reason(answer), **extra)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                usage = {"id": request_id, "object": chunk_kind, "created": created}
+                usage |= {"model": model, "choices": [], "usage": _usage(answer).model_dump()}
+                yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        except RagKVCacheError as e:  # after the first byte: the error travels in the stream
+            status, code = _status_of(e)
+            metrics.failed(status)
+            failure = {"message": str(e), "type": "server_error", "code": code}
+            yield f"data: {json.dumps({'error': failure})}\n\n"
+        finally:
+            await stream.aclose()  # a client that left: its request is aborted
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _usage(answer: Answer) -> Usage:
+    completion = len(answer.token_ids)
+    return Usage(
+        prompt_tokens=answer.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=answer.prompt_tokens + completion,
+    )
+
+
+def _rag_usage(job: Job, answer: Answer) -> RagUsage:
+    return RagUsage(
+        cache_ids=job.cache_ids,
+        strategy=str(answer.strategy),
+        context_tokens=answer.context_tokens,
+        reused_tokens=answer.reused_tokens,
+        recomputed_tokens=answer.recomputed_tokens,
+        ttft_s=answer.ttft_s,
+    )
+
+
+def _check(engine: RagKVCache, model: str, body: Sampling, max_tokens: int | None) -> None:
+    """The request's model is this server's, and its answer can fit the model's window."""
+    if body.model is not None and body.model != model:
+        message = f"this server serves the model {model!r}, not {body.model!r}"
+        raise ApiError(404, message, "model_not_found")
+    if max_tokens is not None and max_tokens >= engine.lm.max_context:
+        message = f"max_tokens {max_tokens} leaves no room in the model's window of "
+        raise ApiError(400, message + f"{engine.lm.max_context} tokens", "context_length_exceeded")
+
+
+def _status_of(e: RagKVCacheError) -> tuple[int, str | None]:
+    """The HTTP status and OpenAI error code of a library error."""
+    if isinstance(e, UnknownCacheIdError):
+        return 400, "unknown_cache_id"
+    if isinstance(e, ContextTooLongError):
+        return 400, "context_length_exceeded"
+    if isinstance(e, EngineClosedError):
+        return 503, "engine_closed"
+    if isinstance(e, StoreError):
+        return 503, "store_unavailable"
+    return 400, "invalid_request"
+
+
+def _batch_size(engine: RagKVCache | None) -> int:
+    """Requests decoding now (0 before the model is loaded or after the engine closed)."""
+    if engine is None:
+        return 0
+    try:
+        return len(engine.serving_loop().decoder.active)
+    except EngineClosedError:
+        return 0
+
+
+def _store_hits(engine: RagKVCache | None) -> dict[str, int]:
+    """Chunk fetches per store tier, as the catalog counts them for every worker."""
+    catalog = None if engine is None else engine.store.catalog
+    if catalog is None:
+        return {}
+    counters = catalog.counters()
+    return {k.removeprefix("hits:"): n for k, n in counters.items() if k.startswith("hits:")}

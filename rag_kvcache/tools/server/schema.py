@@ -1,0 +1,84 @@
+"""The HTTP bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests take what OpenAI clients send; fields that would change an answer in a way this server
+cannot honour (several choices, stop sequences) are refused rather than ignored. Retrieval is
+the `rag` extension field: without it a request is a plain completion.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RagOptions(BaseModel):
+    """What to answer over: `cache_ids` (chunks, in order) or the `top_k` chunks retrieved for
+    the question; `strategy` how to link them (default: the server's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: int | None = Field(None, ge=1, le=64)
+    cache_ids: list[str] | None = Field(None, max_length=256)
+    strategy: str | None = Field(None, max_length=200)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both endpoints share: the model, length, sampling, streaming and RAG."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stop: None = Field(None, description="stop sequences are not supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    rag: RagOptions | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RagUsage(BaseModel):
+    """What the cache did for this answer (the response's extension field)."""
+
+    cache_ids: list[str]
+    strategy: str
+    context_tokens: int
+    reused_tokens: int  # taken already linked from the prefix tree
+    recomputed_tokens: int
+    ttft_s: float

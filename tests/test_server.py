@@ -1,0 +1,305 @@
+"""The OpenAI-compatible server, driven over HTTP (FastAPI's TestClient, and one real
+`rag-kvcache serve` process): answers equal the engine's, streams are server-sent events
+ending in [DONE], every error is OpenAI's JSON shape with the right status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.config import StoreConfig
+from rag_kvcache.tools.server import create_app
+
+DOCS = [
+    "The Hallam Point lighthouse was designed by Mara Quell.",
+    "It was first lit in 1788 and burned whale oil until 1861.",
+    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
+]
+KEY = "s3cret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny32, tmp_path_factory) -> Iterator[RagKVCache]:
+    store = StoreConfig(root=tmp_path_factory.mktemp("store"))
+    engine = RagKVCache(
+        EngineConfig(store=store, generation=GenerationConfig(max_new_tokens=6)), lm=tiny32
+    )
+    engine.ingest_document("docs.md", DOCS)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> Iterator[TestClient]:
+    app = create_app(lambda: engine, api_key=KEY)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield client
+
+
+def ids(engine: RagKVCache) -> list[str]:
+    return [hit.cache_id for hit in engine.retrieve("lighthouse", top_k=3)]
+
+
+def test_chat_with_cache_ids_equals_the_engine_and_reports_usage(client, engine) -> None:
+    chunks = ids(engine)
+    body = {
+        "messages": [{"role": "user", "content": "Who designed the lighthouse?"}],
+        "max_tokens": 5,
+        "rag": {"cache_ids": chunks, "strategy": "legolink:2"},
+    }
+    response = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    alone = engine.generate(
+        "Who designed the lighthouse?", chunks, strategy="legolink:2", max_new_tokens=5
+    )
+    assert reply["object"] == "chat.completion" and reply["model"] == engine.lm.name
+    (choice,) = reply["choices"]
+    assert choice["message"] == {"role": "assistant", "content": alone.text}
+    assert choice["finish_reason"] == ("length" if len(alone.token_ids) == 5 else "stop")
+    usage = reply["usage"]
+    assert usage["completion_tokens"] == len(alone.token_ids)
+    assert usage["prompt_tokens"] == alone.prompt_tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert reply["rag"]["cache_ids"] == chunks and reply["rag"]["strategy"] == "legolink:2"
+
+
+def test_top_k_retrieves_and_completions_answer_the_prompt(client, engine) -> None:
+    body = {"prompt": "How deep is the harbor?", "max_tokens": 4, "rag": {"top_k": 2}}
+    reply = client.post("/v1/completions", json=body, headers=AUTH).json()
+    wanted = [h.cache_id for h in engine.retrieve("How deep is the harbor?", top_k=2)]
+    assert reply["rag"]["cache_ids"] == wanted
+    alone = engine.generate("How deep is the harbor?", wanted, max_new_tokens=4)
+    assert reply["object"] == "text_completion" and reply["choices"][0]["text"] == alone.text
+
+
+def test_a_request_without_rag_is_a_plain_completion(client, engine) -> None:
+    messages = [{"role": "user", "content": "Say hello."}]
+    reply = client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, headers=AUTH
+    ).json()
+    alone = engine.complete(engine.chat_prompt(messages), max_new_tokens=4)
+    assert reply["choices"][0]["message"]["content"] == alone.text
+    assert reply["usage"]["prompt_tokens"] == alone.prompt_tokens and "rag" not in reply
+
+
+def events(response: httpx.Response) -> list[str]:
+    lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return [line.removeprefix("data: ") for line in lines]
+
+
+def test_streams_are_server_sent_events_ending_in_done(client, engine) -> None:
+    chunks = ids(engine)
+    body = {
+        "messages": [{"role": "user", "content": "When was it first lit?"}],
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "rag": {"cache_ids": chunks},
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = events(response)
+    assert data[-1] == "[DONE]"
+    parsed = [json.loads(d) for d in data[:-1]]
+    assert parsed[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(p["object"] == "chat.completion.chunk" for p in parsed)
+    text = "".join(p["choices"][0]["delta"].get("content", "") for p in parsed if p["choices"])
+    alone = engine.generate("When was it first lit?", chunks, max_new_tokens=6)
+    assert text.strip() == alone.text
+    final = [p for p in parsed if p["choices"] and p["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and final[0]["rag"]["cache_ids"] == chunks
+    assert parsed[-1]["choices"] == [] and parsed[-1]["usage"]["completion_tokens"] == len(
+        alone.token_ids
+    )
+
+    plain = {"prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+    with client.stream("POST", "/v1/completions", json=plain, headers=AUTH) as response:
+        data = events(response)
+    assert data[-1] == "[DONE]"
+    pieces = "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1])
+    assert pieces.strip() == engine.complete("Once upon a time", max_new_tokens=4).text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"messages": [{"role": "user", "content": "q"}], "rag": {"cache_ids": ["0" * 32]}}, 400,
+         "unknown_cache_id"),
+        ({"messages": [{"role": "user", "content": "q"}], "rag": {"cache_ids": ["../../x"]}}, 400,
+         "unknown_cache_id"),
+        ({"messages": [{"role": "user", "content": "q"}],
+          "rag": {"top_k": 1, "strategy": "warp:9"}}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "max_tokens": 10**6, "rag": {"top_k": 2}},
+         400, "context_length_exceeded"),
+        ({"messages": [{"role": "user", "content": "lighthouse " * 5000}], "rag": {"top_k": 1}},
+         400, "context_length_exceeded"),
+        ({"messages": [{"role": "user", "content": "lighthouse " * 5000}]}, 400,
+         "context_length_exceeded"),
+        ({"messages": []}, 400, "invalid_request"),
+        ({"messages": [{"role": "wizard", "content": "q"}]}, 400, "invalid_request"),
+        ({"messages": "not a list"}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "n": 2}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "rag": {"top_k": 1, "extra": 1}}, 400,
+         "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "model": "gpt-4o"}, 404,
+         "model_not_found"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_openai_errors(client, body, status, code) -> None:
+    response = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"] and "Traceback" not in response.text
+    assert error["type"] in {"invalid_request_error", "not_found_error"}
+
+
+def test_streamed_errors_keep_their_status_and_a_broken_body_is_json(client) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "q"}],
+        "stream": True,
+        "rag": {"cache_ids": ["f" * 32]},
+    }
+    response = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "unknown_cache_id"
+    broken = client.post(
+        "/v1/chat/completions",
+        content=b"{not json",
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+    missing = client.get("/v1/nothing-here", headers=AUTH)
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_the_api_key_is_required_where_set(client) -> None:
+    body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        response = client.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/v1/models").status_code == 401
+    models = client.get("/v1/models", headers=AUTH).json()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+
+
+def test_concurrent_requests_decode_in_one_batch_and_metrics_count_them(client, engine) -> None:
+    """Four clients at once: each gets what it would alone, in fewer decode steps than their
+    tokens (they shared the batch); /metrics counts them."""
+    chunks = ids(engine)
+    questions = ["Who designed it?", "When was it lit?", "What did it burn?", "How deep?"]
+    before = engine.serving_loop().decoder.steps
+    replies: dict[str, dict] = {}
+
+    def ask(question: str) -> None:
+        body = {
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 6,
+            "rag": {"cache_ids": chunks},
+        }
+        replies[question] = client.post("/v1/chat/completions", json=body, headers=AUTH).json()
+
+    threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tokens = 0
+    for question in questions:
+        alone = engine.generate(question, chunks, max_new_tokens=6)
+        assert replies[question]["choices"][0]["message"]["content"] == alone.text
+        tokens += len(alone.token_ids)
+    assert engine.serving_loop().decoder.steps - before < tokens
+    text = client.get("/metrics").text
+    assert "rag_kvcache_ttft_seconds_bucket" in text and "rag_kvcache_batch_size" in text
+    generated = next(
+        line for line in text.splitlines() if line.startswith("rag_kvcache_generated_tokens_total")
+    )
+    assert float(generated.split()[-1]) >= tokens
+    assert 'rag_kvcache_store_hits_total{tier="' in text
+
+
+def test_health_is_503_while_loading_and_after_a_failed_load() -> None:
+    release = threading.Event()
+
+    def slow() -> RagKVCache:
+        release.wait(10)
+        raise RuntimeError("no model here")
+
+    with TestClient(create_app(slow)) as client:
+        loading = client.get("/health")
+        assert loading.status_code == 503 and loading.json()["status"] == "loading"
+        busy = client.post("/v1/completions", json={"prompt": "hi"})
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_not_ready"
+        release.set()
+        deadline = time.monotonic() + 10
+        while client.get("/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        failed = client.get("/health")
+        assert failed.status_code == 503 and "no model here" in failed.json()["error"]
+
+
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path: Path) -> None:
+    missing = subprocess.run(
+        [sys.executable, "-m", "rag_kvcache.tools.cli", "serve", "--store", str(tmp_path / "no")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "no catalog" in missing.stdout or "store" in missing.stdout
+
+    store = tmp_path / "store"
+    docs = tmp_path / "docs.md"
+    docs.write_text("\n\n".join(DOCS))
+    cli = [sys.executable, "-m", "rag_kvcache.tools.cli"]
+    model = ["--model", "random:tiny", "--store", str(store)]
+    subprocess.run(
+        [*cli, "ingest", str(docs), "--chunk-tokens", "16", *model],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    port = 18000 + os.getpid() % 1000
+    server = subprocess.Popen(
+        [*cli, "serve", *model, "--port", str(port), "--max-new-tokens", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert time.monotonic() < deadline and server.poll() is None
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        body = {"messages": [{"role": "user", "content": "Who?"}], "rag": {"top_k": 2}}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] <= 3 and len(reply["rag"]["cache_ids"]) == 2
+    finally:
+        server.terminate()
+        server.wait(30)
