@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -300,6 +301,28 @@ def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path:
         body = {"messages": [{"role": "user", "content": "Who?"}], "rag": {"top_k": 2}}
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
         assert reply["usage"]["completion_tokens"] <= 3 and len(reply["rag"]["cache_ids"]) == 2
+
+        # the real OpenAI client, RAG through extra_body
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        (model,) = client.models.list().data
+        assert model.id == "random-tiny"
+        messages: Any = [{"role": "user", "content": "Who designed the lighthouse?"}]
+        rag = {"rag": {"top_k": 2, "strategy": "legolink:2"}}
+        whole = client.chat.completions.create(model=model.id, messages=messages, extra_body=rag)
+        assert whole.usage is not None and whole.usage.completion_tokens <= 3
+        stream = client.chat.completions.create(
+            model=model.id, messages=messages, extra_body=rag, stream=True
+        )
+        pieces = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert pieces.strip() == whole.choices[0].message.content
+        import openai
+
+        with pytest.raises(openai.BadRequestError, match="unknown"):
+            client.chat.completions.create(
+                model=model.id, messages=messages, extra_body={"rag": {"cache_ids": ["a" * 32]}}
+            )
     finally:
         server.terminate()
         server.wait(30)
