@@ -199,3 +199,20 @@ def test_bench_memory_measures_the_ingest_command_and_gathers_runs(tmp_path: Pat
     assert all(200 < r["peak_rss_mb"] < 4000 and r["store_mb"] > 0 for r in report["rows"])
     assert (tmp_path / "r" / "memory.png").stat().st_size > 10_000
     assert not [p for p in (tmp_path / "r").iterdir() if p.is_dir()]  # files and stores gone
+
+
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+def test_bench_serve_loads_the_server_with_concurrent_and_lone_clients(tmp_path: Path) -> None:
+    args = ["bench", "serve", "--model", "random:tiny", "--clients", "3", "--requests", "6"]
+    args += ["--context-tokens", "512", "--new-tokens", "4", "--out", str(tmp_path)]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "serve.json").read_text())
+    cases = {(r["context"], r["clients"]): r for r in report["rows"]}
+    assert set(cases) == {("shared", 1), ("shared", 3), ("distinct", 1), ("distinct", 3)}
+    for row in cases.values():
+        assert row["failed"] == 0 and row["requests"] == 6
+        assert row["requests_per_s"] > 0 and row["tokens_per_s"] > 0
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"] and row["peak_kv_bytes"] > 0
+    assert cases["shared", 1]["context_tokens"] == 512
+    assert cases["distinct", 1]["context_tokens"] == 256  # a quarter each, its own chunks
+    assert (tmp_path / "serve.png").stat().st_size > 10_000

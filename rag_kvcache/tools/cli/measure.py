@@ -54,6 +54,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ingest_bench.add_argument("--chunk-tokens", type=int, default=256)
     ingest_bench.add_argument("--repeats", type=int, default=3)
     ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
+    serve = kinds.add_parser("serve", help="the HTTP server under concurrent clients")
+    serve.add_argument("--out", type=Path, default=Path("bench-results"))
+    serve.add_argument("--clients", type=int, default=32, help="at once (default 32)")
+    serve.add_argument("--requests", type=int, default=32, help="per case (default 32)")
+    serve.add_argument("--context-tokens", type=int, default=2048, help="shared context")
+    serve.add_argument("--new-tokens", type=int, default=32)
+    serve.add_argument("--model", default=None, help=MODEL_HELP)
+    serve.add_argument("--dtype", default="float32")
     memory = kinds.add_parser("memory", help="peak memory of `ingest` against the file's size")
     memory.add_argument("--out", type=Path, default=Path("bench-results"))
     memory.add_argument(
@@ -319,6 +327,29 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "chunks/s": lambda r: f"{r['chunks_per_s']:.1f}",
             "encode chunks/s": lambda r: f"{r['encode_chunks_per_s']:.1f}",
             "B/token": lambda r: f"{r['kv_bytes_per_token']:.0f}",
+        }
+    elif args.kind == "serve":
+        from rag_kvcache.tools.bench.serve import run_serve_bench
+
+        report = run_serve_bench(
+            args.out,
+            args.clients,
+            args.requests,
+            args.context_tokens,
+            args.new_tokens,
+            args.model,
+            args.dtype,
+        )
+        columns = {
+            "context": lambda r: r["context"],
+            "clients": lambda r: str(r["clients"]),
+            "ctx tokens": lambda r: str(r["context_tokens"]),
+            "req/s": lambda r: f"{r['requests_per_s']:.2f}",
+            "tok/s": lambda r: f"{r['tokens_per_s']:.1f}",
+            "TTFT p50": lambda r: f"{r['ttft_p50_s']:.2f}",
+            "TTFT p95": lambda r: f"{r['ttft_p95_s']:.2f}",
+            "peak KV MiB": lambda r: f"{r['peak_kv_bytes'] / 2**20:.0f}",
+            "failed": lambda r: str(r["failed"]),
         }
     elif args.kind == "memory":
         from rag_kvcache.tools.bench.memory import run_memory_bench
