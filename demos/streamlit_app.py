@@ -6,6 +6,10 @@ instead of prefilled again; optionally beside a full prefill), **Insight** (benc
 evaluation results, and the store's cache hit rates). The store lives in $RAG_KVCACHE_APP_STORE
 (default ~/.cache/rag-kvcache/app-store). The page functions only draw; the work is in plain
 functions (`ingest_paths`, `ingest_uploads`) that the tests call directly too.
+
+With $RAG_KVCACHE_APP_SERVER set to a `rag-kvcache serve` URL (and $RAG_KVCACHE_APP_API_KEY
+if it has one), the app loads no model: the Ask page sends its questions to that server, which
+retrieves from its own store; documents are added there with `rag-kvcache ingest`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from rag_kvcache.strategy import Strategy
 log = logging.getLogger("rag_kvcache.demo")
 
 STORE_ENV = "RAG_KVCACHE_APP_STORE"
+SERVER_ENV, API_KEY_ENV = "RAG_KVCACHE_APP_SERVER", "RAG_KVCACHE_APP_API_KEY"
 HERE = Path(__file__).resolve().parent
 SAMPLE_DATA = HERE / "data"
 RESULTS = HERE / "results" / "cpu"
@@ -171,7 +176,7 @@ def friendly(error: Exception) -> str:
         )
     if isinstance(error, ContextTooLongError):
         return f"Too much text for the model: retrieve fewer chunks in the sidebar. ({error})"
-    if isinstance(error, RagKVCacheError):
+    if isinstance(error, RagKVCacheError | RemoteError):
         return f"That did not work: {error}"
     return (
         f"Something unexpected went wrong ({type(error).__name__}: {error}). "
@@ -289,11 +294,86 @@ class Turn:
     hits: list[Retrieved] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)  # the strategy's, then full prefill's
     error: str | None = None
+    cache_ids: list[str] = field(default_factory=list)  # from a server: IDs, no texts
 
 
-def ask_page(engine: RagKVCache) -> None:
+class RemoteError(Exception):
+    """A server's error answer: its message is for the user."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running `rag-kvcache serve`: the Ask page's answers come from it (streamed)."""
+
+    url: str
+    api_key: str | None = None
+
+    def stream(
+        self,
+        question: str,
+        strategy: str,
+        top_k: int,
+        max_new: int,
+        done: list[Answer],
+        cache_ids: list[str],
+    ) -> Iterable[str]:
+        """The answer's text pieces; once exhausted, `done` holds its Answer (the server's
+        TTFT and token counts; no token IDs) and `cache_ids` the chunks it retrieved."""
+        import httpx
+
+        body = {
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_new,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "rag": {"top_k": top_k, "strategy": strategy},
+        }
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        url = f"{self.url.rstrip('/')}/v1/chat/completions"
+        start, text, rag, usage = time.perf_counter(), "", None, None
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=600) as response:
+            if response.status_code != 200:
+                response.read()
+                raise RemoteError(response.json().get("error", {}).get("message", response.text))
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    raise RemoteError(event["error"]["message"])
+                rag, usage = event.get("rag", rag), event.get("usage", usage)
+                for choice in event["choices"]:
+                    if piece := choice["delta"].get("content"):
+                        text += piece
+                        yield piece
+        assert rag is not None and usage is not None, "the server's stream ended early"
+        total = time.perf_counter() - start
+        decode_s = max(total - rag["ttft_s"], 1e-9)
+        done.append(
+            Answer(
+                text=text.strip(),
+                token_ids=(),
+                strategy=Strategy.parse(rag["strategy"]),
+                prompt_tokens=usage["prompt_tokens"],
+                context_tokens=rag["context_tokens"],
+                recomputed_tokens=rag["recomputed_tokens"],
+                ttft_s=rag["ttft_s"],
+                decode_tokens_per_s=max(usage["completion_tokens"] - 1, 0) / decode_s,
+                total_s=total,
+                reused_tokens=rag["reused_tokens"],
+            )
+        )
+        cache_ids[:] = rag["cache_ids"]
+
+
+def server() -> Server | None:
+    url = os.environ.get(SERVER_ENV)
+    return Server(url, os.environ.get(API_KEY_ENV) or None) if url else None
+
+
+def ask_page(engine: RagKVCache | Server) -> None:
     st.header("2 · Ask")
-    if not engine.corpus.catalog.documents():
+    if isinstance(engine, RagKVCache) and not engine.corpus.catalog.documents():
         st.info(
             "No documents yet: ingest the sample corpus or upload files on the **Ingest** page."
         )
@@ -329,12 +409,42 @@ def ask_page(engine: RagKVCache) -> None:
         st.markdown(question)
     with st.chat_message("assistant"):
         try:
-            with engine_lock():
-                answer_live(engine, turn, strategy, compare, top_k, max_new)
-        except RagKVCacheError as e:
+            if isinstance(engine, Server):
+                answer_remote(engine, turn, strategy, compare, top_k, max_new)
+            else:
+                with engine_lock():
+                    answer_live(engine, turn, strategy, compare, top_k, max_new)
+        except (RagKVCacheError, RemoteError) as e:
             turn.error = friendly(e)
             st.error(turn.error)
     turns.append(turn)
+
+
+def answer_remote(
+    server: Server, turn: Turn, strategy: str, compare: bool, top_k: int, max_new: int
+) -> None:
+    """`answer_live` through the server: it retrieves, links and streams."""
+    chosen = Strategy.parse(strategy)
+    runs = [chosen, chosen.baseline] if compare else [chosen]
+    for run, column in zip(runs, answer_columns(len(runs))):
+        with column:
+            if compare:
+                st.markdown(f"**{heading(run)}**")
+            done: list[Answer] = []
+            pieces = server.stream(turn.question, str(run), top_k, max_new, done, turn.cache_ids)
+            st.write_stream(pieces)
+            turn.answers += done
+            st.caption(answer_line(done[0]))
+    if compare:
+        show_comparison(*turn.answers)
+    show_chunk_ids(turn.cache_ids)
+
+
+def show_chunk_ids(cache_ids: list[str]) -> None:
+    st.markdown(
+        f"**Sources**: {len(cache_ids)} chunks retrieved by the server, linked in this order: "
+        + ", ".join(f"`{c[:12]}`" for c in cache_ids)
+    )
 
 
 def answer_live(
@@ -377,6 +487,8 @@ def show_turn(turn: Turn) -> None:
             show_comparison(*turn.answers)
         if turn.hits and turn.answers:
             show_sources(turn.hits)
+        if turn.cache_ids and turn.answers:
+            show_chunk_ids(turn.cache_ids)
         if turn.error:
             st.error(turn.error)
 
@@ -558,6 +670,17 @@ def main() -> None:
         "chunk **once**, when you add it, and keeps what it computed (its *KV cache*) on disk. "
         "A question then reuses the saved chunks, so the first word comes many times sooner."
     )
+    if (remote := server()) is not None:  # the answers come from a server: no model here
+        st.sidebar.radio("Page", ("Ask",), key="page")
+        st.sidebar.caption(
+            f"Server: `{remote.url}` · add documents with `rag-kvcache ingest` into its store"
+        )
+        try:
+            ask_page(remote)
+        except Exception as e:  # shown to the user; the traceback goes to the terminal
+            log.exception("the Ask page failed")
+            st.error(friendly(e))
+        return
     try:
         engine = load_engine(str(store_root()))
     except Exception as e:  # shown to the user; the traceback goes to the terminal

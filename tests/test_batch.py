@@ -133,11 +133,16 @@ def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, share
         )
 
 
-def test_batches_refuse_ape_with_a_clear_error(tiny64) -> None:
+@pytest.mark.parametrize("strategy", ["legolink:2+ape:0.7,0.8", "cacheblend:0.5"])
+def test_batches_refuse_what_the_tree_cannot_share_with_a_clear_error(tiny64, strategy) -> None:
+    """APE's scale and cacheblend's whole-context selection cannot ride on a shared prefix:
+    refused up front (cacheblend would fail only at the second request sharing the system
+    prompt's node)."""
     engine = RagKVCache(EngineConfig(), lm=tiny64)
-    ids = engine.generate_context_cache(DOCS[:2])
+    ids = tuple(engine.generate_context_cache(DOCS[:2]))
+    twice = [BatchRequest("Who?", ids), BatchRequest("When?", ids)]
     with pytest.raises(StrategyError, match="one at a time"):
-        engine.generate_batch([BatchRequest("Who?", tuple(ids))], strategy="legolink:2+ape:0.7,0.8")
+        engine.generate_batch(twice, strategy=strategy)
 
 
 def test_a_tight_budget_never_evicts_the_path_being_extended(tiny64) -> None:

@@ -124,7 +124,7 @@ class _Active:
 
 def batchable(strategy: Strategy) -> bool:
     """Whether the batch decoder serves `strategy` (see `check_batchable`)."""
-    return not (strategy.uses_ape or strategy.calibrated)
+    return not (strategy.uses_ape or strategy.calibrated or strategy.kind == "cacheblend")
 
 
 def check_batchable(strategy: Strategy) -> None:
@@ -139,6 +139,12 @@ def check_batchable(strategy: Strategy) -> None:
             f"{strategy}: batched decoding shares linked prefixes through the prefix tree, "
             "which does not keep link tokens yet; answer these requests one at a time "
             "(generate)"
+        )
+    if strategy.kind == "cacheblend":
+        raise StrategyError(
+            f"{strategy}: cacheblend picks the tokens to recompute over the whole context, so "
+            "it cannot extend a prefix shared in the prefix tree; answer these requests one at "
+            "a time (generate)"
         )
 
 
