@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,15 +104,18 @@ class VectorIndex:
 
     def save(self, path: Path, cache_ids_path: Path) -> None:
         """Write the index, its key -> cache ID list and then their checksums (each
-        atomically; a kill between two leaves checksums that do not match: rebuilt)."""
-        tmp = path.with_name(path.name + ".tmp")
+        atomically; a kill between two leaves checksums that do not match: rebuilt). Each
+        writer has its own temporary names, so processes saving into one folder at once
+        never take each other's file."""
+        mine = f".{os.getpid()}-{threading.get_ident()}.tmp"
+        tmp = path.with_name(path.name + mine)
         _faiss().write_index(self._index, str(tmp))
         os.replace(tmp, path)
-        tmp_ids = cache_ids_path.with_name(cache_ids_path.name + ".tmp")
+        tmp_ids = cache_ids_path.with_name(cache_ids_path.name + mine)
         tmp_ids.write_text("\n".join(self._ids.values()) + "\n", encoding="ascii")
         os.replace(tmp_ids, cache_ids_path)
         sums = checksum_path(path)
-        tmp_sums = sums.with_name(sums.name + ".tmp")
+        tmp_sums = sums.with_name(sums.name + mine)
         tmp_sums.write_text(json.dumps(file_checksums(path, cache_ids_path)), encoding="ascii")
         os.replace(tmp_sums, sums)
 
