@@ -28,7 +28,7 @@ from rag_kvcache.engine import DocumentIngest, RagKVCache
 MAX_BYTES = 16 << 20  # larger files are reported and skipped (raise with --max-bytes)
 SEGMENT_CHARS = 1 << 20  # text split at a time (a file's chunks never span two segments)
 BATCH_CHUNKS = 32  # chunks encoded and stored at a time, at most
-BATCH_TOKENS = 8192  # ... and tokens (32 chunks of the CLI's 256 tokens)
+BATCH_TOKENS = 4096  # ... and tokens (16 of the CLI's 256-token chunks: ~190 MB of SmolLM2 KV)
 READ_BYTES = 1 << 20
 Splitter = Callable[[str], list[str]]
 
