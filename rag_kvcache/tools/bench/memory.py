@@ -145,7 +145,7 @@ def plot_memory(rows: list[MemoryRow], path: Path) -> None:
     ax.set_ylim(0, max(TARGET_MB, *(r.peak_rss_mb for r in rows)) * 1.15)
     ax.set_xlabel("file size (MB of text)")
     ax.set_ylabel("peak RSS of `rag-kvcache ingest` (MiB)")
-    ax.set_title("ingestion memory does not grow with the file")
+    ax.set_title("peak memory of an ingest against the file's size")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
