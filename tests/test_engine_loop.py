@@ -338,3 +338,25 @@ def test_sampling_settings_reach_the_loop_as_generate_would_use_them(engine, tin
     assert isinstance(alone, Answer) and isinstance(greedy, Answer)
     assert eleven.token_ids == alone.token_ids
     assert eleven.token_ids != greedy.token_ids or twelve.token_ids != greedy.token_ids
+
+
+def test_a_linked_requests_first_token_goes_out_before_the_next_is_linked(engine, tiny64) -> None:
+    """Requests admitted in one step each link their context (a forward over it): the first
+    token of each is emitted as soon as it is chosen, not after all of them are linked."""
+    ids = engine.generate_context_cache(DOCS)
+    events: list[str] = []
+
+    def fetch(path: list[str]) -> list:
+        events.append("link")
+        return engine.store.get(path)
+
+    decoder = BatchDecoder(tiny64, engine.prefix_tree, fetch)
+    strategy = Strategy.parse("legolink:2")
+    for question in QUESTIONS:
+        r = engine._loop_request(question, ids[:2], strategy, 4)
+        decoder.add_request(list(r.path), list(r.question), r.config, strategy)
+    outputs = decoder.step(lambda out: events.append(f"token {out.request_id}"))
+    assert events == ["link", "token 0", "link", "token 1", "link", "token 2"]
+    assert [o.request_id for o in outputs] == [0, 1, 2]
+    while decoder.has_work:
+        decoder.step()

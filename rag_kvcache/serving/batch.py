@@ -221,17 +221,27 @@ class BatchDecoder:
             self.pack([])  # inlined nodes get their own copies back; the rows go
         return True
 
-    def step(self) -> list[StepOutput]:
+    def step(self, emit: Callable[[StepOutput], None] | None = None) -> list[StepOutput]:
         """One batched decode forward for the active requests, then admission of waiting ones
-        (each links its context and chooses its first token): at most one record a request."""
+        (each links its context and chooses its first token): at most one record a request.
+        `emit` gets each record as soon as it exists, so a request's first token goes out
+        when it is linked, not after every request admitted in the same step. `emit` must
+        not call back into the decoder (`abort` after the step)."""
         outputs: list[StepOutput] = []
+
+        def out(record: StepOutput) -> None:
+            outputs.append(record)
+            if emit is not None:
+                emit(record)
+
         if self.active:
             active = list(self.active.values())
             tick = time.perf_counter()
             self.forward(active)
             self.decode_s += time.perf_counter() - tick
             self.steps, self.decode_tokens = self.steps + 1, self.decode_tokens + len(active)
-            outputs += [self.choose(request) for request in active]
+            for request in active:
+                out(self.choose(request))
         while self.waiting and len(self.active) < self.max_batch:
             waiting = self.waiting.popleft()
             if waiting.request_id not in self.waiting_ids:
@@ -240,11 +250,11 @@ class BatchDecoder:
             try:
                 request = self.admit(waiting)
             except RagKVCacheError as error:  # this request's fault: the others go on
-                outputs.append(StepOutput(waiting.request_id, None, "", True, error=error))
+                out(StepOutput(waiting.request_id, None, "", True, error=error))
                 continue
             self.active[request.request_id] = request
             request.ttft_s = time.perf_counter() - request.arrived
-            outputs.append(self.choose(request))
+            out(self.choose(request))
         if not self.active:
             self.pack([])
         return outputs

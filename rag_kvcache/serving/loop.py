@@ -145,18 +145,25 @@ class EngineLoop:
         self._sinks[request_id] = (command.ticket, command.sink)
 
     def _step(self) -> None:
-        try:
-            outputs = self.decoder.step()
-        except Exception as error:  # a bug, not one request's fault: fail every request
-            self._fail_all(error)
-            return
-        for out in outputs:
+        """One decoder step, each output handed to its caller as soon as it exists (a newly
+        linked request's first token does not wait for the others admitted with it)."""
+        gone: list[int] = []  # tickets nobody listens to any more: aborted after the step
+
+        def deliver(out: StepOutput) -> None:
             ticket, sink = self._sinks[out.request_id]
             if out.finished:
                 del self._sinks[out.request_id]
                 del self._request_of[ticket]
             if not _deliver(sink, out) and not out.finished:
-                self._apply(_Abort(ticket))  # nobody is listening any more
+                gone.append(ticket)
+
+        try:
+            self.decoder.step(deliver)
+        except Exception as error:  # a bug, not one request's fault: fail every request
+            self._fail_all(error)
+            return
+        for ticket in gone:
+            self._apply(_Abort(ticket))
 
     def _fail_all(self, error: Exception) -> None:
         """Hand `error` to every request in flight and drop them from the decoder."""
