@@ -193,7 +193,8 @@ def test_streamed_errors_keep_their_status_and_a_broken_body_is_json(client) -> 
 
 def test_the_api_key_is_required_where_set(client) -> None:
     body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    hostile = {"Authorization": "Bearer cl\u00e9".encode("latin-1")}  # non-ASCII: still a 401
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, hostile):
         response = client.post("/v1/chat/completions", json=body, headers=headers)
         assert response.status_code == 401, headers
         assert response.json()["error"]["code"] == "invalid_api_key"
@@ -274,16 +275,16 @@ def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path:
     docs = tmp_path / "docs.md"
     docs.write_text("\n\n".join(DOCS))
     cli = [sys.executable, "-m", "rag_kvcache.tools.cli"]
-    model = ["--model", "random:tiny", "--store", str(store)]
+    options = ["--model", "random:tiny", "--store", str(store)]
     subprocess.run(
-        [*cli, "ingest", str(docs), "--chunk-tokens", "16", *model],
+        [*cli, "ingest", str(docs), "--chunk-tokens", "16", *options],
         check=True,
         capture_output=True,
         timeout=300,
     )
     port = 18000 + os.getpid() % 1000
     server = subprocess.Popen(
-        [*cli, "serve", *model, "--port", str(port), "--max-new-tokens", "3"],
+        [*cli, "serve", *options, "--port", str(port), "--max-new-tokens", "3"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

@@ -118,7 +118,9 @@ def create_app(
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
             raise ApiError(
                 401, "missing or wrong API key (Authorization: Bearer KEY)", "invalid_api_key"
             )
