@@ -57,7 +57,7 @@ def main() -> None:
     encode_s = sum(d.encode_s for d in done)
     rate = f": {encoded / encode_s:.1f} chunks/s" if encoded else ""
     console.print(
-        f"{len(done)} documents ingested ({encoded} chunks encoded{rate}), "
+        f"{len(done)} document{'s' * (len(done) != 1)} ingested ({encoded} chunks encoded{rate}), "
         f"{len(plan.unchanged)} unchanged; store holds {engine.store.nbytes() / 2**20:.0f} MiB"
     )
 

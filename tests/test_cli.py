@@ -216,3 +216,24 @@ def test_bench_serve_loads_the_server_with_concurrent_and_lone_clients(tmp_path:
     assert cases["shared", 1]["context_tokens"] == 512
     assert cases["distinct", 1]["context_tokens"] == 256  # a quarter each, its own chunks
     assert (tmp_path / "serve.png").stat().st_size > 10_000
+
+
+def test_help_and_version_answer_without_loading_torch() -> None:
+    """Parsing the command line imports no torch / transformers (the package's engine-backed
+    names load on first use), so `--help` and `--version` answer at once."""
+    import subprocess
+    import sys
+
+    from rag_kvcache.tools.cli.documents import counted
+
+    probe = (
+        "import sys; from rag_kvcache.tools.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", loaded.stderr
+    version = subprocess.run(
+        [sys.executable, "-m", "rag_kvcache.tools.cli", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.startswith("rag-kvcache 0.")
+    assert (counted(1, "document"), counted(2, "chunk")) == ("1 document", "2 chunks")

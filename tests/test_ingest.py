@@ -18,6 +18,7 @@ from rag_kvcache.integrations.llama_index.splitter import split_text
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.tools.cli import main
+from rag_kvcache.tools.cli.documents import counted
 
 DATA = Path(__file__).resolve().parents[1] / "demos" / "data"
 PARAGRAPHS = {
@@ -329,7 +330,7 @@ def test_ingest_killed_midway_resumes_where_it_stopped(tmp_path: Path) -> None:
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     out = " ".join(rerun.stdout.split())
-    assert f"{8 - recorded} documents ingested" in out and f"{recorded} unchanged" in out
+    assert f"{counted(8 - recorded, 'document')} ingested" in out and f"{recorded} unchanged" in out
     assert catalog is not None
     total = catalog.stats().chunks_per_state["stored"]
     encoded = int(out.split(" encoded,")[0].rsplit(" ", 1)[1])

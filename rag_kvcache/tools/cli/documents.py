@@ -88,12 +88,18 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
     chunks = sum(len(d.cache_ids) for d in done)
     seconds = time.perf_counter() - start
     console.print(
-        f"{len(done)} documents ingested ({chunks} chunks: {encoded} encoded, "
+        f"{counted(len(done), 'document')} ingested ({counted(chunks, 'chunk')}: {encoded} "
+        "encoded, "
         f"{chunks - encoded} already cached; {sum(d.removed for d in done)} stale removed), "
         f"{len(plan.unchanged)} unchanged, {len(plan.skipped)} skipped, {len(pruned)} pruned "
         f"in {seconds:.1f} s ({encoded / max(encode_s, 1e-9):.1f} chunks/s encoded)"
     )
     return 0 if done or plan.unchanged or pruned else 1
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 document', '2 documents'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def answer_command(args: argparse.Namespace, console: Console) -> int:

@@ -1,5 +1,6 @@
 """The `rag-kvcache` command: parse, then run the chosen command. Each command group adds its
-own parsers and sets the function that runs it; a RagKVCacheError becomes one clear line."""
+own parsers and sets the function that runs it; a RagKVCacheError becomes one clear line.
+Parsing imports nothing heavy (no torch): `--help` and `--version` answer at once."""
 
 from __future__ import annotations
 
@@ -15,10 +16,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rag-kvcache",
         description="Encode RAG chunks' KV once; answer from the linked cache.",
     )
+    parser.add_argument("--version", action="version", version=f"rag-kvcache {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     for group in (measure, calibration, documents, markup, store, serve):
         group.add_parsers(commands)
     return parser
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("rag-kvcache")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
