@@ -347,7 +347,9 @@ class RagKVCache:
         `agenerate` / `astream` wait until it is done."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
         work = [
-            self._loop_request(r.query, list(r.cache_ids), strategy, r.max_new_tokens or None)
+            self._loop_request(
+                r.query, list(r.cache_ids), strategy, self._generation(r.max_new_tokens or None)
+            )
             for r in requests
         ]
         with self._tree_lock:
@@ -382,10 +384,7 @@ class RagKVCache:
             top_p=top_p,
             seed=seed,
         )
-        async for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
+        return await stream.finish()
 
     def astream(
         self,
@@ -405,7 +404,7 @@ class RagKVCache:
         settings left None are the engine's (`GenerationConfig`)."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
         gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        request = self._loop_request(query, cache_ids, strategy, gen.max_new_tokens, gen)
+        request = self._loop_request(query, cache_ids, strategy, gen)
         return AsyncTokenStream(self.serving_loop(), request, self._answer)
 
     async def acomplete(
@@ -422,10 +421,7 @@ class RagKVCache:
         stream = self.astream_complete(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
-        async for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
+        return await stream.finish()
 
     def astream_complete(
         self,
@@ -468,18 +464,12 @@ class RagKVCache:
             return self.prefix_tree.clear()
 
     def _loop_request(
-        self,
-        query: str,
-        cache_ids: list[str],
-        strategy: Strategy,
-        max_new_tokens: int | None,
-        generation: GenerationConfig | None = None,
+        self, query: str, cache_ids: list[str], strategy: Strategy, generation: GenerationConfig
     ) -> LoopRequest:
         check_batchable(strategy)
         question = self.template.question_ids(self.lm.tokenizer, query)
         path = (self.prefix_id, *strategy.arrange(cache_ids))
-        gen = generation or self._generation(max_new_tokens)
-        return LoopRequest(path, tuple(question), gen, strategy)
+        return LoopRequest(path, tuple(question), generation, strategy)
 
     def _answer(self, done: Finished) -> Answer:
         return make_answer(

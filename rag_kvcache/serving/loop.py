@@ -200,6 +200,14 @@ class AsyncTokenStream(Generic[R]):
     async def aclose(self) -> None:
         await self._pieces.aclose()
 
+    async def finish(self) -> R:
+        """Run the request to its end (the pieces not yet read are dropped); its result
+        (as `AnswerStream.finish` does for `generate`)."""
+        async for _ in self._pieces:
+            pass
+        assert self.result is not None
+        return self.result
+
     async def _run(self) -> AsyncGenerator[str, None]:
         events = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()

@@ -275,11 +275,7 @@ async def _respond(
         return "length" if len(answer.token_ids) >= limit else "stop"
 
     if not body.stream:
-        text = first or ""
-        async for piece in pieces:
-            text += piece
-        answer = stream.result
-        assert answer is not None
+        answer = await stream.finish()  # its text is the pieces joined, trimmed
         metrics.answered(answer)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(answer)}
         if kind == "chat.completion":
@@ -300,11 +296,13 @@ async def _respond(
 
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
 
-    def chunk(delta: str | None, reason: str | None = None, **extra: Any) -> str:
+    def chunk(
+        delta: str | None, reason: str | None = None, role: bool = False, **extra: Any
+    ) -> str:
         if kind == "chat.completion":
             content: dict[str, str] = {} if delta is None else {"content": delta}
-            if delta == "" and reason is None:
-                content = {"role": "assistant", "content": ""}  # the first chunk names the role
+            if role:
+                content = {"role": "assistant", **content}
             choice = {"index": 0, "delta": content, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": reason}
@@ -314,7 +312,7 @@ async def _respond(
     async def events() -> AsyncIterator[str]:
         try:
             if kind == "chat.completion":
-                yield chunk("")
+                yield chunk("", role=True)  # the first chunk names the role
             if first:
                 yield chunk(first)
             async for piece in pieces:
