@@ -318,15 +318,18 @@ class Server:
         cache_ids: list[str],
     ) -> Iterable[str]:
         """The answer's text pieces; once exhausted, `done` holds its Answer (the server's
-        TTFT and token counts; no token IDs) and `cache_ids` the chunks it retrieved."""
+        TTFT and token counts; no token IDs). Answered over `cache_ids`, or, if it is empty,
+        over the `top_k` chunks the server retrieves (then `cache_ids` names them), so a
+        second answer (compare mode) reads the first one's chunks, as `answer_live` does."""
         import httpx
 
+        chunks = {"cache_ids": cache_ids} if cache_ids else {"top_k": top_k}
         body = {
             "messages": [{"role": "user", "content": question}],
             "max_tokens": max_new,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "rag": {"top_k": top_k, "strategy": strategy},
+            "rag": {**chunks, "strategy": strategy},
         }
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         url = f"{self.url.rstrip('/')}/v1/chat/completions"

@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.progress import Progress
 
@@ -33,6 +34,9 @@ from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.model.loading import load_model
 from rag_kvcache.tools.bench.report import cache_chunks, corpus_tokens, save_report
+
+if TYPE_CHECKING:
+    import httpx
 
 CHUNK_TOKENS = 256
 
@@ -101,12 +105,9 @@ class LocalServer:
 
 
 async def one_request(
-    client: object, url: str, question: str, ids: list[str], tokens: int
+    client: httpx.AsyncClient, url: str, question: str, ids: list[str], tokens: int
 ) -> Outcome:
     """One streamed chat request; TTFT is the first text the client receives."""
-    import httpx
-
-    assert isinstance(client, httpx.AsyncClient)
     body = {
         "messages": [{"role": "user", "content": question}],
         "max_tokens": tokens,
