@@ -67,8 +67,8 @@ _STALE = ("naive", "legolink", "legolink0", "cacheblend")  # kinds that leave to
 ORDERS = ("given", "reversed", "rotated")
 SPELLINGS = (
     "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
-    "each optionally +reversed or +rotated, then (not prefill or full) +top:N, then +ape:T,S, "
-    "then +calibrated"
+    "each optionally +reversed or +rotated, then (not prefill or full) +top:N, then +window:W, "
+    "then +ape:T,S, then +calibrated"
 )
 _NUMBER = r"([0-9.e+-]+)"
 T = TypeVar("T")
@@ -83,6 +83,7 @@ class Strategy:
     ratio: float = 0.0  # cacheblend: share of document tokens recomputed in the last layers
     order: str = "given"  # placement of the document chunks (see the module docstring)
     top: int = 0  # best-ranked document chunks recomputed whole (query-aware recompute)
+    window: int | None = None  # recomputed document tokens read the W tokens before their chunk
     temperature: float = 1.0  # APE: scores on stale context tokens divided by this
     scale: float = 1.0  # APE: attention weight of stale context tokens multiplied by this
     calibrated: bool = False  # the model's trained link tokens after every document chunk
@@ -100,6 +101,14 @@ class Strategy:
             raise StrategyError("`positions` places units at their schema positions: no order")
         if self.top < 0 or (self.top and self.kind not in _STALE):
             raise StrategyError(f"top={self.top} is for {', '.join(_STALE)}, and must be >= 0")
+        if self.window is not None and (self.window < 0 or self.kind not in _STALE):
+            raise StrategyError(
+                f"window={self.window} is for {', '.join(_STALE)}, and must be >= 0"
+            )
+        if self.window is not None and self.kind == "cacheblend":
+            raise StrategyError("window with cacheblend: it recomputes a different set per layer")
+        if self.window is not None and self.calibrated:  # its link tokens read everything
+            raise StrategyError("window with calibrated: the calibration was trained without one")
         if not (0 < self.temperature < math.inf and 0 < self.scale < math.inf):
             raise StrategyError(f"ape:{self.temperature},{self.scale}: both must be > 0, finite")
         if self.uses_ape and self.kind not in _STALE:
@@ -117,16 +126,19 @@ class Strategy:
         text, *parts = str(spec).strip().lower().split("+")
         if parts:
             base, order, top, ape, calibrated = cls.parse(text), "given", 0, ("1", "1"), False
+            window: int | None = None
             seen = 0  # parts come in this order, each at most once
             for part in parts:
                 if part in ORDERS[1:] and seen < 1:
                     order, seen = part, 1
                 elif (m := re.fullmatch(r"top:(\d+)", part)) and seen < 2:
                     top, seen = int(m.group(1)), 2
-                elif (m := re.fullmatch(f"ape:{_NUMBER},{_NUMBER}", part)) and seen < 3:
-                    ape, seen = (m.group(1), m.group(2)), 3
-                elif part == "calibrated" and seen < 4:
-                    calibrated, seen = True, 4
+                elif (m := re.fullmatch(r"window:(\d+)", part)) and seen < 3:
+                    window, seen = int(m.group(1)), 3
+                elif (m := re.fullmatch(f"ape:{_NUMBER},{_NUMBER}", part)) and seen < 4:
+                    ape, seen = (m.group(1), m.group(2)), 4
+                elif part == "calibrated" and seen < 5:
+                    calibrated, seen = True, 5
                 else:
                     raise StrategyError(f"unknown link strategy {spec!r}; use {SPELLINGS}")
             try:
@@ -135,6 +147,7 @@ class Strategy:
                     base,
                     order=order,
                     top=top,
+                    window=window,
                     temperature=temperature,
                     scale=scale,
                     calibrated=calibrated,
@@ -164,6 +177,8 @@ class Strategy:
             base += f"+{self.order}"
         if self.top:
             base += f"+top:{self.top}"
+        if self.window is not None:
+            base += f"+window:{self.window}"
         if self.uses_ape:
             base += f"+ape:{_exact(self.temperature)},{_exact(self.scale)}"
         if self.calibrated:

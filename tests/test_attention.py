@@ -7,7 +7,7 @@ from torch import nn
 from rag_kvcache.model.adapter import (
     QUERY_BLOCK,
     gqa_sdpa_attention,
-    query_block_ends,
+    query_block_keys,
     reference_attention,
 )
 
@@ -20,11 +20,11 @@ class Heads(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("queries", [5, QUERY_BLOCK, 3 * QUERY_BLOCK + 7])
-@pytest.mark.parametrize("mask_kind", ["causal-by-position", "none", "batched-padding"])
+@pytest.mark.parametrize("mask_kind", ["causal-by-position", "windowed", "none", "batched-padding"])
 def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) -> None:
     g = torch.Generator().manual_seed(queries)
     batch = 2 if mask_kind == "batched-padding" else 1
-    keys_len = 200 if mask_kind == "causal-by-position" else queries
+    keys_len = 200 if mask_kind in ("causal-by-position", "windowed") else queries
     q = torch.randn(batch, 6, queries, 16, generator=g, dtype=dtype)
     k = torch.randn(batch, 2, keys_len, 16, generator=g, dtype=dtype)
     v = torch.randn(batch, 2, keys_len, 16, generator=g, dtype=dtype)
@@ -35,16 +35,29 @@ def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) ->
         mask = torch.zeros(queries, keys_len, dtype=dtype).masked_fill(
             ~allowed, torch.finfo(dtype).min
         )[None, None]
+    elif mask_kind == "windowed":  # the last 40 keys' rows read 8 system keys and a window
+        positions = torch.arange(keys_len - queries, keys_len)
+        allowed = torch.arange(keys_len)[None, :] <= positions[:, None]
+        reach = torch.where(positions < keys_len - 8, positions - 40, 0)  # the last 8 read all
+        allowed &= (torch.arange(keys_len)[None, :] < 8) | (
+            torch.arange(keys_len)[None, :] >= reach[:, None]
+        )
+        mask = torch.zeros(queries, keys_len, dtype=dtype).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )[None, None]
     elif mask_kind == "batched-padding":
         allowed = torch.ones(batch, 1, queries, queries).tril().bool()
         allowed[1, :, :, queries // 2 :] = False
         allowed[1, :, :, 0] = True
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    ends = None if mask is None else query_block_ends(mask)  # as `forward` passes them
+    seen = None if mask is None else query_block_keys(mask)  # as `forward` passes them
     if mask_kind == "causal-by-position" and queries > QUERY_BLOCK:
-        assert ends is not None and len(ends) == -(-queries // QUERY_BLOCK)
-        assert ends[0] < keys_len  # the first block really skips keys
-    fast, _ = gqa_sdpa_attention(Heads(), q, k, v, mask, scaling=0.25, query_block_ends=ends)
+        assert seen is not None and len(seen) == -(-queries // QUERY_BLOCK)
+        assert isinstance(seen[0], slice) and seen[0].stop < keys_len  # really skips keys
+    if mask_kind == "windowed" and queries > QUERY_BLOCK:
+        assert seen is not None and isinstance(seen[0], torch.Tensor)  # gathered
+        assert len(seen[0]) < keys_len // 2
+    fast, _ = gqa_sdpa_attention(Heads(), q, k, v, mask, scaling=0.25, query_block_keys=seen)
     slow, _ = reference_attention(Heads(), q, k, v, mask, scaling=0.25)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(fast, slow, rtol=tol, atol=tol)

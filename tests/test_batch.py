@@ -35,7 +35,9 @@ def mixed_requests(ids: list[str]) -> list[BatchRequest]:
     ]
 
 
-@pytest.mark.parametrize("strategy", ["legolink:2", "full", "naive", "naive+top:2"])
+@pytest.mark.parametrize(
+    "strategy", ["legolink:2", "full", "naive", "naive+top:2", "legolink:1+top:2+window:3"]
+)
 def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strategy) -> None:
     engine = RagKVCache(EngineConfig(), lm=tiny64)
     ids = engine.generate_context_cache(DOCS[:3])
@@ -52,7 +54,7 @@ def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strate
         chunks[2:],
         question,
         Strategy.parse(strategy),
-        prefix=LinkedPrefix(keys, values, tokens),
+        prefix=LinkedPrefix(keys, values, tokens, system_tokens=chunks[0].num_tokens),
         in_full=in_full[1:],
     )
     torch.testing.assert_close(rest.next_logits, whole.next_logits, rtol=1e-10, atol=1e-10)
@@ -95,7 +97,12 @@ def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None
 
 
 @pytest.mark.parametrize(
-    "strategy, shared", [("legolink:1+top:1", True), ("naive+reversed+top:1", False)]
+    "strategy, shared",
+    [
+        ("legolink:1+top:1", True),
+        ("naive+reversed+top:1", False),
+        ("naive+reversed+top:1+window:8", False),
+    ],
 )
 def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, shared) -> None:
     """A chunk recomputed whole in one request (ranked first) and stale in another (ranked

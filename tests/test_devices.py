@@ -37,8 +37,10 @@ def engine(tiny32) -> RagKVCache:
 
 
 @pytest.mark.parametrize(
-    "strategy", ["prefill", "full", "naive", "legolink:2", "legolink0", "cacheblend:0.5"]
-)
+    "strategy",
+    ["prefill", "full", "naive", "legolink:2", "legolink0", "cacheblend:0.5",
+     "legolink:1+reversed+top:1+window:4"],
+)  # fmt: skip
 def test_generate_makes_every_tensor_on_the_models_device(engine, strategy: str) -> None:
     on = engine.with_encoding(EncodeConfig(sink_tokens=4)) if strategy == "legolink0" else engine
     ids = on.generate_context_cache(DOCS)

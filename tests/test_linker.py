@@ -106,7 +106,8 @@ def test_naive_is_plain_concatenation_of_rotated_chunks(tiny64) -> None:
 @pytest.mark.parametrize(
     "strategy",
     ["full", "naive", "legolink:1", "legolink:3", "cacheblend:0.3", "legolink0",
-     "legolink:1+top:1", "naive+reversed+top:2"],
+     "legolink:1+top:1", "naive+reversed+top:2", "naive+reversed+top:2+window:3",
+     "legolink:2+window:0", "legolink:1+top:1+window:5"],
 )  # fmt: skip
 def test_one_forward_with_custom_mask_equals_token_by_token_reference(tiny64, strategy) -> None:
     settings = EncodeSettings((1, 2)) if strategy == "legolink0" else EncodeSettings()
@@ -118,6 +119,36 @@ def test_one_forward_with_custom_mask_equals_token_by_token_reference(tiny64, st
     for (k1, v1), (k2, v2) in zip(unpack_cache(fast.cache), unpack_cache(slow.cache)):
         torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", ["naive+reversed+top:1", "legolink:3", "legolink:2+top:2"])
+def test_a_window_wider_than_the_context_is_the_strategy_alone(tiny64, strategy: str) -> None:
+    chunks, _ = _setup(tiny64)
+    alone = link(tiny64, chunks, QUERY, Strategy.parse(strategy))
+    wide = link(tiny64, chunks, QUERY, Strategy.parse(f"{strategy}+window:{sum(LENGTHS)}"))
+    torch.testing.assert_close(wide.next_logits, alone.next_logits, rtol=1e-10, atol=1e-10)
+    for (k1, v1), (k2, v2) in zip(unpack_cache(wide.cache), unpack_cache(alone.cache)):
+        torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+    narrow = link(tiny64, chunks, QUERY, Strategy.parse(f"{strategy}+window:2"))
+    assert (narrow.next_logits - alone.next_logits).abs().max() > 1e-3  # it does narrow
+
+
+def test_window_zero_reencodes_each_chunk_after_the_system_prefix(tiny64) -> None:
+    """Every chunk recomputed, each reading only the system prefix and itself: its K/V are a
+    plain prefill of system prefix + that chunk, at the chunk's place in the context."""
+    chunks, tokens = _setup(tiny64)
+    linked = link(tiny64, chunks, QUERY, Strategy.parse("naive+top:3+window:0"))
+    system = LENGTHS[0]
+    for i in range(1, len(LENGTHS)):
+        start = sum(LENGTHS[:i])
+        positions = [*range(system), *range(start, start + LENGTHS[i])]
+        ids = torch.tensor([[tokens[p] for p in positions]])
+        _, cache = forward(tiny64, ids, positions=torch.tensor([positions]))
+        for (k1, v1), (k2, v2) in zip(unpack_cache(linked.cache), unpack_cache(cache)):
+            span = slice(start, start + LENGTHS[i])
+            torch.testing.assert_close(k1[0, :, span], k2[0, :, system:], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(v1[0, :, span], v2[0, :, system:], rtol=1e-10, atol=1e-10)
 
 
 def test_recompute_changes_the_context(tiny64) -> None:
@@ -137,6 +168,18 @@ def test_link_mask_small_case() -> None:
         [1, 1, 1, 0, 0, 0],  # recomputed token 2 sees 0, 1 and its own fresh K/V
         [1, 1, 1, 1, 1, 0],  # query 4 sees the context (2 fresh by then) and itself
         [1, 1, 1, 1, 1, 1],
+    ]
+
+
+def test_link_mask_with_a_window_small_case() -> None:
+    # system prefix of 2; chunks at 2 (4 tokens) and 6 (4 tokens); positions 6..9 recomputed
+    # with a window of 1; the query at 10 sees everything
+    positions = torch.tensor([6, 7, 10])
+    mask = link_mask(positions, 11, (torch.tensor([5, 5, 0]), 2))
+    assert mask.int().tolist() == [
+        [1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0],  # the system prefix, 1 token before its chunk, itself
+        [1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
     ]
 
 

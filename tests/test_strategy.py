@@ -36,6 +36,12 @@ from rag_kvcache.strategy import PREFILL, Strategy
             Strategy("legolink", k=2, order="reversed", top=1, temperature=0.5, scale=2.0),
         ),
         ("legolink:2+ape:1,1", Strategy("legolink", k=2)),  # APE at 1, 1 is plain linking
+        ("naive+reversed+top:1+window:256", Strategy("naive", order="reversed", top=1, window=256)),
+        ("legolink:2+window:0", Strategy("legolink", k=2, window=0)),
+        (
+            "naive+top:1+window:64+ape:0.7,0.8",
+            Strategy("naive", top=1, window=64, temperature=0.7, scale=0.8),
+        ),
         ("naive+calibrated", Strategy("naive", calibrated=True)),
         (
             "legolink:2+reversed+top:1+ape:0.5,2+calibrated",
@@ -101,6 +107,14 @@ def test_cacheblend_round_trips(ratio: float) -> None:
         "cacheblend:0.3+calibrated",
         "naive+calibrated+top:1",
         "naive+calibrated+calibrated",
+        "naive+window:",
+        "naive+window:-1",
+        "naive+window:1+top:1",
+        "naive+ape:0.5,1+window:1",
+        "full+window:8",
+        "prefill+window:8",
+        "cacheblend:0.3+window:8",
+        "naive+window:8+calibrated",
     ],
 )
 def test_parse_rejects_with_allowed_names(bad: str) -> None:
@@ -111,7 +125,8 @@ def test_parse_rejects_with_allowed_names(bad: str) -> None:
 @pytest.mark.parametrize(
     "fields", [dict(kind="nope"), dict(kind="naive", k=2), dict(kind="legolink", k=-1),
                dict(kind="full", ratio=0.5), dict(kind="cacheblend", ratio=1.5),
-               dict(kind="full", top=1), dict(kind="prefill", top=1), dict(kind="naive", top=-1)]
+               dict(kind="full", top=1), dict(kind="prefill", top=1), dict(kind="naive", top=-1),
+               dict(kind="naive", window=-1), dict(kind="full", window=4)]
 )  # fmt: skip
 def test_fields_are_checked_when_built(fields: dict) -> None:
     with pytest.raises(StrategyError):

@@ -81,6 +81,7 @@ class LinkedPrefix:
     keys: torch.Tensor
     values: torch.Tensor
     token_ids: tuple[int, ...]
+    system_tokens: int | None = None  # the system prefix's, at its start (`+window:W` needs it)
 
     @property
     def num_tokens(self) -> int:
@@ -145,7 +146,10 @@ def link(
         query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
         new_positions = torch.cat((recompute, torch.arange(L, L + q, device=lm.device)))  # [r+q]
         new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
-        mask = additive_mask(link_mask(new_positions, L + q), lm.dtype)  # [1, 1, r+q, L+q]
+        reach = None
+        if strategy.window is not None:
+            reach = window_reach(new_positions, chunks, prefix, L, strategy.window)
+        mask = additive_mask(link_mask(new_positions, L + q, reach), lm.dtype)  # [1,1,r+q,L+q]
         cache = buffered_cache(lm, keys, values, L)
         calls: list[Callable[[], None]] = [*feed.calls()] if feed else []
         if stale is not None:  # APE: stale keys tempered as placed, their scores scaled
@@ -299,13 +303,47 @@ def linked_layers(
     )
 
 
-def link_mask(new_positions: torch.Tensor, length: int) -> torch.Tensor:
-    """Boolean [N, length]: a new token at position p sees every position <= p.
+def link_mask(
+    new_positions: torch.Tensor, length: int, reach: tuple[torch.Tensor, int] | None = None
+) -> torch.Tensor:
+    """Boolean [N, length]: a new token at position p sees every position <= p; with `reach`
+    (`window_reach`: per row the first document position it may see, and the system
+    prefix's length), only the system prefix and the positions from its reach to p.
 
     Causal by position is enough because the new tokens' fresh K/V are written over their
     stale copies before attention: a recomputed position holds fresh K/V when it is read.
     """
-    return torch.arange(length, device=new_positions.device)[None, :] <= new_positions[:, None]
+    keys = torch.arange(length, device=new_positions.device)[None, :]
+    allowed = keys <= new_positions[:, None]
+    if reach is not None:
+        first, system = reach
+        allowed &= (keys < system) | (keys >= first[:, None])
+    return allowed
+
+
+def window_reach(
+    new_positions: torch.Tensor,
+    chunks: list[ChunkKV],
+    prefix: LinkedPrefix | None,
+    context: int,
+    window: int,
+) -> tuple[torch.Tensor, int]:
+    """For `+window:W`: per new token [N], the first position it may see past the system
+    prefix: W before its own chunk's start for a recomputed document token, 0 (everything)
+    for the system prefix's tokens and the question. With the system prefix's length."""
+    if prefix is None:
+        system, start = chunks[0].num_tokens, 0
+    elif prefix.system_tokens is None:
+        raise StrategyError("+window after a linked prefix needs the prefix's system_tokens")
+    else:
+        system, start = prefix.system_tokens, prefix.num_tokens
+    lengths = [c.num_tokens for c in chunks]
+    starts = torch.tensor(
+        [start + sum(lengths[:i]) for i in range(len(lengths) + 1)], device=new_positions.device
+    )  # [chunks + 1]: where each placed chunk begins, then the context's end
+    own = starts[torch.searchsorted(starts, new_positions, right=True).clamp(min=1) - 1]
+    document = (new_positions >= system) & (new_positions < context)
+    return torch.where(document, (own - window).clamp(min=system), 0), system
 
 
 def place_into(
@@ -409,7 +447,9 @@ def link_reference(
 
     Chunks are placed with `apply_rope` (the reference rotation) and each token is a
     single-token forward over exactly the KV it may see (all earlier positions, recomputed
-    ones already fresh), so no custom mask and no buffer bookkeeping is involved.
+    ones already fresh; with `+window:W`, a document token sees the system prefix and the
+    positions from W before its chunk on), so no custom mask and no buffer bookkeeping is
+    involved.
     cacheblend, whose set changes from layer to layer, has its own: `blend_reference`.
     """
     check_chunks(lm, chunks, strategy, len(query_ids))
@@ -424,12 +464,15 @@ def link_reference(
     values = torch.cat((placed_values, pad), dim=2)
     order = [*recompute.tolist(), *range(L, L + q)]
     ids = [*token_ids[recompute].tolist(), *query_ids]
+    starts = [sum(c.num_tokens for c in chunks[:i]) for i in range(len(chunks))]
+    system = chunks[0].num_tokens
     logits = torch.empty(0)
     for position, token in zip(order, ids):
-        past = [
-            (k[None, :, :position].clone(), v[None, :, :position].clone())
-            for k, v in zip(keys, values)
-        ]
+        seen = list(range(position))
+        if strategy.window is not None and system <= position < L:
+            own = max(s for s in starts if s <= position)
+            seen = [p for p in seen if p < system or p >= own - strategy.window]
+        past = [(k[None, :, seen].clone(), v[None, :, seen].clone()) for k, v in zip(keys, values)]
         logits, cache = forward(
             lm,
             torch.tensor([[token]], device=lm.device),

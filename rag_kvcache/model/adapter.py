@@ -49,11 +49,11 @@ def gqa_sdpa_attention(
 
     - grouped KV heads are read as they are (`enable_gqa`); HF repeats K/V for every query
       head whenever a mask is given, and the linker always gives one;
-    - a tall masked query is attended in blocks of QUERY_BLOCK rows, each over the keys up
-      to the last one any of its rows may see: recomputed tokens early in the context skip
-      the keys after them, which a mask alone would still multiply. Exact, since the keys
-      skipped are masked for every row of the block (`forward` works the blocks' extents
-      out once, `query_block_ends`).
+    - a tall masked query is attended in blocks of QUERY_BLOCK rows, each over only the keys
+      any of its rows may see: recomputed tokens early in the context skip the keys after
+      them, and tokens that read a window (`+window:W`) the keys outside it, which a mask
+      alone would still multiply. Exact, since the keys skipped are masked for every row of
+      the block (`forward` works the blocks' keys out once, `query_block_keys`).
     `reference_attention` is the plain version it is tested against.
 
     A forward given `attention_hook` (see `forward`) hands attention to it instead: batched
@@ -72,15 +72,19 @@ def gqa_sdpa_attention(
     if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling")
-    ends = kwargs.get("query_block_ends")
-    if ends is None or attention_mask is None:
+    seen = kwargs.get("query_block_keys")
+    if seen is None or attention_mask is None:
         out = _sdpa(query, key, value, attention_mask, scale)
     else:
         blocks = []
-        for a, end in zip(range(0, query.shape[2], QUERY_BLOCK), ends, strict=True):
-            b = a + QUERY_BLOCK
-            mask = attention_mask[:, :, a:b, :end]
-            blocks.append(_sdpa(query[:, :, a:b], key[:, :, :end], value[:, :, :end], mask, scale))
+        for a, keys in zip(range(0, query.shape[2], QUERY_BLOCK), seen, strict=True):
+            rows = attention_mask[:, :, a : a + QUERY_BLOCK]
+            if isinstance(keys, slice):  # a prefix of the keys: views, no copy
+                k, v, mask = key[:, :, keys], value[:, :, keys], rows[..., keys]
+            else:  # scattered (a window): gather the few seen
+                k, v = key.index_select(2, keys), value.index_select(2, keys)
+                mask = rows.index_select(3, keys)
+            blocks.append(_sdpa(query[:, :, a : a + QUERY_BLOCK], k, v, mask, scale))
         out = torch.cat(blocks, dim=2)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
 
@@ -127,16 +131,23 @@ def with_key_bias(
     return mask + bias[:keys]
 
 
-def query_block_ends(mask: torch.Tensor) -> list[int] | None:
+def query_block_keys(mask: torch.Tensor) -> list[slice | torch.Tensor] | None:
     """For an additive mask [1, 1, Q, K] taller than one block: per block of QUERY_BLOCK
-    rows, how many keys it needs (up to the last one any of its rows may see). Worked out
-    once per forward, not per layer."""
+    rows, the keys any of its rows may see, as `slice(0, end)` when they are a prefix (or
+    nearly: gathering would cost more than the few masked keys) and as their indices [k]
+    otherwise. Worked out once per forward, not per layer."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[2] <= QUERY_BLOCK:
         return None
     visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2  # [Q, K]
-    steps = torch.arange(1, visible.shape[1] + 1, device=visible.device)
-    extent = (visible * steps).amax(dim=1)  # [Q]: keys each row needs
-    return [int(extent[a : a + QUERY_BLOCK].max()) for a in range(0, len(extent), QUERY_BLOCK)]
+    blocks: list[slice | torch.Tensor] = []
+    for a in range(0, visible.shape[0], QUERY_BLOCK):
+        keys = visible[a : a + QUERY_BLOCK].any(dim=0).nonzero().flatten()  # [k], sorted
+        end = int(keys[-1]) + 1 if len(keys) else 0
+        blocks.append(slice(0, end) if len(keys) >= GATHER_BELOW * end else keys)
+    return blocks
+
+
+GATHER_BELOW = 0.75  # a block's keys are gathered when they are under this share of a prefix
 
 
 def _sdpa(
@@ -352,7 +363,7 @@ def forward(
     if attention_hook is not None:
         extra["kv_attention_hook"] = attention_hook
     elif mask is not None and mask.device.type == "cpu":
-        extra["query_block_ends"] = query_block_ends(mask)
+        extra["query_block_keys"] = query_block_keys(mask)
     keep: int | torch.Tensor = logits_to_keep
     if logits_to_keep > 0:
         # as positions, not HF's slice: the slice of the last rows is a strided view, and for
@@ -432,7 +443,7 @@ def forward_by_layer(
                 state["narrowed"] = {}
             state["mask"] = step.mask
             if step.mask.device.type == "cpu":
-                state["narrowed"]["query_block_ends"] = query_block_ends(step.mask)
+                state["narrowed"]["query_block_keys"] = query_block_keys(step.mask)
         if state["index"] is not None and "position_ids" not in state["narrowed"]:
             state["narrowed"].update(_rows_of(kwargs, state["index"]))
         kwargs.update(state["narrowed"], attention_mask=state["mask"])

@@ -300,6 +300,7 @@ class BatchDecoder:
                 torch.stack([torch.cat([n.keys[i] for n in found.nodes], dim=1) for i in layers]),
                 torch.stack([torch.cat([n.values[i] for n in found.nodes], dim=1) for i in layers]),
                 tuple(t for c in chunks[: found.chunks] for t in c.token_ids),
+                system_tokens=chunks[0].num_tokens,
             )
         rest = chunks[found.chunks :]
         flags = in_full[found.chunks :] if prefix else in_full[1:]  # link's: after chunk 0
