@@ -26,6 +26,8 @@ from rag_kvcache.tools.eval import (
     kept_against,
     load_dataset,
     needle_item,
+    report_dict,
+    reused_rows,
     run_eval,
     save_eval,
     summarize,
@@ -291,7 +293,9 @@ def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on
     ran: list[str] = []
     original = Evaluator.run_item
     monkeypatch.setattr(
-        Evaluator, "run_item", lambda self, item, s: ran.append(item.id) or original(self, item, s)
+        Evaluator,
+        "run_item",
+        lambda self, item, s, known=None: ran.append(item.id) or original(self, item, s, known),
     )
     resumed = Journal(path, settings)
     assert list(resumed.results()) == ["a"]
@@ -308,6 +312,57 @@ def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on
         Journal(path, {**settings, "model": "another"})  # never mixed into another run's report
     resumed.close()
     assert not path.exists()
+
+
+def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
+    tiny32, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A strategy added to a long run costs its own answers only: the earlier run's prefill
+    and naive rows are taken, the new strategy's equal a run of everything."""
+    items = [
+        EvalItem(name, (f"The {name} tower is {n} metres tall.", "Gulls."), "How tall?", (str(n),))
+        for name, n in (("a", 12), ("b", 30))
+    ]
+    settings = {
+        "model": tiny32.name,
+        "dtype": "float32",
+        "max_new_tokens": 3,
+        "teacher_tokens": 0,
+        "document_order": "as in the dataset",
+    }
+    earlier, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps(report_dict("eval", earlier, summary, **settings)))
+    everything, _ = run_eval(
+        tiny32, items, ["naive", "legolink:1"], max_new_tokens=3, teacher_tokens=0
+    )
+    ran: list[str] = []
+    original = Evaluator.run_item
+
+    def counting(self, item, strategies, known=None):  # type: ignore[no-untyped-def]
+        ran.extend(str(s) for s in strategies if str(s) not in (known or {}))
+        return original(self, item, strategies, known)
+
+    monkeypatch.setattr(Evaluator, "run_item", counting)
+    reuse = reused_rows(report, settings, items)
+    results, _ = run_eval(
+        tiny32, items, ["naive", "legolink:1"], max_new_tokens=3, teacher_tokens=0, reuse=reuse
+    )
+    assert ran == ["legolink:1", "legolink:1"]  # prefill and naive were not run again
+    assert [(r.item, r.strategy, r.token_ids) for r in results] == [
+        (r.item, r.strategy, r.token_ids) for r in everything
+    ]
+    taken = [
+        (r.item, r.strategy, r.token_ids, r.ttft_s) for r in results if r.strategy != "legolink:1"
+    ]
+    assert taken == [(r.item, r.strategy, r.token_ids, r.ttft_s) for r in earlier]  # as they were
+    assert all(r.prefill_ttft_s == reuse[r.item]["prefill"].ttft_s for r in results)
+    with pytest.raises(ConfigError, match="max_new_tokens=3"):
+        reused_rows(report, {**settings, "max_new_tokens": 8}, items)
+    with pytest.raises(ConfigError, match="teacher-tokens 0"):
+        reused_rows(report, {**settings, "teacher_tokens": 4}, items)
+    with pytest.raises(ConfigError, match="not an eval report"):
+        reused_rows(tmp_path / "missing.json", settings, items)
 
 
 def test_retrieval_order_puts_the_most_similar_document_first() -> None:
@@ -339,6 +394,21 @@ def test_needle_item_places_the_needle_at_the_depth(smol) -> None:
     for item in (start, end, middle):
         sizes = [count(d) for d in item.documents]
         assert max(sizes) <= 256 + 8 and 900 < sum(sizes) <= 1024 + 8  # joins add a few
+
+
+@pytest.mark.slow
+def test_eval_command_reuses_an_earlier_runs_rows(tmp_path: Path, smol, capsys) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    args = ["eval", str(DEV_SET), "--limit", "1", "--teacher-tokens", "0"]
+    assert main([*args, "--strategies", "naive", "--out", str(first)]) == 0
+    reuse = ["--reuse", str(first / "eval.json"), "--strategies", "naive,legolink:2"]
+    assert main([*args, *reuse, "--out", str(second)]) == 0
+    old, new = (json.loads((d / "eval.json").read_text()) for d in (first, second))
+    assert new["reused"]["strategies"] == ["naive", "prefill"]
+    assert [r["strategy"] for r in new["items"]] == ["prefill", "naive", "legolink:2"]
+    assert new["items"][:2] == old["items"]  # taken as they were
+    assert main([*args, *reuse, "--out", str(second), "--max-new-tokens", "5"]) != 0
+    assert "max_new_tokens=32" in capsys.readouterr().out
 
 
 @pytest.mark.slow

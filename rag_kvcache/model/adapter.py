@@ -77,13 +77,20 @@ def gqa_sdpa_attention(
         out = _sdpa(query, key, value, attention_mask, scale)
     else:
         blocks = []
+        gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per shared index, once
         for a, keys in zip(range(0, query.shape[2], QUERY_BLOCK), seen, strict=True):
             rows = attention_mask[:, :, a : a + QUERY_BLOCK]
-            if isinstance(keys, slice):  # a prefix of the keys: views, no copy
-                k, v, mask = key[:, :, keys], value[:, :, keys], rows[..., keys]
-            else:  # scattered (a window): gather the few seen
-                k, v = key.index_select(2, keys), value.index_select(2, keys)
-                mask = rows.index_select(3, keys)
+            n = keys.count
+            if keys.index is None:  # a prefix of the keys: views, no copy
+                k, v, mask = key[:, :, :n], value[:, :, :n], rows[..., :n]
+            else:  # scattered (a window): gathered once for the blocks that share it
+                if id(keys.index) not in gathered:
+                    gathered[id(keys.index)] = (
+                        key.index_select(2, keys.index),
+                        value.index_select(2, keys.index),
+                    )
+                k, v = (t[:, :, :n] for t in gathered[id(keys.index)])
+                mask = rows.index_select(3, keys.index[:n])
             blocks.append(_sdpa(query[:, :, a : a + QUERY_BLOCK], k, v, mask, scale))
         out = torch.cat(blocks, dim=2)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
@@ -131,20 +138,40 @@ def with_key_bias(
     return mask + bias[:keys]
 
 
-def query_block_keys(mask: torch.Tensor) -> list[slice | torch.Tensor] | None:
+@dataclass(frozen=True)
+class BlockKeys:
+    """The keys one block of queries attends to: `index[:count]` (sorted key positions), or
+    the first `count` keys when `index` is None. Blocks that read nested sets of scattered
+    keys (the rows of one chunk reading a window, each block a little further) share one
+    `index` object, so attention gathers those keys once per layer."""
+
+    index: torch.Tensor | None
+    count: int
+
+
+def query_block_keys(mask: torch.Tensor) -> list[BlockKeys] | None:
     """For an additive mask [1, 1, Q, K] taller than one block: per block of QUERY_BLOCK
-    rows, the keys any of its rows may see, as `slice(0, end)` when they are a prefix (or
-    nearly: gathering would cost more than the few masked keys) and as their indices [k]
-    otherwise. Worked out once per forward, not per layer."""
+    rows, the keys any of its rows may see: a prefix of the keys when they nearly are one
+    (gathering would cost more than the few masked keys skipped), else their positions.
+    Worked out once per forward, not per layer."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[2] <= QUERY_BLOCK:
         return None
     visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2  # [Q, K]
-    blocks: list[slice | torch.Tensor] = []
+    seen = []  # per block: None (a prefix) or the positions seen [k]
+    ends = []
     for a in range(0, visible.shape[0], QUERY_BLOCK):
         keys = visible[a : a + QUERY_BLOCK].any(dim=0).nonzero().flatten()  # [k], sorted
-        end = int(keys[-1]) + 1 if len(keys) else 0
-        blocks.append(slice(0, end) if len(keys) >= GATHER_BELOW * end else keys)
-    return blocks
+        ends.append(int(keys[-1]) + 1 if len(keys) else 0)
+        seen.append(None if len(keys) >= GATHER_BELOW * ends[-1] else keys)
+    shared: list[torch.Tensor | None] = list(seen)  # the widest of each nested run of blocks
+    for i in range(len(seen) - 2, -1, -1):
+        a, b = seen[i], shared[i + 1]
+        if a is not None and b is not None and len(a) <= len(b) and torch.equal(b[: len(a)], a):
+            shared[i] = b
+    return [
+        BlockKeys(None, end) if keys is None else BlockKeys(wide, len(keys))
+        for keys, wide, end in zip(seen, shared, ends, strict=True)
+    ]
 
 
 GATHER_BELOW = 0.75  # a block's keys are gathered when they are under this share of a prefix

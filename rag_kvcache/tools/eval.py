@@ -21,7 +21,7 @@ import importlib.util
 import json
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -163,7 +163,16 @@ class Evaluator:
         self.teacher_tokens = teacher_tokens
         self._warm = False
 
-    def run_item(self, item: EvalItem, strategies: list[Strategy]) -> list[ItemResult]:
+    def run_item(
+        self,
+        item: EvalItem,
+        strategies: list[Strategy],
+        known: Mapping[str, ItemResult] | None = None,
+    ) -> list[ItemResult]:
+        """The item's rows, one per strategy in order; the strategies in `known` (rows an
+        earlier run measured under the same settings, `reused_rows`) are taken, not run:
+        answers are greedy, so they would come out the same."""
+        known = known or {}
         head = [FULL, PREFILL] if self.teacher_tokens else [PREFILL]
         if strategies[: len(head)] != head:
             raise ConfigError(
@@ -183,6 +192,8 @@ class Evaluator:
         forced: list[int] = []
         reference = torch.empty(0)
         for strategy in strategies:
+            if str(strategy) in known:
+                continue
             engine, ids = (
                 (self.sink_engine, sinks) if strategy.needs_sinks else (self.engine, plain)
             )
@@ -200,9 +211,12 @@ class Evaluator:
                 else torch.empty(0)
             )
             runs.append((strategy, answer, logits))
-        prefill_ttft = next(answer.ttft_s for s, answer, _ in runs if s == PREFILL)
-        return [
-            ItemResult(
+        prefill_ttft = next(
+            (answer.ttft_s for s, answer, _ in runs if s == PREFILL),
+            known[str(PREFILL)].ttft_s if str(PREFILL) in known else math.nan,
+        )
+        measured = {
+            str(strategy): ItemResult(
                 item=item.id,
                 strategy=str(strategy),
                 answer=answer.text,
@@ -218,7 +232,8 @@ class Evaluator:
                 recomputed_tokens=answer.recomputed_tokens,
             )
             for strategy, answer, logits in runs
-        ]
+        }
+        return [known.get(str(s)) or measured[str(s)] for s in strategies]
 
 
 def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[StrategySummary]:
@@ -278,6 +293,36 @@ def kept_against(results: list[ItemResult], report: Path) -> dict[str, Estimate]
     return out
 
 
+REUSE_SETTINGS = ("model", "dtype", "max_new_tokens", "teacher_tokens", "document_order")
+
+
+def reused_rows(
+    report: Path, settings: Mapping[str, object], items: Sequence[EvalItem]
+) -> dict[str, dict[str, ItemResult]]:
+    """An earlier eval report's rows (item -> strategy -> row) for the given items, checked to
+    come from the same settings (`REUSE_SETTINGS`): greedy answers repeat under them, so its
+    rows stand for this run's. Not with teacher forcing, whose KL needs this run's `full`."""
+    try:
+        data = json.loads(Path(report).read_text(encoding="utf-8"))
+        rows = [ItemResult(**{**r, "token_ids": tuple(r["token_ids"])}) for r in data["items"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{report}: not an eval report to reuse ({e!r})") from None
+    if settings.get("teacher_tokens"):
+        raise ConfigError("reusing an earlier run's rows needs --teacher-tokens 0")
+    for name in REUSE_SETTINGS:
+        if data.get(name) != settings.get(name):
+            raise ConfigError(
+                f"{report} was measured with {name}={data.get(name)!r}, this run with "
+                f"{settings.get(name)!r}: its answers cannot stand for this run's"
+            )
+    wanted = {item.id for item in items}
+    out: dict[str, dict[str, ItemResult]] = {}
+    for row in rows:
+        if row.item in wanted:
+            out.setdefault(row.item, {})[row.strategy] = row
+    return out
+
+
 def baseline(strategy: Strategy) -> Strategy:
     """The prefill a strategy's "kept" is counted against: the same placement (prefill itself,
     in any order, against prefill as given: that is the noise floor)."""
@@ -316,10 +361,13 @@ def run_eval(
     on_item: Callable[[EvalItem], None] | None = None,
     journal: Journal | None = None,
     calibration: Calibration | None = None,
+    reuse: Mapping[str, Mapping[str, ItemResult]] | None = None,
 ) -> tuple[list[ItemResult], list[StrategySummary]]:
     """Every item through every strategy. With a `journal`, each item's results are appended
     as soon as they exist and the items it already holds are not run again: a killed run,
-    restarted with the same settings, loses at most the item it was on."""
+    restarted with the same settings, loses at most the item it was on. `reuse` (item ->
+    strategy -> row, `reused_rows`) supplies rows an earlier run measured: a strategy added
+    to a long run costs only its own answers, not prefill's again."""
     parsed = check_strategies(strategies, with_full=teacher_tokens > 0)
     evaluator = Evaluator(lm, max_new_tokens, teacher_tokens, calibration=calibration)
     done = journal.results() if journal else {}
@@ -327,7 +375,7 @@ def run_eval(
     for item in items:
         rows = done.get(item.id)
         if rows is None:
-            rows = evaluator.run_item(item, parsed)
+            rows = evaluator.run_item(item, parsed, (reuse or {}).get(item.id))
             if journal:
                 journal.append(rows)
         results += rows

@@ -110,6 +110,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="also count kept against the prefill answers of another run on the same items "
         "(e.g. this run in bfloat16 against a float32 run: the dtype's noise floor)",
     )
+    evaluate.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        metavar="EVAL.json",
+        help="take the rows an earlier run with the same settings measured (its prefill, say) "
+        "instead of running those strategies again; needs --teacher-tokens 0",
+    )
     evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
     evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -209,6 +217,14 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         import hashlib
 
         facts["calibration"] = hashlib.sha256(args.calibration.read_bytes()).hexdigest()
+    reuse = None
+    if args.reuse is not None:
+        reuse = ev.reused_rows(args.reuse, facts, items)
+        # its rows' TTFTs are that run's: the report says whose
+        facts["reused"] = {
+            "report": str(args.reuse),
+            "strategies": sorted({s for rows in reuse.values() for s in rows}),
+        }
     # a killed run, started again with the same settings, goes on from where it stopped
     # (a larger --limit too: the items measured are kept, the new ones run)
     journal = ev.Journal(args.out / f"{name}.partial.jsonl", facts)
@@ -233,6 +249,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             on_item=on_item,
             journal=journal,
             calibration=calibration,
+            reuse=reuse,
         )
     if args.kept_against:
         against = ev.kept_against(results, args.kept_against)
