@@ -165,9 +165,10 @@ def query_block_keys(mask: torch.Tensor) -> list[BlockKeys] | None:
         seen.append(None if len(keys) >= GATHER_BELOW * ends[-1] else keys)
     shared: list[torch.Tensor | None] = list(seen)  # the widest of each nested run of blocks
     for i in range(len(seen) - 2, -1, -1):
-        a, b = seen[i], shared[i + 1]
-        if a is not None and b is not None and len(a) <= len(b) and torch.equal(b[: len(a)], a):
-            shared[i] = b
+        mine, wider = seen[i], shared[i + 1]
+        if mine is not None and wider is not None and len(mine) <= len(wider):
+            if torch.equal(wider[: len(mine)], mine):
+                shared[i] = wider
     return [
         BlockKeys(None, end) if keys is None else BlockKeys(wide, len(keys))
         for keys, wide, end in zip(seen, shared, ends, strict=True)
