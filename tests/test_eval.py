@@ -29,6 +29,7 @@ from rag_kvcache.tools.eval import (
     report_dict,
     reused_rows,
     run_eval,
+    same_model,
     save_eval,
     summarize,
 )
@@ -363,6 +364,16 @@ def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
         reused_rows(report, {**settings, "teacher_tokens": 4}, items)
     with pytest.raises(ConfigError, match="not an eval report"):
         reused_rows(tmp_path / "missing.json", settings, items)
+    with pytest.raises(ConfigError, match="another model"):
+        reused_rows(report, {**settings, "model": "another"}, items)
+
+
+def test_reports_name_the_same_model_by_fingerprint_or_untagged_name() -> None:
+    a = {"model": "SmolLM2-135M-Instruct.Q4_1-ec7e678156"}  # converted on two machines
+    b = {"model": "SmolLM2-135M-Instruct.Q4_1-0db9fd4227"}
+    assert same_model(a, b) and not same_model(a, {"model": "gemma-3-270m-0db9fd4227"})
+    assert same_model({**a, "model_fingerprint": "f1"}, {**a, "model_fingerprint": "f1"})
+    assert not same_model({**a, "model_fingerprint": "f1"}, {**b, "model_fingerprint": "f2"})
 
 
 def test_retrieval_order_puts_the_most_similar_document_first() -> None:

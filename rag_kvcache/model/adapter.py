@@ -166,9 +166,10 @@ def query_block_keys(mask: torch.Tensor) -> list[BlockKeys] | None:
     shared: list[torch.Tensor | None] = list(seen)  # the widest of each nested run of blocks
     for i in range(len(seen) - 2, -1, -1):
         mine, wider = seen[i], shared[i + 1]
-        if mine is not None and wider is not None and len(mine) <= len(wider):
-            if torch.equal(wider[: len(mine)], mine):
-                shared[i] = wider
+        if mine is None or wider is None:
+            continue
+        if len(mine) <= len(wider) and torch.equal(wider[: len(mine)], mine):
+            shared[i] = wider
     return [
         BlockKeys(None, end) if keys is None else BlockKeys(wide, len(keys))
         for keys, wide, end in zip(seen, shared, ends, strict=True)

