@@ -50,8 +50,10 @@ CHUNK_TOKENS = 256
 PAGES = ("Ingest", "Ask", "Insight")
 # legolink0 is left out: it needs chunks encoded with sink tokens (EncodeConfig(sink_tokens=N)).
 STRATEGIES = {
-    "naive+reversed+top:1": "the default: the best chunk nearest the question and recomputed "
-    "whole; keeps prefill's answers",
+    "naive+reversed+top:1+window:1024": "the default: the best chunk nearest the question, "
+    "recomputed reading the 1024 tokens before it; keeps prefill's answers",
+    "naive+reversed+top:1": "the best chunk nearest the question, recomputed reading the whole "
+    "context: as right as the default, slower at long contexts",
     "legolink:16+reversed": "the best chunk nearest the question, 16 tokens of each chunk "
     "recomputed: faster at long contexts, loses answers",
     "legolink:2+reversed": "the best chunk nearest the question, 2 tokens per chunk recomputed: "

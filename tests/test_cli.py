@@ -73,13 +73,17 @@ def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
                 "512",
                 "--repeats",
                 "1",
+                "--strategy",
+                "naive+reversed+top:1+window:128",
                 "--out",
                 str(tmp_path),
             ]
         )
         == 0
     )
-    rows = json.loads((tmp_path / "store.json").read_text())["rows"]
+    report = json.loads((tmp_path / "store.json").read_text())
+    assert report["strategy"] == "naive+reversed+top:1+window:128"  # timed from every tier
+    rows = report["rows"]
     tiers = [r["tier"] for r in rows]
     assert tiers[:5] == ["prefill", "memory", "cpu", "disk", "disk-int8"]  # redis when reachable
     in_memory = [r for r in rows if r["tier"] in ("prefill", "memory", "cpu")]

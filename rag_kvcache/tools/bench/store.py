@@ -3,8 +3,8 @@
 256-token chunks of the sample corpus. Put latency (durable write + catalog), get latency
 from the CPU tier and from the durable tiers (disk with the blob files dropped from the OS
 page cache first, so reads really hit the disk; Redis when reachable), bytes per token, and
-the TTFT of `legolink:2` generation with the chunks fetched from each tier, side by side with
-full prefill of the same prompt. Writes store.json and store.png.
+the TTFT of a link strategy's generation (`legolink:2` unless told) with the chunks fetched from
+each tier, side by side with full prefill of the same prompt. Writes store.json and store.png.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from rag_kvcache.tools.bench.report import (
     save_report,
 )
 
-LINKED = Strategy("legolink", k=2)  # the strategy timed from every tier
+LINKED = Strategy("legolink", k=2)  # the strategy timed from every tier, unless told
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ def bench_dtype(
     repeats: int,
     redis_url: str | None,
     root: Path,
+    strategy: Strategy = LINKED,
 ) -> list[TierRow]:
     memory, _ = bench_engines(lm)
     pool = corpus_tokens(lm, context + 32)
@@ -84,19 +85,19 @@ def bench_dtype(
     per_token = docs[0].nbytes / docs[0].num_tokens
 
     def ttft(
-        engine: RagKVCache, strategy: Strategy = LINKED, before: Callable[[], object] = list
+        engine: RagKVCache, timed: Strategy = strategy, before: Callable[[], object] = list
     ) -> float:
         """Median TTFT of the public call; `before` (untimed) e.g. empties the hot tiers."""
         runs = []
         for _ in range(repeats):
             before()
-            answer = engine.generate(question, ids, strategy=strategy, max_new_tokens=1)
+            answer = engine.generate(question, ids, strategy=timed, max_new_tokens=1)
             assert isinstance(answer, Answer)
             runs.append(answer.ttft_s)
         return statistics.median(runs)
 
     def first_logits(engine: RagKVCache) -> torch.Tensor:
-        return engine.forced_logits(question, ids, [0], LINKED)[0]
+        return engine.forced_logits(question, ids, [0], strategy)[0]
 
     tokens = len(memory.prompt_ids(question, ids))  # context + question
 
@@ -202,6 +203,7 @@ def run_store_bench(
     redis_url: str | None = "redis://127.0.0.1:6379/0",
     model_path: str | None = None,
     device: str = "cpu",
+    strategy: Strategy = LINKED,
 ) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
     contexts = contexts or [4096]
@@ -211,7 +213,9 @@ def run_store_bench(
         for dtype in dtypes:
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             for context in contexts:
-                rows += bench_dtype(lm, context, chunk_tokens, repeats, redis_url, Path(tmp))
+                rows += bench_dtype(
+                    lm, context, chunk_tokens, repeats, redis_url, Path(tmp), strategy
+                )
                 progress.advance(task)
     return save_report(
         out_dir,
@@ -220,7 +224,7 @@ def run_store_bench(
         lambda path: plot_store(rows, path),
         contexts=contexts,
         chunk_tokens=chunk_tokens,
-        strategy=str(LINKED),
+        strategy=str(strategy),
         repeats=repeats,
     )
 

@@ -37,6 +37,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     store.add_argument("--repeats", type=int, default=3)
     store.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    store.add_argument(
+        "--strategy", default="legolink:2", help="timed from every tier (default legolink:2)"
+    )
     prefix = kinds.add_parser("prefix", help="decode with a shared prefix vs duplicated KV")
     prefix.add_argument("--out", type=Path, default=Path("bench-results"))
     prefix.add_argument("--prefixes", type=csv_list, default=["1024", "2048"])
@@ -384,6 +387,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "store MiB": lambda r: f"{r['store_mb']:.0f}",
         }
     elif args.kind == "store":
+        from rag_kvcache.strategy import Strategy
         from rag_kvcache.tools.bench.store import run_store_bench
 
         report = run_store_bench(
@@ -394,6 +398,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             redis_url=args.redis_url,
             model_path=args.model,
             device=args.device,
+            strategy=Strategy.parse(args.strategy),
         )
         columns = {
             "dtype": lambda r: r["dtype"],
