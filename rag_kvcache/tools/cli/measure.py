@@ -227,7 +227,9 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         # its rows' TTFTs are that run's: the report says whose
         facts["reused"] = {
             "report": str(args.reuse),
-            "strategies": sorted({s for rows in reuse.values() for s in rows}),
+            "strategies": sorted(
+                {s for rows in reuse.values() for s in rows} & {str(s) for s in strategies}
+            ),
         }
     # a killed run, started again with the same settings, goes on from where it stopped
     # (a larger --limit too: the items measured are kept, the new ones run)
