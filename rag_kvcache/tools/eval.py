@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -180,6 +181,8 @@ class Evaluator:
                 f"{[str(s) for s in head]} (the KL reference when teacher-forcing, the accuracy "
                 f"baseline) come first, got {[str(s) for s in strategies]}"
             )
+        if all(str(s) in known for s in strategies):  # nothing to run: no documents to cache
+            return [known[str(s)] for s in strategies]
         documents = list(item.documents)
         plain = self.engine.generate_context_cache(documents)
         sinks = None
@@ -212,9 +215,11 @@ class Evaluator:
                 else torch.empty(0)
             )
             runs.append((strategy, answer, logits))
-        prefill_ttft = next(
-            (answer.ttft_s for s, answer, _ in runs if s == PREFILL),
-            known[str(PREFILL)].ttft_s if str(PREFILL) in known else math.nan,
+        reused_prefill = known.get(str(PREFILL))
+        prefill_ttft = (
+            reused_prefill.ttft_s
+            if reused_prefill
+            else next(answer.ttft_s for s, answer, _ in runs if s == PREFILL)
         )
         measured = {
             str(strategy): ItemResult(
@@ -315,7 +320,7 @@ def reused_rows(
     rows stand for this run's. Not with teacher forcing, whose KL needs this run's `full`."""
     try:
         data = json.loads(Path(report).read_text(encoding="utf-8"))
-        rows = [ItemResult(**{**r, "token_ids": tuple(r["token_ids"])}) for r in data["items"]]
+        rows = [item_result(r) for r in data["items"]]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"{report}: not an eval report to reuse ({e!r})") from None
     if settings.get("teacher_tokens"):
@@ -446,11 +451,14 @@ class Journal:
         self.path.unlink(missing_ok=True)
 
 
+def item_result(row: dict[str, Any]) -> ItemResult:
+    """An ItemResult from its JSON form (a report's or a journal's row)."""
+    return ItemResult(**{**row, "token_ids": tuple(row["token_ids"])})
+
+
 def _rows(line: str) -> list[ItemResult] | None:
     try:
-        rows = [
-            ItemResult(**{**row, "token_ids": tuple(row["token_ids"])}) for row in json.loads(line)
-        ]
+        rows = [item_result(row) for row in json.loads(line)]
     except (json.JSONDecodeError, TypeError, KeyError):
         return None
     return rows or None
