@@ -324,6 +324,40 @@ def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path:
             client.chat.completions.create(
                 model=model.id, messages=messages, extra_body={"rag": {"cache_ids": ["a" * 32]}}
             )
+
+        # LlamaIndex's OpenAILike LLM: chat and completion, whole and streamed
+        from llama_index.core.llms import ChatMessage
+        from llama_index.llms.openai_like import OpenAILike
+
+        def like(chat: bool) -> OpenAILike:
+            return OpenAILike(
+                model=model.id,
+                api_base=f"{url}/v1",
+                api_key="unused",
+                is_chat_model=chat,
+                context_window=8192,
+                max_tokens=3,
+                temperature=0.0,  # its default samples (0.1); the client's answer is greedy
+                additional_kwargs={"extra_body": rag},
+            )
+
+        said = like(True).chat([ChatMessage(role="user", content=messages[0]["content"])])
+        assert said.message.content == whole.choices[0].message.content
+        streamed = list(like(True).stream_chat([ChatMessage(role="user", content="Who?")]))
+        assert streamed and streamed[-1].message.content == "".join(r.delta or "" for r in streamed)
+        completion = client.completions.create(
+            model=model.id, prompt="The lighthouse", max_tokens=3, extra_body=rag
+        )
+        assert like(False).complete("The lighthouse").text == completion.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="unknown"):
+            OpenAILike(
+                model=model.id,
+                api_base=f"{url}/v1",
+                api_key="unused",
+                is_chat_model=True,
+                max_retries=0,
+                additional_kwargs={"extra_body": {"rag": {"strategy": "no-such"}}},
+            ).chat([ChatMessage(role="user", content="Who?")])
     finally:
         server.terminate()
         server.wait(30)
