@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 TRANSFORMERS_NEWEST := 5.24.0
 NEWEST := $(VENV)/transformers-$(TRANSFORMERS_NEWEST)
 
-.PHONY: install constraints browser try-browser demo app test test-fast test-newest lint bench clean
+.PHONY: install constraints browser try-browser demo app test test-fast test-newest lint load-test bench clean
 
 # torch first, at the constrained version: here that is a CPU build on local disk, where an
 # unconstrained torch would pull a multi-GB CUDA build. The model packages ship weights only, so
@@ -79,6 +79,12 @@ test-newest: install
 # The inner loop: the tests without SmolLM2, servers, a browser or a GPU (a few minutes).
 test-fast: install
 	$(VENV)/bin/pytest -m "$(FAST)"
+
+# Two `serve` replicas on PostgreSQL + Redis, 16 clients for 60 s, one replica SIGKILLed midway
+# (the suite runs the same test smaller).
+load-test: install
+	RAG_KVCACHE_LOAD_CLIENTS=16 RAG_KVCACHE_LOAD_SECONDS=60 $(VENV)/bin/pytest -s \
+	  tests/test_server_replicas.py -k load_on_two_replicas
 
 bench: install
 	$(VENV)/bin/rag-kvcache bench ttft --out bench-results

@@ -6,9 +6,10 @@ ingesting process shares replica A's folder, as workers on one machine do).
   a restart (the corpus version counter in the catalog);
 - a replica SIGKILLed mid-stream loses nothing stored: the other gives the same answers to the
   same questions, and `rag-kvcache verify` finds the store (and each folder's index) clean;
-- under load (6 clients over 2 replicas, one SIGKILLed mid-answer midway) every request is answered
-  with the right answer or fails cleanly (a refused or dropped connection, an OpenAI-style JSON
-  error), and no replica logs a traceback.
+- under load (6 clients over 2 replicas for 20 s, one SIGKILLed mid-answer midway; `make
+  load-test` runs it at 16 clients for 60 s) every request is answered with the right answer or
+  fails cleanly (a refused or dropped connection, an OpenAI-style JSON error), and no replica
+  logs a traceback.
 
 Every process is a real `python -m rag_kvcache.tools.cli` on random:tiny (SmolLM2's tokenizer:
 `slow`). The catalog is a database of its own, dropped at the end, and the Redis keys carry its
@@ -49,6 +50,9 @@ CLI = [sys.executable, "-m", "rag_kvcache.tools.cli"]
 # one thread each: four processes share two cores here
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 MAX_TOKENS = 4
+# the load test's size: small in the test suite, the full size by `make load-test`
+LOAD_CLIENTS = int(os.environ.get("RAG_KVCACHE_LOAD_CLIENTS", "6"))
+LOAD_SECONDS = float(os.environ.get("RAG_KVCACHE_LOAD_SECONDS", "20"))
 FIRST = [
     "The Hallam Point lighthouse was designed by Mara Quell.",
     "It was first lit in 1788 and burned whale oil until 1861.",
@@ -394,7 +398,7 @@ def test_load_on_two_replicas_with_one_killed_midway(cluster) -> None:
     for replica in (a, b):
         cluster.restart(replica)
     answers = {q: answer_of(ask(a, q)) for q in QUESTIONS}
-    clients, seconds = 6, 20.0
+    clients, seconds = LOAD_CLIENTS, LOAD_SECONDS
     until, killed_at, tally = time.monotonic() + seconds, [], Tally()
     threads = [
         threading.Thread(target=_client, args=(i, [a, b], answers, until, killed_at, tally))
@@ -408,7 +412,11 @@ def test_load_on_two_replicas_with_one_killed_midway(cluster) -> None:
     for thread in threads:
         thread.join(90)
     assert not any(t.is_alive() for t in threads)
-    print(f"answered {tally.answered}, refused {tally.refused}, cut {tally.cut}")
+    print(
+        f"\n{clients} clients x {seconds:.0f} s on 2 replicas: answered {tally.answered} "
+        f"({tally.answered_after_kill} after the kill), refused {tally.refused}, "
+        f"cut {tally.cut}, wrong {len(tally.wrong)}, JSON errors {len(tally.json_errors)}"
+    )
     assert tally.wrong == [], tally.wrong
     assert tally.json_errors == [], tally.json_errors  # nothing here is a bad request
     assert tally.answered >= 2 * clients and tally.answered_after_kill >= clients
