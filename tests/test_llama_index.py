@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from llama_index.core import Document, VectorStoreIndex
+from llama_index.core import Document, PromptTemplate, Settings, VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.base.response.schema import Response, StreamingResponse
 from llama_index.core.ingestion import IngestionPipeline
@@ -303,6 +303,102 @@ def test_synthesizer_encodes_untagged_nodes_and_keeps_retrieval_order(engine, no
     events.clear()
     empty = KVCacheSynthesizer(llm).synthesize("anything?", [])
     assert empty.response == "Empty Response" and not of(KVLinkEvent, events)
+
+
+# ------------------------------------------------------------- LlamaIndex's own query engines
+
+
+def asked(events: list[BaseEvent]) -> list[dict[str, Any]]:
+    """The raw usage of every chat call the LLM answered while the test ran."""
+    return [e.response.raw for e in of(LLMChatEndEvent, events)]
+
+
+def test_a_first_program_with_settings_llm_links_the_retrieved_chunks(
+    engine, index, embed_model, events, monkeypatch
+) -> None:
+    """`Settings.llm = KVCacheLLM(engine)` and LlamaIndex's own `index.as_query_engine()`
+    (its compact synthesizer and QA template): the retrieved nodes' text in the prompt is
+    linked from the cache, the template's rest asked as the question."""
+    monkeypatch.setattr(Settings, "_llm", KVCacheLLM(engine, strategy="full"))
+    monkeypatch.setattr(Settings, "_embed_model", embed_model)
+    response = index.as_query_engine(similarity_top_k=2).query(QUESTION)
+    cache_ids = [n.node.metadata["cache_id"] for n in response.source_nodes]
+    [link] = of(KVLinkEvent, events)
+    assert link.cache_ids == cache_ids and link.context_tokens > 0  # in the prompt's order
+    [raw] = asked(events)
+    question = raw["question"]
+    assert QUESTION in question and "Context information" in question  # the template's rest
+    for node in response.source_nodes:
+        assert node.node.get_content(MetadataMode.NONE) not in question
+        assert "file_name" not in question  # the nodes' metadata lines left with them
+    # "full" recomputes every chunk token: exactly a prefill of that linked layout
+    prompt = engine.prompt_ids(question, cache_ids)
+    assert raw["token_ids"] == plain_greedy(engine.lm, prompt, MAX_NEW)
+    assert "Mara Quell" in response.response
+
+    # the same query, the prompt answered as given: a plain prefill, right as well
+    events.clear()
+    monkeypatch.setattr(Settings, "_llm", KVCacheLLM(engine, link_retrieved=False))
+    plain = index.as_query_engine(similarity_top_k=2).query(QUESTION)
+    assert not of(KVLinkEvent, events) and "question" not in asked(events)[0]
+    assert asked(events)[0]["context_tokens"] == 0
+    assert "Mara Quell" in plain.response
+
+    # the engine's default strategy, streamed and async: one answer
+    events.clear()
+    monkeypatch.setattr(Settings, "_llm", KVCacheLLM(engine))
+    whole = index.as_query_engine(similarity_top_k=2).query(QUESTION)
+    streamed = index.as_query_engine(similarity_top_k=2, streaming=True).query(QUESTION)
+    assert isinstance(streamed, StreamingResponse)
+    assert "".join(streamed.response_gen) == whole.response
+    asynced = asyncio.run(index.as_query_engine(similarity_top_k=2).aquery(QUESTION))
+    assert asynced.response == whole.response
+    assert [e.cache_ids for e in of(KVLinkEvent, events)] == [cache_ids] * 3
+
+
+def test_llamaindex_engines_link_untagged_nodes_and_custom_templates(
+    engine, embed_model, events
+) -> None:
+    """An index built without KVCacheTransform: its nodes are encoded on first use and linked;
+    a custom QA template and another response mode are honoured."""
+    llm = KVCacheLLM(engine, strategy="full")
+    untagged = VectorStoreIndex.from_documents(documents(), embed_model=embed_model)
+    template = PromptTemplate(
+        "Facts:\n{context_str}\nUsing only the facts, answer briefly.\nQ: {query_str}\nA: "
+    )
+    query_engine = untagged.as_query_engine(
+        llm=llm, similarity_top_k=2, text_qa_template=template, response_mode="compact"
+    )
+    assert (
+        "Using only the facts"
+        in query_engine.get_prompts()["response_synthesizer:text_qa_template"].get_template()
+    )
+    response = query_engine.query(QUESTION)
+    nodes = [n.node for n in response.source_nodes]
+    cache_ids = [n.metadata["cache_id"] for n in nodes]  # tagged now
+    assert all(engine.store.contains(c) for c in cache_ids)
+    assert engine.generate_context_cache([n.get_content(MetadataMode.NONE) for n in nodes]) == (
+        cache_ids
+    )
+    [link] = of(KVLinkEvent, events)
+    assert link.cache_ids == cache_ids
+    [raw] = asked(events)
+    assert raw["question"].startswith("Facts:") and raw["question"].endswith(f"Q: {QUESTION}\nA:")
+    prompt = engine.prompt_ids(raw["question"], cache_ids)
+    assert raw["token_ids"] == plain_greedy(engine.lm, prompt, MAX_NEW)
+    assert "Mara Quell" in response.response
+
+    events.clear()
+    summary = untagged.as_query_engine(
+        llm=llm, similarity_top_k=2, response_mode="tree_summarize"
+    ).query(QUESTION)
+    assert [e.cache_ids for e in of(KVLinkEvent, events)] == [cache_ids]
+    assert summary.response
+
+    # a prompt holding no retrieved text is answered as it is
+    events.clear()
+    llm.complete("Name a primary color.")
+    assert not of(KVLinkEvent, events)
 
 
 # ----------------------------------------------------------------------------- chat

@@ -2,7 +2,11 @@
 
 Called like any LlamaIndex LLM it generates from the prompt (chat messages through the model's
 own chat template). Called with `cache_ids=[...]` it instead answers the prompt as a question
-over those cached chunks, linking their stored KV rather than prefilling their text. Usage
+over those cached chunks, linking their stored KV rather than prefilling their text. A prompt
+that holds the text of nodes a LlamaIndex retriever just returned (what LlamaIndex's own
+synthesizers build, e.g. `Settings.llm = KVCacheLLM(engine)` with `index.as_query_engine()`)
+is answered by linking those nodes' chunks, the rest of the prompt as the question
+(`recognition.py`; `link_retrieved=False` turns it off). Usage
 counts travel in `response.raw` (flat, and OpenAI-style under "usage" for LlamaIndex's
 TokenCountingHandler); link and first-token facts go out as instrumentation events.
 
@@ -44,6 +48,8 @@ from llama_index.core.llms.custom import CustomLLM
 from rag_kvcache.answer import Answer, AnswerStream
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.events import FirstTokenEvent, KVLinkEvent
+from rag_kvcache.integrations.llama_index.recognition import RetrievedNodes, watch, without
+from rag_kvcache.integrations.llama_index.transform import cache_ids_of
 from rag_kvcache.serving.batch import batchable
 from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import PREFILL, Strategy
@@ -77,8 +83,10 @@ def chat_question(messages: Sequence[ChatMessage]) -> str:
     return f"Conversation so far:\n{turns}\n\nFollow-up: {last.content or ''}"
 
 
-def usage(answer: Answer, cache_ids: Sequence[str] | None) -> dict[str, Any]:
-    """What a call cost, for `response.raw`."""
+def usage(
+    answer: Answer, cache_ids: Sequence[str] | None, question: str | None = None
+) -> dict[str, Any]:
+    """What a call cost, for `response.raw` (with the question asked, for a linked call)."""
     counts = {
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": len(answer.token_ids),
@@ -95,6 +103,7 @@ def usage(answer: Answer, cache_ids: Sequence[str] | None) -> dict[str, Any]:
         "strategy": str(answer.strategy),
         "cache_ids": list(cache_ids or []),
         "token_ids": list(answer.token_ids),  # the answer's tokens, for exact comparisons
+        **({"question": question} if cache_ids is not None else {}),
     }
 
 
@@ -129,7 +138,8 @@ class KVCacheLLM(CustomLLM):
 
     Extra keyword arguments of complete / stream_complete / chat / stream_chat:
     `cache_ids` (link these chunks, in order), `strategy` (link strategy for this call),
-    `max_new_tokens`. Others are ignored, as LlamaIndex LLMs do.
+    `max_new_tokens`. Others are ignored, as LlamaIndex LLMs do. Without `cache_ids`, a
+    prompt holding retrieved nodes' text links them (`link_retrieved`).
     """
 
     strategy: str | None = Field(
@@ -140,7 +150,13 @@ class KVCacheLLM(CustomLLM):
     max_new_tokens: int | None = Field(
         default=None, description="Answer length cap; None: the engine's generation config."
     )
+    link_retrieved: bool = Field(
+        default=True,
+        description="Link the chunks of retrieved nodes found in a prompt (one that "
+        "LlamaIndex's own synthesizers built) instead of prefilling their text.",
+    )
     _engine: RagKVCache = PrivateAttr()
+    _retrieved: RetrievedNodes | None = PrivateAttr(default=None)
 
     def __init__(
         self,
@@ -155,6 +171,8 @@ class KVCacheLLM(CustomLLM):
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         super().__init__(strategy=strategy, max_new_tokens=max_new_tokens, **kwargs)
         self._engine = engine
+        if self.link_retrieved:
+            self._retrieved = watch()
         # Defaults that know the model: its chat template, for chats and for bare prompts
         # (an instruct model answers a bare prompt best as a user turn). formatted=True or
         # your own callables bypass them.
@@ -242,17 +260,43 @@ class KVCacheLLM(CustomLLM):
         return self._render_chat(turns)
 
     def _chat_prompt(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> str:
-        """A chat's prompt: the question of a linked prompt, or the whole rendered chat."""
+        """A chat's prompt: the question of a linked prompt, or the whole rendered chat.
+        Retrieved nodes found in the messages are linked: their text leaves the messages,
+        and system messages (a LlamaIndex template's instructions) lead the question."""
         if kwargs.get("cache_ids") is not None:
             return chat_question(messages)
+        if self._retrieved is not None:
+            found = [(m, self._retrieved.find(m.content or "")) for m in messages]
+            nodes = [p.node for _, placed in found for p in placed]
+            if nodes:
+                kwargs["cache_ids"] = cache_ids_of(self._engine, nodes)
+                rest = [
+                    ChatMessage(role=m.role, content=without(m.content or "", placed))
+                    for m, placed in found
+                ]
+                system = [m.content for m in rest if m.role == MessageRole.SYSTEM and m.content]
+                turns = [m for m in rest if m.role != MessageRole.SYSTEM]
+                return "\n\n".join([*system, chat_question(turns)])
         assert self.messages_to_prompt is not None  # set in __init__ or by the caller
         return self.messages_to_prompt(messages)
+
+    def _link_found(self, prompt: str, kwargs: dict[str, Any]) -> str:
+        """A plain prompt holding retrieved nodes: link them (`cache_ids` set in `kwargs`)
+        and return the rest of the prompt, the question; else the prompt as it is."""
+        if kwargs.get("cache_ids") is not None or self._retrieved is None:
+            return prompt
+        placed = self._retrieved.find(prompt)
+        if not placed:
+            return prompt
+        kwargs["cache_ids"] = cache_ids_of(self._engine, [p.node for p in placed])
+        return without(prompt, placed)
 
     def _generate(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any]
     ) -> CompletionResponseGen:
         """Start the engine; one response per new piece of text, then a final one (empty delta,
         whole text) carrying the usage in `raw`."""
+        prompt = self._link_found(prompt, kwargs)
         cache_ids, strategy, max_new_tokens = self._call_args(kwargs)
         if cache_ids is None:
             text = prompt if formatted else self._as_prompt(prompt)
@@ -262,13 +306,14 @@ class KVCacheLLM(CustomLLM):
                 prompt, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens, stream=True
             )
         assert isinstance(run, AnswerStream)
-        return self._responses(run, cache_ids, str(strategy))
+        return self._responses(run, cache_ids, str(strategy), prompt)
 
     def _agenerate(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any]
     ) -> CompletionResponseAsyncGen:
         """`_generate` on the engine loop: the request is submitted when iteration starts.
         Bad arguments (an unknown strategy) raise here, as in the sync calls."""
+        prompt = self._link_found(prompt, kwargs)
         cache_ids, strategy, max_new_tokens = self._call_args(kwargs)
         if cache_ids is None:
             text = prompt if formatted else self._as_prompt(prompt)
@@ -283,7 +328,7 @@ class KVCacheLLM(CustomLLM):
             # whose sync calls work, so it keeps its exact sync answer path, each step in a
             # worker thread: the event loop runs on, but this request shares no batch.
             return _in_thread(self._generate(prompt, formatted, kwargs))
-        return self._aresponses(stream, cache_ids, str(strategy))
+        return self._aresponses(stream, cache_ids, str(strategy), prompt)
 
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[list[str] | None, Strategy, int | None]:
         """(cache IDs or None for a plain prompt, strategy, max_new_tokens) of one call."""
@@ -299,7 +344,7 @@ class KVCacheLLM(CustomLLM):
         return self.completion_to_prompt(prompt)
 
     def _responses(
-        self, run: AnswerStream, cache_ids: list[str] | None, strategy: str
+        self, run: AnswerStream, cache_ids: list[str] | None, strategy: str, question: str
     ) -> CompletionResponseGen:
         start = time.perf_counter()  # runs at the first next(), when the engine starts too
         text = ""
@@ -310,10 +355,14 @@ class KVCacheLLM(CustomLLM):
             text += delta
             yield CompletionResponse(text=text, delta=delta)
         assert run.answer is not None
-        yield _final(run.answer, bool(text), cache_ids, strategy)
+        yield _final(run.answer, bool(text), cache_ids, strategy, question)
 
     async def _aresponses(
-        self, stream: AsyncTokenStream[Answer], cache_ids: list[str] | None, strategy: str
+        self,
+        stream: AsyncTokenStream[Answer],
+        cache_ids: list[str] | None,
+        strategy: str,
+        question: str,
     ) -> CompletionResponseAsyncGen:
         """`_responses` of an engine-loop request; leaving early (aclose, a cancelled task)
         aborts the request."""
@@ -331,11 +380,11 @@ class KVCacheLLM(CustomLLM):
         finally:
             await stream.aclose()  # a no-op once finished; else the request is aborted
         assert stream.result is not None
-        yield _final(stream.result, bool(text), cache_ids, strategy)
+        yield _final(stream.result, bool(text), cache_ids, strategy, question)
 
 
 def _final(
-    answer: Answer, streamed: bool, cache_ids: list[str] | None, strategy: str
+    answer: Answer, streamed: bool, cache_ids: list[str] | None, strategy: str, question: str
 ) -> CompletionResponse:
     """The last response of a call (empty delta, whole text, usage in `raw`), after its
     events: the link, and the first token if no text was streamed (the model ended at once:
@@ -352,7 +401,7 @@ def _final(
                 recomputed_tokens=answer.recomputed_tokens,
             )
         )
-    return CompletionResponse(text=answer.text, delta="", raw=usage(answer, cache_ids))
+    return CompletionResponse(text=answer.text, delta="", raw=usage(answer, cache_ids, question))
 
 
 async def _last(responses: CompletionResponseAsyncGen) -> CompletionResponse:

@@ -34,7 +34,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from rag_kvcache.integrations.llama_index.llm import KVCacheLLM
-from rag_kvcache.integrations.llama_index.transform import CACHE_ID_KEY, attach_cache_id, node_text
+from rag_kvcache.integrations.llama_index.transform import cache_ids_of
 
 dispatcher = get_dispatcher(__name__)
 
@@ -151,20 +151,7 @@ class KVCacheSynthesizer(BaseSynthesizer):
     # ------------------------------------------------------------------ internals
 
     def _cache_ids(self, nodes: Sequence[NodeWithScore]) -> list[str]:
-        """The nodes' cache IDs in order. Nodes without one, or naming a chunk this engine's
-        store lacks (expired, another store or model), are encoded from their text now and
-        (re)tagged; IDs are content hashes, so an expired chunk gets its old ID back."""
-        store = self._kv_llm.engine.store
-        todo = [
-            n.node
-            for n in nodes
-            if not (cache_id := n.node.metadata.get(CACHE_ID_KEY)) or not store.contains(cache_id)
-        ]
-        if todo:
-            new_ids = self._kv_llm.engine.generate_context_cache([node_text(n) for n in todo])
-            for node, cache_id in zip(todo, new_ids):
-                attach_cache_id(node, cache_id)
-        return [str(n.node.metadata[CACHE_ID_KEY]) for n in nodes]
+        return cache_ids_of(self._kv_llm.engine, [n.node for n in nodes])
 
     def _answer(
         self, query: str, cache_ids: list[str], metadata: dict[str, Any], **kwargs: Any

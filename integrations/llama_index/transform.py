@@ -31,6 +31,22 @@ def attach_cache_id(node: BaseNode, cache_id: str) -> BaseNode:
     return node
 
 
+def cache_ids_of(engine: RagKVCache, nodes: Sequence[BaseNode]) -> list[str]:
+    """The nodes' cache IDs in order. Nodes without one, or naming a chunk this engine's store
+    lacks (expired, another store or model), are encoded from their text now and (re)tagged;
+    IDs are content hashes, so an expired chunk gets its old ID back."""
+    todo = [
+        node
+        for node in nodes
+        if not (cache_id := node.metadata.get(CACHE_ID_KEY)) or not engine.store.contains(cache_id)
+    ]
+    if todo:
+        new_ids = engine.generate_context_cache([node_text(node) for node in todo])
+        for node, cache_id in zip(todo, new_ids, strict=True):
+            attach_cache_id(node, cache_id)
+    return [str(node.metadata[CACHE_ID_KEY]) for node in nodes]
+
+
 class KVCacheTransform(TransformComponent):
     """Encode each node's text into the engine's KV store (already cached ones are skipped) and
     write its cache ID into `node.metadata["cache_id"]`. Put it after the node parser in an
