@@ -241,3 +241,61 @@ def test_help_and_version_answer_without_loading_torch() -> None:
     )
     assert version.returncode == 0 and version.stdout.startswith("rag-kvcache 0.")
     assert (counted(1, "document"), counted(2, "chunk")) == ("1 document", "2 chunks")
+
+
+def test_every_option_with_a_default_shows_it_in_its_help() -> None:
+    import argparse
+
+    from rag_kvcache.tools.cli.main import DefaultsShown, build_parser
+
+    def commands(parser: argparse.ArgumentParser, name: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield f"{name} {sub}", child
+                    yield from commands(child, f"{name} {sub}")
+
+    checked = 0
+    for name, parser in commands(build_parser(), "rag-kvcache"):
+        assert parser.formatter_class is DefaultsShown, name
+        formatter = DefaultsShown(name)
+        for action in parser._actions:
+            default = action.default
+            if not action.option_strings or default is None or default is argparse.SUPPRESS:
+                continue
+            if default is False:  # a switch: off unless given
+                continue
+            printed = formatter._get_help_string(action) or ""
+            assert "default" in printed, f"{name} {action.option_strings[0]}: {printed!r}"
+            if isinstance(default, list):  # lists as the flag takes them
+                assert ",".join(default) in printed and "[" not in printed
+            checked += 1
+    assert checked > 60
+    ingest = next(p for n, p in commands(build_parser(), "rag-kvcache") if n.endswith("ingest"))
+    assert "(default: 256)" in " ".join(ingest.format_help().split())
+
+
+@pytest.mark.slow
+def test_commands_print_no_third_party_progress_bars(tmp_path: Path) -> None:
+    """Only our own progress display: no Hugging Face "Loading weights" bars (the model and
+    the embedder load in this command)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "a.md").write_text(
+        "The Hallam Point lighthouse was designed by Mara Quell and first lit in 1788."
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rag_kvcache.tools.cli", "ingest", str(tmp_path / "a.md")]
+        + ["--store", str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 document ingested" in done.stdout
+    assert "Loading weights" not in done.stdout + done.stderr
+    assert "it/s]" not in done.stdout + done.stderr  # no tqdm bar of any kind

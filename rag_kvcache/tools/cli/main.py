@@ -5,10 +5,53 @@ Parsing imports nothing heavy (no torch): `--help` and `--version` answer at onc
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from rich.console import Console
 
 from rag_kvcache.tools.cli import calibration, documents, markup, measure, serve, store
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it has none (None, off) or the help
+    already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help or "", action.default
+        if default is None or default is False or default is argparse.SUPPRESS:
+            return action.help
+        if "default" in text or not action.option_strings:
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+# what the options that many commands share mean, said once
+SHARED_HELP = {
+    "--store": "the store's folder",
+    "--dtype": "the model's compute dtype",
+    "--dtypes": "compute dtypes measured, comma-separated",
+    "--out": "folder for the results (JSON and plots)",
+    "--max-new-tokens": "answer length cap, in tokens",
+    "--new-tokens": "tokens generated per request",
+    "--repeats": "timed runs of each case",
+    "--contexts": "context lengths in tokens, comma-separated",
+    "--seed": "random seed (default: a fixed one)",
+}
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser (and its subcommands'): defaults shown in its help, and the shared
+    options' help written once (`SHARED_HELP`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        if "help" not in kwargs and names and names[0] in SHARED_HELP:
+            kwargs["help"] = SHARED_HELP[names[0]]
+        return super().add_argument(*names, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Encode RAG chunks' KV once; answer from the linked cache.",
     )
     parser.add_argument("--version", action="version", version=f"rag-kvcache {version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for group in (measure, calibration, documents, markup, store, serve):
         group.add_parsers(commands)
     return parser
@@ -34,9 +77,14 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from rag_kvcache.errors import RagKVCacheError
 
     args = build_parser().parse_args(argv)
+    # our progress display only: no Hugging Face bars ("Loading weights", downloads), read
+    # when transformers is first imported, which is after this
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     console = Console()
     try:
         return int(args.run(args, console))

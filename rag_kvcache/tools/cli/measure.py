@@ -25,6 +25,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--strategies",
         type=csv_list,
         default=["naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15"],
+        help="link strategies, comma-separated",
     )
     ttft.add_argument("--repeats", type=int, default=3)
     ttft.add_argument("--model", default=None, help=MODEL_HELP)
@@ -36,14 +37,20 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     store.add_argument("--model", default=None, help=MODEL_HELP)
     store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     store.add_argument("--repeats", type=int, default=3)
-    store.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    store.add_argument(
+        "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for the Redis tier"
+    )
     store.add_argument(
         "--strategy", default="legolink:2", help="timed from every tier (default legolink:2)"
     )
     prefix = kinds.add_parser("prefix", help="decode with a shared prefix vs duplicated KV")
     prefix.add_argument("--out", type=Path, default=Path("bench-results"))
-    prefix.add_argument("--prefixes", type=csv_list, default=["1024", "2048"])
-    prefix.add_argument("--batches", type=csv_list, default=["1", "8", "32"])
+    prefix.add_argument(
+        "--prefixes", type=csv_list, default=["1024", "2048"], help="shared prefix tokens"
+    )
+    prefix.add_argument(
+        "--batches", type=csv_list, default=["1", "8", "32"], help="requests decoded at once"
+    )
     prefix.add_argument("--new-tokens", type=int, default=64)
     prefix.add_argument(
         "--repeats", type=int, default=1, help="runs of each case, alternating; the best counts"
@@ -54,7 +61,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
     ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
     ingest_bench.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
-    ingest_bench.add_argument("--chunk-tokens", type=int, default=256)
+    ingest_bench.add_argument("--chunk-tokens", type=int, default=256, help="chunk size")
     ingest_bench.add_argument("--repeats", type=int, default=3)
     ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
     serve = kinds.add_parser("serve", help="the HTTP server under concurrent clients")
@@ -87,9 +94,18 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     evaluate.add_argument("dataset", type=Path, nargs="?", help="JSONL QA set")
     evaluate.add_argument("--needle", action="store_true", help="needle-in-a-haystack sweep")
-    evaluate.add_argument("--strategies", type=csv_list, default=None)
-    evaluate.add_argument("--lengths", type=csv_list, default=["1024", "2048", "4096"])
-    evaluate.add_argument("--depths", type=csv_list, default=["0", "0.25", "0.5", "0.75", "1"])
+    evaluate.add_argument(
+        "--strategies", type=csv_list, default=None, help="link strategies (default: a set)"
+    )
+    evaluate.add_argument(
+        "--lengths", type=csv_list, default=["1024", "2048", "4096"], help="needle contexts"
+    )
+    evaluate.add_argument(
+        "--depths",
+        type=csv_list,
+        default=["0", "0.25", "0.5", "0.75", "1"],
+        help="needle depths (0 = start, 1 = end)",
+    )
     evaluate.add_argument("--chunk-tokens", type=int, default=256, help="needle mode chunks")
     evaluate.add_argument("--limit", type=int, default=None, help="first N items only")
     evaluate.add_argument("--max-new-tokens", type=int, default=32)
@@ -152,7 +168,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     diagnose.add_argument("--max-new-tokens", type=int, default=24)
     diagnose.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     diagnose.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    diagnose.add_argument("--threads", type=int, default=None)
+    diagnose.add_argument("--threads", type=int, default=None, help="torch threads")
     diagnose.set_defaults(run=diagnose_command)
 
 

@@ -30,7 +30,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             sub.add_argument("--repair", action="store_true", help="loads the model")
         sub.set_defaults(run=store_command)
         if name == "gc":
-            sub.add_argument("--pending-after", type=float, default=600.0, metavar="SECONDS")
+            sub.add_argument(
+                "--pending-after",
+                type=float,
+                default=600.0,
+                metavar="SECONDS",
+                help="an unfinished write older than this is abandoned",
+            )
             sub.add_argument(
                 "--force", action="store_true", help="delete orphan blobs even if most are"
             )
