@@ -11,7 +11,8 @@ import torch
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import at_positions, prompt_in_position_order
-from rag_kvcache.markup.language import MarkupError, compile_prompt, compile_schema
+from rag_kvcache.markup.language import MarkupError, compile_schema
+from rag_kvcache.markup.prompt import compile_prompt
 from rag_kvcache.markup.prompt_cache import PromptCache, linked_order, schema_placement
 from rag_kvcache.model.adapter import additive_mask, build_cache, forward, unpack_cache
 from rag_kvcache.serving.decoding import prefill
@@ -54,7 +55,7 @@ def test_the_papers_three_schemas_compile(smol_tokenizer) -> None:
     assert code.modules["style-guide"].start >= union_end  # after the longest member
 
     # nested unions: each season sits inside its destination, after the destination's text
-    coast, summer = travel.modules["coast"], travel.modules["coast-summer"]
+    coast, summer = travel.modules["coast"], travel.modules["coast/coast-summer"]
     assert summer.parent == "coast" and coast.start < summer.start < summer.end <= coast.end
     assert travel.modules["mountains"].start == coast.start
     duration = travel.params[("trip-plan", "duration")]
@@ -107,7 +108,7 @@ def test_prompts_are_checked_against_their_schema(smol_tokenizer) -> None:
         schemas,
         smol_tokenizer,
     )
-    assert ok.imported == ("trip-plan", "coast", "coast-winter")  # the parent comes along
+    assert ok.imported == ("trip-plan", "coast", "coast/coast-winter")  # the parent comes along
     bad = {
         '<prompt schema="nope">x</prompt>': "unknown schema 'nope'",
         '<prompt schema="travel">\n  <paris/></prompt>': "line 2, column 3: .* no module 'paris'",
@@ -265,7 +266,7 @@ def test_a_python_function_builds_the_same_kind_of_schema(smol_tokenizer) -> Non
 
     assert trip_planner.name == "trip-planner"
     compiled = compile_schema(trip_planner.xml, smol_tokenizer)
-    assert set(compiled.modules) == {
+    assert {m.name for m in compiled.modules.values()} == {
         "trip-plan",
         "coast",
         "mountains",
@@ -274,7 +275,7 @@ def test_a_python_function_builds_the_same_kind_of_schema(smol_tokenizer) -> Non
     }
     coast, mountains = compiled.modules["coast"], compiled.modules["mountains"]
     assert coast.union == mountains.union is not None and coast.start == mountains.start
-    assert compiled.modules["coast-summer"].parent == "coast"
+    assert compiled.modules["coast/coast-summer"].parent == "coast"
     assert compiled.params[("trip-plan", "duration")].length == 6
     assert system is not None and user is not None
 

@@ -92,7 +92,7 @@ def _statements(nodes: list[ast.stmt], params: dict[str, int]) -> str:
             f"line {node.lineno}: a schema function holds text, f-strings, role calls, "
             f"`with user():` blocks and if / elif / else, not {type(node).__name__}"
         )
-    return "".join(out)
+    return "\n".join(out)  # whitespace between statements: a space between their texts
 
 
 def _conditional(node: ast.If, params: dict[str, int]) -> str:
@@ -104,7 +104,7 @@ def _conditional(node: ast.If, params: dict[str, int]) -> str:
         rest = rest[0].orelse
     if rest:
         branches.append((f"{branches[0][0]}-else", rest))
-    modules = "".join(
+    modules = "\n".join(
         f"<module name={quoteattr(name)}>{_statements(body, params)}</module>"
         for name, body in branches
     )

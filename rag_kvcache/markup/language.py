@@ -15,14 +15,19 @@ them. Compiles to units of tokens laid out at schema positions; `serve` reuses t
 
     <prompt schema="travel"><trip-plan duration="3 days"/><miami/> What should I pack?</prompt>
 
-Layout: elements take positions in document order; members of a `<union>` share one start
-and the union is as long as its longest member; a `<param len=N>` reserves N positions for an
-argument given at prompt time. Role elements become the model's own chat-template text around
-their content; the closing of a final `<user>` is held back so the prompt's own text continues
-that turn, followed by the assistant header. Text runs have their whitespace collapsed;
-comments are ignored. Every run of text is a *unit*: tokens with a start position, owned by
-the innermost module (or anonymous: always included). A scaffold is the listed modules and the
-anonymous text encoded together as one unit, used when a prompt imports all of them.
+Layout, as Prompt Cache's own parser reads it: elements take positions in document order;
+members of a `<union>` share one start and the union is as long as its longest member; a
+`<param len=N>` (Prompt Cache spells it `<parameter length=N>`) reserves N positions for an
+argument given at prompt time. Module names are unique within their parent (a module is known
+by its path, `age/default`); a prompt names a module by nesting references as the schema nests
+modules (`<age><adult/></age>`), or by its name alone where that is unique. Role elements
+become the model's own chat-template text around their content, in schemas and in prompts;
+the closing of a schema's final `<user>` is held back so the prompt's free text continues that
+turn, followed by the assistant header. A text run keeps its inner whitespace (code stays
+code); the whitespace around it becomes one space, none at the start of a turn. Comments are
+ignored. Every run of text is a *unit*: tokens with a start position, owned by the innermost
+module (or anonymous: always included). A scaffold is the listed modules and the anonymous
+text encoded together as one unit, used when a prompt imports all of them.
 """
 
 from __future__ import annotations
@@ -103,12 +108,14 @@ def parse(source: str) -> Element:
 
 # ----------------------------------------------------------------------------- schemas
 
+NAME = re.compile(r"[A-Za-z_][\w.-]*")  # module and parameter names: usable as XML tag names
+
 
 @dataclass(frozen=True)
 class Unit:
     """A run of tokens at schema positions start .. start + len - 1."""
 
-    module: str | None  # None: anonymous text, always included
+    module: str | None  # the owning module's path; None: anonymous text, always included
     token_ids: tuple[int, ...]
     start: int
 
@@ -119,7 +126,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class Param:
-    module: str
+    module: str  # path
     name: str
     start: int
     length: int
@@ -128,7 +135,8 @@ class Param:
 @dataclass(frozen=True)
 class Module:
     name: str
-    parent: str | None
+    path: str  # names from the outermost module down, "age/default": unique in the schema
+    parent: str | None  # the parent's path
     union: int | None  # members of one union share an id; a prompt may import one of them
     start: int
     end: int
@@ -138,11 +146,12 @@ class Module:
 class Schema:
     name: str
     units: tuple[Unit, ...]
-    modules: dict[str, Module]
-    params: dict[tuple[str, str], Param]  # by (module, name)
-    scaffolds: tuple[tuple[str, ...], ...]
+    modules: dict[str, Module]  # by path
+    params: dict[tuple[str, str], Param]  # by (module path, name)
+    scaffolds: tuple[tuple[str, ...], ...]  # module paths
     length: int  # positions the schema spans
-    tail: tuple[int, ...]  # held-back end of the final user turn + the assistant header
+    held_back: tuple[int, ...]  # the end of a final user turn, held back: the prompt continues it
+    tail: tuple[int, ...]  # held_back + the assistant header
     source: str  # the XML it was compiled from
 
 
@@ -152,83 +161,149 @@ class _Compiler:
         self.units: list[Unit] = []
         self.modules: dict[str, Module] = {}
         self.params: dict[tuple[str, str], Param] = {}
-        self.scaffolds: list[tuple[str, ...]] = []
+        self.scaffolds: list[tuple[str, Element]] = []
         self.unions = 0
         self.fresh = True  # at the start of a role or the schema: no space before text
+        self.space = False  # whitespace met since the last text: the next text starts with one
 
     def tokens(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def emit(self, module: str | None, text: str, pos: int, raw: bool = False) -> int:
-        if not raw:
-            text = re.sub(r"\s+", " ", text).strip()
-            if not text:
-                return pos
-            text = text if self.fresh else " " + text
-            self.fresh = False
+    def emit(self, module: str | None, text: str, pos: int) -> int:
         ids = self.tokens(text)
         if ids:
             self.units.append(Unit(module, tuple(ids), pos))
         return pos + len(ids)
 
+    def text(self, module: str | None, text: str, pos: int) -> int:
+        """A text run: inner whitespace kept, the whitespace around it one space at most."""
+        body = text.strip()
+        if not body:
+            self.space = self.space or bool(text)
+            return pos
+        if (self.space or text[0].isspace()) and not self.fresh:
+            body = " " + body
+        self.fresh, self.space = False, text[-1].isspace()
+        return self.emit(module, body, pos)
+
     def walk(self, node: Element | Text, pos: int, module: str | None, union: int | None) -> int:
         if isinstance(node, Text):
-            return self.emit(module, node.text, pos)
+            return self.text(module, node.text, pos)
         tag = node.tag
         if tag == "module":
-            name = node.attrs.get("name", "")
-            if not re.fullmatch(r"[A-Za-z_][\w.-]*", name):
-                raise MarkupError(f"{node.where()}: <module> needs a name (letters, digits, -_.)")
-            if name in self.modules:
-                raise MarkupError(f"{node.where()}: module {name!r} is defined twice")
-            end = pos
-            for child in node.children:
-                end = self.walk(child, end, name, None)
-            self.modules[name] = Module(name, module, union, pos, end)
-            return end
+            return self.module(node, pos, module, union)
         if tag == "union":
-            self.unions += 1
-            union_id = self.unions  # nested unions below take later ids
-            ends = [pos]
-            for child in node.children:
-                if isinstance(child, Text):
-                    if child.text.strip():
-                        raise MarkupError(
-                            f"line {child.line}: text inside <union>; wrap it in a <module>"
-                        )
-                    continue
-                if child.tag != "module":
-                    raise MarkupError(
-                        f"{child.where()}: a <union> holds only <module>s, not <{child.tag}>"
-                    )
-                ends.append(self.walk(child, pos, module, union_id))
-            return max(ends)
-        if tag == "param":
-            if module is None:
-                raise MarkupError(f"{node.where()}: <param> must be inside a <module>")
-            name, length = node.attrs.get("name", ""), node.attrs.get("len", "")
-            if not name or not length.isdigit() or int(length) < 1:
-                raise MarkupError(
-                    f"{node.where()}: <param> needs name= and len= (a positive integer)"
-                )
-            self.params[(module, name)] = Param(module, name, pos, int(length))
-            self.fresh = False
-            return pos + int(length)
-        if tag in ROLES:
+            return self.union(node, pos, module)
+        if tag in ("param", "parameter"):
+            return self.param(node, pos, module)
+        if tag in ROLES:  # the role's text belongs to the module around it, as in Prompt Cache
             prefix, suffix = role_text(self.tokenizer, tag)
-            pos = self.emit(None, prefix, pos, raw=True)
-            self.fresh = True
+            pos = self.emit(module, prefix, pos)
+            self.fresh, self.space = True, False
             for child in node.children:
                 pos = self.walk(child, pos, module, None)
-            self.fresh = True
-            return self.emit(None, suffix, pos, raw=True)
+            self.fresh, self.space = True, False
+            return self.emit(module, suffix, pos)
         if tag == "scaffold" and module is None:
-            names = tuple(node.attrs.get("modules", "").split())
-            if not names:
-                raise MarkupError(f'{node.where()}: <scaffold> needs modules="a b ..."')
-            self.scaffolds.append(names)
+            self.scaffolds.append((node.attrs.get("modules", ""), node))
             return pos
         raise MarkupError(f"{node.where()}: unknown element <{tag}> in a schema")
+
+    def module(self, node: Element, pos: int, parent: str | None, union: int | None) -> int:
+        name = node.attrs.get("name", "")
+        if not NAME.fullmatch(name):
+            raise MarkupError(f"{node.where()}: <module> needs a name (letters, digits, -_.)")
+        path = name if parent is None else f"{parent}/{name}"
+        if path in self.modules:
+            raise MarkupError(f"{node.where()}: module {path!r} is defined twice")
+        if "src" in node.attrs:
+            raise MarkupError(
+                f"{node.where()}: <module src=...> (text read from a file) is not supported; "
+                "put the text inside the module"
+            )
+        if node.attrs.get("cache", "true") not in ("true", "false"):
+            raise MarkupError(f'{node.where()}: <module cache=...> is "true" or "false"')
+        end = pos
+        for child in node.children:
+            end = self.walk(child, end, path, None)
+        self.modules[path] = Module(name, path, parent, union, pos, end)
+        return end
+
+    def union(self, node: Element, pos: int, module: str | None) -> int:
+        self.unions += 1
+        union_id = self.unions  # nested unions below take later ids
+        before = (self.fresh, self.space)  # every member starts as the first one does
+        ends, names = [pos], []
+        for child in node.children:
+            if isinstance(child, Text):
+                if child.text.strip():
+                    raise MarkupError(
+                        f"line {child.line}: text inside <union>; wrap it in a <module>"
+                    )
+                continue
+            if child.tag != "module":
+                raise MarkupError(
+                    f"{child.where()}: a <union> holds only <module>s, not <{child.tag}>"
+                )
+            self.fresh, self.space = before
+            ends.append(self.walk(child, pos, module, union_id))
+            names.append(child.attrs["name"])
+        default = node.attrs.get("scaffold")  # Prompt Cache: the member encoded as context
+        if default is not None and default not in names:
+            raise MarkupError(
+                f"{node.where()}: <union scaffold={default!r}> names none of its members "
+                f"({', '.join(names)})"
+            )
+        self.fresh, self.space = before if max(ends) == pos else (False, False)
+        return max(ends)
+
+    def param(self, node: Element, pos: int, module: str | None) -> int:
+        tag = node.tag
+        if module is None:
+            raise MarkupError(f"{node.where()}: <{tag}> must be inside a <module>")
+        name = node.attrs.get("name", "")
+        length = node.attrs.get("len", node.attrs.get("length", ""))
+        if not NAME.fullmatch(name) or not re.fullmatch("[0-9]+", length) or int(length) < 1:
+            raise MarkupError(
+                f"{node.where()}: <{tag}> needs name= and len= (or length=), a positive integer"
+            )
+        if (module, name) in self.params:
+            raise MarkupError(f"{node.where()}: module {module!r} has two parameters {name!r}")
+        placeholder = node.attrs.get("scaffold", "")  # never encoded here: an empty slot
+        if len(self.tokens(" " + placeholder.strip())) > int(length):
+            raise MarkupError(
+                f"{node.where()}: the scaffold of parameter {name!r} is longer than its "
+                f"{length} tokens"
+            )
+        self.params[(module, name)] = Param(module, name, pos, int(length))
+        self.fresh, self.space = False, False
+        return pos + int(length)
+
+
+def find_module(
+    modules: dict[str, Module], name: str, scope: str | None, where: str, owner: str
+) -> Module:
+    """The module a reference names within `scope` (a module's path; None: the schema): the
+    submodule of that name, else the one module below with that name; a path works too."""
+    direct = name if scope is None else f"{scope}/{name}"
+    if direct in modules:
+        return modules[direct]
+    below = [
+        m
+        for m in modules.values()
+        if m.name == name and (scope is None or m.path.startswith(scope + "/"))
+    ]
+    if len(below) == 1:
+        return below[0]
+    if below:
+        paths = ", ".join(m.path for m in below)
+        parent = below[0].path.split("/")[-2]
+        raise MarkupError(
+            f"{where}: {name!r} names {len(below)} modules of {owner} ({paths}); nest the "
+            f"reference in its parent's, as in <{parent}><{name}/></{parent}>"
+        )
+    known = ", ".join(m.name for m in modules.values() if m.parent == scope) or "none"
+    raise MarkupError(f"{where}: {owner} has no module {name!r} (modules: {known})")
 
 
 def role_text(tokenizer: Any, role: str) -> tuple[str, str]:
@@ -266,136 +341,47 @@ def compile_schema(source: str, tokenizer: Any) -> Schema:
     last_role = None
     for child in root.children:
         pos = compiler.walk(child, pos, None, None)
-        if isinstance(child, Element):
-            last_role = (
-                child.tag
-                if child.tag in ROLES
-                else (last_role if child.tag == "scaffold" else None)
-            )
-    tail: list[int] = []
+        if isinstance(child, Element) and child.tag != "scaffold":
+            last_role = child.tag if child.tag in ROLES else None
+        elif isinstance(child, Text) and child.text.strip():
+            last_role = None
+    held_back: list[int] = []
     if last_role == "user":  # hold back the end of the user turn: the prompt continues it
-        suffix = compiler.units.pop()
-        tail = list(suffix.token_ids)
-        pos = suffix.start
-    tail += compiler.tokens(assistant_header(tokenizer)) if last_role == "user" else []
-    for names in compiler.scaffolds:
-        for name in names:
-            if name not in compiler.modules:
-                raise MarkupError(f"scaffold names unknown module {name!r}")
-        scaffold_unit([u for u in compiler.units if u.module is None or u.module in names])
+        held_back = compiler.tokens(role_text(tokenizer, "user")[1])
+        if held_back:
+            compiler.units.pop()
+            pos -= len(held_back)
+    header = compiler.tokens(assistant_header(tokenizer)) if last_role == "user" else []
+    scaffolds = []
+    for names, node in compiler.scaffolds:
+        if not names.split():
+            raise MarkupError(f'{node.where()}: <scaffold> needs modules="a b ..."')
+        where, owner = node.where(), f"schema {root.attrs['name']!r}"
+        for name in names.split():
+            if not any(name in (m.path, m.name) for m in compiler.modules.values()):
+                raise MarkupError(f"{where}: scaffold names unknown module {name!r}")
+        paths = tuple(
+            find_module(compiler.modules, n, None, where, owner).path for n in names.split()
+        )
+        scaffold_unit([u for u in compiler.units if u.module is None or u.module in paths])
+        scaffolds.append(paths)
     return Schema(
         root.attrs["name"],
         tuple(compiler.units),
         compiler.modules,
         compiler.params,
-        tuple(compiler.scaffolds),
+        tuple(scaffolds),
         pos,
-        tuple(tail),
+        tuple(held_back),
+        tuple(held_back + header),
         source,
     )
 
 
-# ----------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class CompiledPrompt:
-    """What serving a prompt needs: cached units at their positions, and new tokens."""
-
-    schema: Schema
-    imported: tuple[str, ...]  # in the prompt's order (ancestors added first)
-    units: tuple[Unit, ...]  # to take from the cache, schema order (a scaffold as one unit)
-    new_ids: tuple[int, ...]  # parameter arguments, then the prompt's text and the tail
-    new_positions: tuple[int, ...]
-    arguments: dict[tuple[str, str], tuple[int, ...]]  # parameter tokens, by (module, name)
-
-
-def compile_prompt(source: str, schemas: dict[str, Schema], tokenizer: Any) -> CompiledPrompt:
-    """Parse a `<prompt schema=...>` and check it against its schema."""
-    root = parse(source)
-    if root.tag != "prompt":
-        raise MarkupError(f'{root.where()}: expected <prompt schema="...">, got <{root.tag}>')
-    name = root.attrs.get("schema", "")
-    if name not in schemas:
-        known = ", ".join(sorted(schemas)) or "none"
-        raise MarkupError(f"{root.where()}: unknown schema {name!r} (known: {known})")
-    schema = schemas[name]
-    imported: list[str] = []
-    values: dict[tuple[str, str], tuple[str, Element]] = {}
-    texts: list[str] = []
-    for child in root.children:
-        if isinstance(child, Text):
-            texts.append(child.text)
-            continue
-        module = schema.modules.get(child.tag)
-        if module is None:
-            raise MarkupError(
-                f"{child.where()}: schema {name!r} has no module {child.tag!r} "
-                f"(modules: {', '.join(schema.modules)})"
-            )
-        chain = [module.name]
-        while schema.modules[chain[0]].parent is not None:
-            chain.insert(0, schema.modules[chain[0]].parent)  # type: ignore[arg-type]
-        imported += [m for m in chain if m not in imported]
-        for param_name, value in child.attrs.items():
-            if (child.tag, param_name) not in schema.params:
-                raise MarkupError(
-                    f"{child.where()}: module {child.tag!r} has no parameter {param_name!r}"
-                )
-            values[(child.tag, param_name)] = (value, child)
-    unions: dict[int, str] = {}
-    for module_name in imported:
-        union = schema.modules[module_name].union
-        if union is not None and unions.setdefault(union, module_name) != module_name:
-            raise MarkupError(
-                f"modules {unions[union]!r} and {module_name!r} are members of one <union>; "
-                "import at most one of them"
-            )
-    arguments: dict[tuple[str, str], tuple[int, ...]] = {}
-    new: list[tuple[int, int]] = []  # (position, token)
-    for key, (value, element) in values.items():
-        param = schema.params[key]
-        ids = tuple(tokenizer(" " + value.strip(), add_special_tokens=False)["input_ids"])
-        if len(ids) > param.length:
-            raise MarkupError(
-                f"{element.where()}: argument {key[1]}={value!r} of module {key[0]!r} is "
-                f"{len(ids)} tokens; the parameter holds at most {param.length}"
-            )
-        arguments[key] = ids
-        new += [(param.start + i, t) for i, t in enumerate(ids)]
-    text = re.sub(r"\s+", " ", " ".join(texts)).strip()
-    tail = list(tokenizer(" " + text, add_special_tokens=False)["input_ids"]) if text else []
-    tail += schema.tail
-    new += [(schema.length + i, t) for i, t in enumerate(tail)]
-    if not new:
-        raise MarkupError(f"{root.where()}: the prompt adds no text: nothing to answer")
-    new.sort()
-    return CompiledPrompt(
-        schema,
-        tuple(imported),
-        select_units(schema, set(imported)),
-        tuple(t for _, t in new),
-        tuple(p for p, _ in new),
-        arguments,
-    )
-
-
-def select_units(schema: Schema, imported: set[str]) -> tuple[Unit, ...]:
-    """The anonymous units and the imported modules' units, in schema order; a scaffold whose
-    modules are all imported replaces them and the anonymous text with its one unit."""
-    units = [u for u in schema.units if u.module is None or u.module in imported]
-    for names in schema.scaffolds:
-        if set(names) <= imported:
-            covered = [u for u in schema.units if u.module is None or u.module in names]
-            merged = scaffold_unit(covered)
-            units = [u for u in units if u not in covered]
-            units.append(merged)
-            break
-    return tuple(sorted(units, key=lambda u: u.start))
-
-
 def scaffold_unit(units: list[Unit]) -> Unit:
     """Units that form one gapless run, as one unit (encoded together)."""
+    if not units:
+        raise MarkupError("a scaffold must cover some text; its modules are empty")
     units = sorted(units, key=lambda u: u.start)
     for a, b in zip(units, units[1:]):
         if a.end != b.start:

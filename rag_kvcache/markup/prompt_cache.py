@@ -18,15 +18,8 @@ from pathlib import Path
 from rag_kvcache.answer import Answer, AnswerStream, Placement, Prepared, answer_steps, prepare
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.kv import ChunkKV, EncodeSettings
-from rag_kvcache.markup.language import (
-    CompiledPrompt,
-    MarkupError,
-    Schema,
-    Unit,
-    compile_prompt,
-    compile_schema,
-    scaffold_unit,
-)
+from rag_kvcache.markup.language import MarkupError, Schema, Unit, compile_schema, scaffold_unit
+from rag_kvcache.markup.prompt import CompiledPrompt, compile_prompt
 from rag_kvcache.strategy import Strategy
 
 POSITIONS = Strategy("positions")  # Prompt Cache: every unit at its schema position
