@@ -197,7 +197,7 @@ class RagKVCache:
                 "documents and retrieval need a durable store: "
                 "EngineConfig(store=StoreConfig(root=...))"
             )
-        return Corpus(self.store, catalog, folder, Embedder())
+        return Corpus(self.store, catalog, folder, Embedder.shared())
 
     def ingest_document(
         self,
@@ -246,15 +246,19 @@ class RagKVCache:
         strategy: Strategy | str | None = None,
         max_new_tokens: int | None = None,
         stream: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
     ) -> Answer | AnswerStream:
         """Answer `query` over the cached chunks, in order, after the system prompt.
 
         strategy: how the context is computed (default: the config's); `prefill` is the plain
-        baseline. With stream=True, an AnswerStream of text pieces.
+        baseline. With stream=True, an AnswerStream of text pieces. Sampling settings left
+        None are the engine's (`GenerationConfig`; temperature 0 is greedy).
         """
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
         question = self.template.question_ids(self.lm.tokenizer, query)
-        gen = self._generation(max_new_tokens)
+        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         ids = [self.prefix_id, *strategy.arrange(cache_ids)]
 
         def context() -> Prepared:
@@ -269,12 +273,19 @@ class RagKVCache:
         return self._finish(AnswerStream(steps), stream)
 
     def complete(
-        self, prompt: str, *, max_new_tokens: int | None = None, stream: bool = False
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int | None = None,
+        stream: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
     ) -> Answer | AnswerStream:
         """Plain generation from an already formatted prompt (no cached chunks): what any LLM
         does. The prompt is tokenized as is (no special tokens added), prefilled, and decoded."""
         ids = self.template.tokenize(self.lm.tokenizer, prompt)
-        gen = self._generation(max_new_tokens)
+        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
 
         def context() -> Prepared:
             return prepare(self.lm, [], ids, PREFILL, gen.max_new_tokens)

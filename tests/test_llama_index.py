@@ -141,7 +141,9 @@ def test_pipeline_caches_every_node_and_hides_its_cache_id(engine, nodes) -> Non
         cache_id = node.metadata["cache_id"]
         assert engine.store.contains(cache_id)
         # the same text always names the same chunk; nothing is encoded twice
-        text = node.get_content(MetadataMode.NONE)
+        # what was cached: the node as an LLM is shown it, its metadata line included
+        text = node.get_content(MetadataMode.LLM)
+        assert text.startswith(f"file_name: {node.metadata['file_name']}\n")
         assert engine.generate_context_cache([text]) == [cache_id]
         for mode in (MetadataMode.EMBED, MetadataMode.LLM):
             content = node.get_content(mode)
@@ -169,6 +171,7 @@ def test_query_with_full_strategy_equals_plain_greedy_prefill(engine, index) -> 
     assert usage["cache_ids"] == cache_ids and usage["strategy"] == "full"
 
     prompt = engine.prompt_ids(QUESTION, cache_ids)
+    assert "file_name: lighthouse.txt" in engine.lm.tokenizer.decode(prompt)  # metadata read
     expected = plain_greedy(engine.lm, prompt, MAX_NEW)
     assert usage["token_ids"] == expected
     assert (
@@ -275,6 +278,62 @@ def test_plain_llm_calls_behave_like_any_llamaindex_llm(engine, events) -> None:
     assert len(of(FirstTokenEvent, events)) == 5 and len(of(LLMChatEndEvent, events)) == 2
 
 
+def test_sampling_settings_reach_the_engine_and_unknown_arguments_are_refused(
+    engine, nodes
+) -> None:
+    cache_ids = [n.metadata["cache_id"] for n in nodes[:2]]
+    question = "When was the lighthouse first lit?"
+    greedy = KVCacheLLM(engine).complete(question, cache_ids=cache_ids)
+    hot = KVCacheLLM(engine, temperature=1.5, top_p=0.95, seed=3)
+    sampled = hot.complete(question, cache_ids=cache_ids)
+    answer = engine.generate(question, cache_ids, temperature=1.5, top_p=0.95, seed=3)
+    assert sampled.raw["token_ids"] == list(answer.token_ids)  # the same draw, seeded
+    assert sampled.raw["token_ids"] != greedy.raw["token_ids"]  # really sampled
+    per_call = KVCacheLLM(engine).complete(
+        question, cache_ids=cache_ids, temperature=1.5, top_p=0.95, seed=3
+    )
+    assert per_call.raw["token_ids"] == sampled.raw["token_ids"]
+    as_user_turn = engine.chat_prompt([{"role": "user", "content": question}])
+    plain = engine.complete(as_user_turn, temperature=1.5, top_p=0.95, seed=3)
+    assert hot.complete(question).raw["token_ids"] == list(plain.token_ids)
+
+    with pytest.raises(TypeError, match="model_name.*EngineConfig.model"):
+        KVCacheLLM(engine, model_name="gpt-4o")
+    with pytest.raises(TypeError, match="temprature"):
+        KVCacheLLM(engine, temprature=0.5)
+    with pytest.raises(RagKVCacheError, match="temperature"):
+        KVCacheLLM(engine, temperature=-1.0)
+
+
+def test_the_llm_pickles_as_its_engine_configuration(smol, tiny32, tmp_path: Path) -> None:
+    import pickle
+
+    config = EngineConfig(
+        generation=GenerationConfig(max_new_tokens=MAX_NEW), store=StoreConfig(root=tmp_path)
+    )
+    durable = RagKVCache(config, lm=smol)
+    [cache_id] = durable.generate_context_cache([DOCS["lighthouse"]])
+    llm = KVCacheLLM(durable, strategy="legolink:2", temperature=0.0)
+    copy = pickle.loads(pickle.dumps(llm))
+    assert copy.engine is not durable and copy.engine.config == config
+    assert (copy.strategy, copy.temperature) == ("legolink:2", 0.0)
+    assert copy.complete(QUESTION, cache_ids=[cache_id]).text == (
+        llm.complete(QUESTION, cache_ids=[cache_id]).text
+    )
+    # an engine around a loaded model its configuration does not name cannot come back
+    with pytest.raises(RagKVCacheError, match="EngineConfig.model"):
+        pickle.loads(pickle.dumps(KVCacheLLM(RagKVCache(lm=tiny32))))
+
+
+def test_one_embedding_model_per_process(engine, tmp_path: Path) -> None:
+    from rag_kvcache.retrieval.embedding import Embedder
+
+    durable = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=engine.lm)
+    shared = Embedder.shared()
+    assert MiniLMEmbedding()._embedder is shared and MiniLMEmbedding()._embedder is shared
+    assert durable.corpus.embedder is shared
+
+
 def test_synthesizer_encodes_untagged_nodes_and_keeps_retrieval_order(engine, nodes, events):
     llm = KVCacheLLM(engine)
     fresh = TextNode(text="Brindle Hill is 212 meters high.")  # never cached, no cache_id
@@ -377,7 +436,7 @@ def test_llamaindex_engines_link_untagged_nodes_and_custom_templates(
     nodes = [n.node for n in response.source_nodes]
     cache_ids = [n.metadata["cache_id"] for n in nodes]  # tagged now
     assert all(engine.store.contains(c) for c in cache_ids)
-    assert engine.generate_context_cache([n.get_content(MetadataMode.NONE) for n in nodes]) == (
+    assert engine.generate_context_cache([n.get_content(MetadataMode.LLM) for n in nodes]) == (
         cache_ids
     )
     [link] = of(KVLinkEvent, events)
@@ -466,6 +525,8 @@ def test_retriever_returns_cached_chunks_and_feeds_the_query_engine(
         node = hit.node
         assert node.node_id == node.metadata["cache_id"] and node.node_id in tagged
         assert node.metadata["source"] == tagged[node.node_id].ref_doc_id
+        assert node.metadata["file_name"] == node.metadata["source"]  # a name, not a path here
+        assert node.get_content(MetadataMode.LLM) == node.text  # shown as it was cached
         assert node.get_content(MetadataMode.NONE) == tagged[node.node_id].get_content(
             MetadataMode.NONE
         )

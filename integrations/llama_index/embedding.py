@@ -18,7 +18,7 @@ class MiniLMEmbedding(BaseEmbedding):
     _embedder: Embedder = PrivateAttr()
 
     def __init__(self, embedder: Embedder | None = None, **kwargs: Any):
-        embedder = embedder or Embedder()
+        embedder = embedder or Embedder.shared()
         kwargs.setdefault("model_name", embedder.name)
         kwargs.setdefault("embed_batch_size", embedder.batch_size)
         super().__init__(**kwargs)

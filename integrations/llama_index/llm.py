@@ -40,13 +40,14 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from rag_kvcache.answer import Answer, AnswerStream
 from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.integrations.llama_index.events import FirstTokenEvent, KVLinkEvent
 from rag_kvcache.integrations.llama_index.recognition import RetrievedNodes, watch, without
 from rag_kvcache.integrations.llama_index.transform import cache_ids_of
@@ -138,8 +139,12 @@ class KVCacheLLM(CustomLLM):
 
     Extra keyword arguments of complete / stream_complete / chat / stream_chat:
     `cache_ids` (link these chunks, in order), `strategy` (link strategy for this call),
-    `max_new_tokens`. Others are ignored, as LlamaIndex LLMs do. Without `cache_ids`, a
-    prompt holding retrieved nodes' text links them (`link_retrieved`).
+    `max_new_tokens`, `temperature`, `top_p`, `seed`. Others are ignored, as LlamaIndex LLMs
+    do. Without `cache_ids`, a prompt holding retrieved nodes' text links them
+    (`link_retrieved`).
+
+    It pickles as its engine's configuration: unpickling opens an engine on it (the same
+    model, the same durable store), for LlamaIndex pieces that copy or ship their LLM.
     """
 
     strategy: str | None = Field(
@@ -149,6 +154,16 @@ class KVCacheLLM(CustomLLM):
     )
     max_new_tokens: int | None = Field(
         default=None, description="Answer length cap; None: the engine's generation config."
+    )
+    temperature: float | None = Field(
+        default=None,
+        description="Sampling temperature (0: greedy); None: the engine's generation config.",
+    )
+    top_p: float | None = Field(
+        default=None, description="Nucleus sampling mass; None: the engine's generation config."
+    )
+    seed: int | None = Field(
+        default=None, description="Sampling seed; None: the engine's generation config."
     )
     link_retrieved: bool = Field(
         default=True,
@@ -169,7 +184,16 @@ class KVCacheLLM(CustomLLM):
             strategy = strategy_name(strategy)
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        unknown = sorted(set(kwargs) - set(type(self).model_fields))
+        if unknown:  # pydantic would drop them silently
+            where = (
+                " (the model is the engine's: EngineConfig.model)"
+                if "model" in str(unknown)
+                else ""
+            )
+            raise TypeError(f"KVCacheLLM got unknown arguments: {', '.join(unknown)}{where}")
         super().__init__(strategy=strategy, max_new_tokens=max_new_tokens, **kwargs)
+        engine._generation(None, self.temperature, self.top_p, self.seed)  # checks them now
         self._engine = engine
         if self.link_retrieved:
             self._retrieved = watch()
@@ -184,6 +208,39 @@ class KVCacheLLM(CustomLLM):
     @classmethod
     def class_name(cls) -> str:
         return "KVCacheLLM"
+
+    def __getstate__(self) -> dict[Any, Any]:
+        # pydantic's own state, not LlamaIndex's (which test-pickles every attribute and
+        # drops what fails, the engine included)
+        state = BaseModel.__getstate__(self)
+        fields = dict(state["__dict__"])
+        for name in ("messages_to_prompt", "completion_to_prompt"):
+            if getattr(fields[name], "__self__", None) is self:  # our defaults: set again
+                fields[name] = None
+        private = dict(state["__pydantic_private__"])
+        engine = private.pop("_engine")
+        private["_engine_config"] = (engine.config, engine.lm.fingerprint)
+        private["_retrieved"] = None
+        return {**state, "__dict__": fields, "__pydantic_private__": private}
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        private = dict(state["__pydantic_private__"])
+        config, fingerprint = private.pop("_engine_config")
+        engine = RagKVCache(config)
+        if engine.lm.fingerprint != fingerprint:
+            raise ConfigError(
+                f"the pickled KVCacheLLM's engine ran model {fingerprint}, but its configuration "
+                f"loads {engine.lm.fingerprint}: an engine built around a loaded model "
+                "(RagKVCache(lm=...)) pickles only if EngineConfig.model names that model"
+            )
+        private["_engine"] = engine
+        BaseModel.__setstate__(self, {**state, "__pydantic_private__": private})
+        if self.messages_to_prompt is None:
+            self.messages_to_prompt = self._render_chat
+        if self.completion_to_prompt is None:
+            self.completion_to_prompt = self._render_user_turn
+        if self.link_retrieved:
+            self._retrieved = watch()
 
     @property
     def engine(self) -> RagKVCache:
@@ -300,10 +357,17 @@ class KVCacheLLM(CustomLLM):
         cache_ids, strategy, max_new_tokens = self._call_args(kwargs)
         if cache_ids is None:
             text = prompt if formatted else self._as_prompt(prompt)
-            run = self._engine.complete(text, max_new_tokens=max_new_tokens, stream=True)
+            run = self._engine.complete(
+                text, max_new_tokens=max_new_tokens, stream=True, **self._sampling(kwargs)
+            )
         else:
             run = self._engine.generate(
-                prompt, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens, stream=True
+                prompt,
+                cache_ids,
+                strategy=strategy,
+                max_new_tokens=max_new_tokens,
+                stream=True,
+                **self._sampling(kwargs),
             )
         assert isinstance(run, AnswerStream)
         return self._responses(run, cache_ids, str(strategy), prompt)
@@ -317,10 +381,16 @@ class KVCacheLLM(CustomLLM):
         cache_ids, strategy, max_new_tokens = self._call_args(kwargs)
         if cache_ids is None:
             text = prompt if formatted else self._as_prompt(prompt)
-            stream = self._engine.astream_complete(text, max_new_tokens=max_new_tokens)
+            stream = self._engine.astream_complete(
+                text, max_new_tokens=max_new_tokens, **self._sampling(kwargs)
+            )
         elif batchable(strategy):
             stream = self._engine.astream(
-                prompt, cache_ids, strategy=strategy, max_new_tokens=max_new_tokens
+                prompt,
+                cache_ids,
+                strategy=strategy,
+                max_new_tokens=max_new_tokens,
+                **self._sampling(kwargs),
             )
         else:
             # The batch decoder refuses this strategy (APE's attention scale, calibrated link
@@ -338,6 +408,14 @@ class KVCacheLLM(CustomLLM):
             return None, PREFILL, max_new_tokens
         strategy = kwargs.get("strategy") or self.strategy or self._engine.config.strategy
         return list(cache_ids), Strategy.parse(strategy), max_new_tokens
+
+    def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """temperature / top_p / seed of one call: its own, else this LLM's (None: the
+        engine's generation config)."""
+        return {
+            name: kwargs[name] if kwargs.get(name) is not None else getattr(self, name)
+            for name in ("temperature", "top_p", "seed")
+        }
 
     def _as_prompt(self, prompt: str) -> str:
         assert self.completion_to_prompt is not None  # set in __init__ or by the caller

@@ -3,6 +3,7 @@ cache IDs, so the synthesizer links the stored KV and never re-encodes retrieved
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -11,12 +12,14 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.transform import attach_cache_id
 
-SOURCE_KEY = "source"
+SOURCE_KEY = "source"  # the document's name in the engine's corpus (a file's path, as ingested)
+FILE_NAME_KEY = "file_name"  # its last part, as LlamaIndex's readers name a file
 
 
 class KVCacheRetriever(BaseRetriever):
     """Top-k chunks for a query from `engine.retrieve`, best first, as TextNodes whose id is the
-    cache ID (metadata: cache_id, hidden from embedding and LLM text, and source document)."""
+    cache ID (metadata: cache_id, source document and its file name, all hidden from embedding
+    and LLM text: the chunk's text is what was embedded and cached)."""
 
     def __init__(self, engine: RagKVCache, similarity_top_k: int = 4, **kwargs: Any):
         if similarity_top_k < 1:
@@ -29,6 +32,16 @@ class KVCacheRetriever(BaseRetriever):
         hits = self._engine.retrieve(query_bundle.query_str, top_k=self.similarity_top_k)
         nodes = []
         for hit in hits:
-            node = TextNode(id_=hit.cache_id, text=hit.text, metadata={SOURCE_KEY: hit.source})
+            metadata = {SOURCE_KEY: hit.source}
+            if hit.source:
+                metadata[FILE_NAME_KEY] = PurePath(hit.source).name
+            node = TextNode(
+                id_=hit.cache_id,
+                text=hit.text,
+                metadata=metadata,
+                # the chunk's text is what was embedded and cached: its facts stay beside it
+                excluded_embed_metadata_keys=list(metadata),
+                excluded_llm_metadata_keys=list(metadata),
+            )
             nodes.append(NodeWithScore(node=attach_cache_id(node, hit.cache_id), score=hit.score))
         return nodes

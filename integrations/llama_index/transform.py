@@ -16,9 +16,11 @@ CACHE_ID_KEY = "cache_id"
 
 
 def node_text(node: BaseNode) -> str:
-    """What gets encoded: the node's bare text. Metadata stays out so that the same text always
-    maps to the same cache ID, whoever encodes it (transform or synthesizer)."""
-    return node.get_content(metadata_mode=MetadataMode.NONE)
+    """What gets encoded: the node as LlamaIndex shows it to an LLM (its LLM-visible metadata
+    lines, e.g. a file path, then its text), so a linked answer reads what LlamaIndex's own
+    synthesizers would have shown. The cache ID is hidden from that view, so a node maps to
+    the same cache ID before and after it is tagged, whoever encodes it."""
+    return node.get_content(metadata_mode=MetadataMode.LLM)
 
 
 def attach_cache_id(node: BaseNode, cache_id: str) -> BaseNode:

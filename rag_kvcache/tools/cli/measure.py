@@ -213,7 +213,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     if args.retrieval_order:  # the needle's chunks too: as a retriever would rank them
         from rag_kvcache.retrieval.embedding import Embedder
 
-        items = ev.in_retrieval_order(items, Embedder())
+        items = ev.in_retrieval_order(items, Embedder.shared())
     strategies = ev.check_strategies(strategies, with_full=args.teacher_tokens > 0)
     calibration = None
     if args.calibration is not None:

@@ -134,7 +134,7 @@ def index_problem(store: TieredStore) -> str | None:
     if vectors is None:
         return None
     rows = store.catalog.chunks(ids)
-    expected = Embedder().embed([rows[c].text for c in ids])
+    expected = Embedder.shared().embed([rows[c].text for c in ids])
     wrong = int((np.abs(vectors - expected).max(axis=1) > 1e-3).sum())
     return f"{wrong} vectors differ from their chunk's embedding" if wrong else None
 
@@ -146,4 +146,4 @@ def rebuild_index(store: TieredStore) -> int:
 
     for name in ("index.faiss", "index.ids", "index.faiss.sha256"):
         (store.root / name).unlink(missing_ok=True)
-    return len(Corpus(store, store.catalog, store.root, Embedder()).index)
+    return len(Corpus(store, store.catalog, store.root, Embedder.shared()).index)
