@@ -187,6 +187,42 @@ def test_query_with_full_strategy_equals_plain_greedy_prefill(engine, index) -> 
     assert usage["recomputed_tokens"] == usage["context_tokens"]  # "full" recomputes all
 
 
+def test_the_plugins_query_engine_takes_llamaindex_arguments(engine, index, events) -> None:
+    template = PromptTemplate("{context_str}Answer in a few words.\nQuestion: {query_str}\n")
+    query_engine = as_query_engine(
+        engine, index=index, similarity_top_k=2, strategy="full", text_qa_template=template
+    )
+    prompts = query_engine.get_prompts()
+    assert prompts["response_synthesizer:text_qa_template"].get_template() == template.template
+    response = query_engine.query(QUESTION)
+    usage = response.metadata["usage"]
+    question = f"Answer in a few words.\nQuestion: {QUESTION}"
+    assert usage["question"] == question and len(usage["cache_ids"]) == 2
+    prompt = engine.prompt_ids(question, usage["cache_ids"])
+    assert usage["token_ids"] == plain_greedy(engine.lm, prompt, MAX_NEW)
+
+    query_engine.update_prompts(
+        {"response_synthesizer:text_qa_template": PromptTemplate("{context_str}{query_str}")}
+    )
+    assert query_engine.query(QUESTION).metadata["usage"]["question"] == QUESTION
+    with pytest.raises(ValueError, match="query_str"):
+        as_query_engine(engine, index=index, text_qa_template=PromptTemplate("{context_str}"))
+
+    # another response mode: LlamaIndex's own synthesizer, whose LLM call links the chunks
+    events.clear()
+    tree = as_query_engine(
+        engine, index=index, similarity_top_k=2, strategy="full", response_mode="tree_summarize"
+    )
+    summary = tree.query(QUESTION)
+    cache_ids = [n.node.metadata["cache_id"] for n in summary.source_nodes]
+    assert [e.cache_ids for e in of(KVLinkEvent, events)] == [cache_ids]
+    [raw] = asked(events)
+    assert QUESTION in raw["question"]  # LlamaIndex's summary template, the chunks linked
+    prompt = engine.prompt_ids(raw["question"], cache_ids)
+    assert raw["token_ids"] == plain_greedy(engine.lm, prompt, MAX_NEW)
+    assert summary.response == engine.lm.tokenizer.decode(raw["token_ids"]).strip()
+
+
 def test_streaming_and_async_queries_give_the_same_answer(engine, index) -> None:
     plain = as_query_engine(engine, index=index, similarity_top_k=2).query(QUESTION)
     streamed = as_query_engine(engine, index=index, similarity_top_k=2, streaming=True).query(

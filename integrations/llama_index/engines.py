@@ -6,7 +6,13 @@ from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.indices.base import BaseIndex
+from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.response_synthesizers import (
+    BaseSynthesizer,
+    ResponseMode,
+    get_response_synthesizer,
+)
 
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.chat_engine import KVCacheChatEngine
@@ -40,18 +46,51 @@ def as_query_engine(
     strategy: str | None = None,
     streaming: bool = False,
     max_new_tokens: int | None = None,
+    response_mode: str | ResponseMode | None = None,
+    text_qa_template: BasePromptTemplate | None = None,
     **kwargs: Any,
 ) -> RetrieverQueryEngine:
     """A RetrieverQueryEngine that answers by linking the retrieved chunks' cached KV.
 
-    kwargs go to RetrieverQueryEngine (e.g. node_postprocessors, callback_manager).
+    `response_mode` None or "compact": one linked call over all the retrieved chunks
+    (KVCacheSynthesizer; `text_qa_template` sets its question). Another mode ("refine",
+    "tree_summarize", ...) is LlamaIndex's own synthesizer for it, whose LLM calls link the
+    chunks they hold (KVCacheLLM's `link_retrieved`); LlamaIndex's template arguments
+    (`refine_template`, `summary_template`, ...) go to it. Other kwargs go to
+    RetrieverQueryEngine (e.g. node_postprocessors, callback_manager).
     """
     llm = KVCacheLLM(engine, strategy=strategy, max_new_tokens=max_new_tokens)
+    templates = {k: kwargs.pop(k) for k in SYNTHESIZER_TEMPLATES if k in kwargs}
+    synthesizer: BaseSynthesizer
+    if response_mode in (None, ResponseMode.COMPACT, "compact") and not templates:
+        synthesizer = KVCacheSynthesizer(
+            llm, streaming=streaming, text_qa_template=text_qa_template
+        )
+    else:
+        if text_qa_template is not None:
+            templates["text_qa_template"] = text_qa_template
+        synthesizer = get_response_synthesizer(
+            llm=llm,
+            response_mode=ResponseMode(response_mode or ResponseMode.COMPACT),
+            streaming=streaming,
+            **templates,
+        )
     return RetrieverQueryEngine(
         retriever=pick_retriever(engine, retriever, index, similarity_top_k),
-        response_synthesizer=KVCacheSynthesizer(llm, streaming=streaming),
+        response_synthesizer=synthesizer,
         **kwargs,
     )
+
+
+# get_response_synthesizer's prompt arguments, passed through by as_query_engine
+SYNTHESIZER_TEMPLATES = (
+    "refine_template",
+    "summary_template",
+    "simple_template",
+    "output_cls",
+    "structured_answer_filtering",
+    "use_async",
+)
 
 
 def as_chat_engine(

@@ -12,6 +12,7 @@ methods, so many concurrent queries decode in the engine loop's one batch.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncGenerator, AsyncIterable, Generator, Iterable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from llama_index.core.instrumentation.events.synthesis import (
     SynthesizeEndEvent,
     SynthesizeStartEvent,
 )
+from llama_index.core.prompts import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
@@ -39,10 +41,26 @@ from rag_kvcache.integrations.llama_index.transform import cache_ids_of
 dispatcher = get_dispatcher(__name__)
 
 USAGE_KEY = "usage"  # Response.metadata[USAGE_KEY]: the LLM call's raw usage (see llm.usage)
+QUERY_ONLY = PromptTemplate("{context_str}{query_str}")  # the chunks, then the bare query
+
+
+def checked(template: BasePromptTemplate) -> BasePromptTemplate:
+    """A QA template the synthesizer can use: one that asks the query."""
+    if "query_str" not in template.template_vars:
+        raise ValueError(
+            f"a text_qa_template needs {{query_str}}; this one has {template.template_vars}"
+        )
+    return template
 
 
 class KVCacheSynthesizer(BaseSynthesizer):
     """Link the nodes' cached chunks and answer the query with one KVCacheLLM call.
+
+    `text_qa_template`: a LlamaIndex QA template ({context_str}, {query_str}). The chunks are
+    linked before the question whatever the template says (their cached KV fixes the layout),
+    so the question is the template with an empty context: its instructions and the query.
+    The default asks the bare query. `get_prompts` / `update_prompts` read and replace it, as
+    LlamaIndex's synthesizers do.
 
     `chat_history`: earlier turns, rendered into the question (see llm.chat_question); the chat
     engine sets it. `Response.metadata` holds each node's metadata by node id, as LlamaIndex's
@@ -57,6 +75,7 @@ class KVCacheSynthesizer(BaseSynthesizer):
         streaming: bool = False,
         chat_history: Sequence[ChatMessage] | None = None,
         callback_manager: CallbackManager | None = None,
+        text_qa_template: BasePromptTemplate | None = None,
     ):
         if not isinstance(llm, KVCacheLLM):
             raise TypeError(f"KVCacheSynthesizer needs a KVCacheLLM, got {type(llm).__name__}")
@@ -64,12 +83,25 @@ class KVCacheSynthesizer(BaseSynthesizer):
         self._kv_llm = llm
         self._strategy = strategy
         self._chat_history = list(chat_history or [])
+        self._text_qa_template = checked(text_qa_template or QUERY_ONLY)
 
     def _get_prompts(self) -> dict[str, Any]:
-        return {}  # no prompt templates: the layout is fixed by the cached KV
+        return {"text_qa_template": self._text_qa_template}
 
     def _update_prompts(self, prompts: Any) -> None:
-        pass
+        if "text_qa_template" in prompts:
+            self._text_qa_template = checked(prompts["text_qa_template"])
+
+    def question(self, query: str) -> str:
+        """What the LLM is asked after the linked chunks: the QA template, context empty."""
+        template = self._text_qa_template
+        if isinstance(template, ChatPromptTemplate):
+            text = "\n\n".join(
+                m.content or "" for m in template.format_messages(context_str="", query_str=query)
+            )
+        else:
+            text = template.format(context_str="", query_str=query)
+        return re.sub(r"\n\s*\n(\s*\n)+", "\n\n", text).strip()
 
     # ------------------------------------------------------------------ nodes -> answer
 
@@ -90,7 +122,9 @@ class KVCacheSynthesizer(BaseSynthesizer):
             CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: bundle.query_str}
         ) as cb_event:
             cache_ids = self._cache_ids(nodes)
-            answer = self._answer(bundle.query_str, cache_ids, metadata, **response_kwargs)
+            answer = self._answer(
+                self.question(bundle.query_str), cache_ids, metadata, **response_kwargs
+            )
             response: RESPONSE_TYPE
             if isinstance(answer, str):
                 response = Response(answer, source_nodes=sources, metadata=metadata)
@@ -122,7 +156,9 @@ class KVCacheSynthesizer(BaseSynthesizer):
         ) as cb_event:
             # a store lookup per node, and an encode for an untagged one: off the event loop
             cache_ids = await asyncio.to_thread(self._cache_ids, nodes)
-            answer = await self._aanswer(bundle.query_str, cache_ids, metadata, **response_kwargs)
+            answer = await self._aanswer(
+                self.question(bundle.query_str), cache_ids, metadata, **response_kwargs
+            )
             response: RESPONSE_TYPE
             if isinstance(answer, str):
                 response = Response(answer, source_nodes=sources, metadata=metadata)
@@ -139,14 +175,14 @@ class KVCacheSynthesizer(BaseSynthesizer):
     ) -> RESPONSE_TEXT_TYPE:
         """Plain texts (the BaseSynthesizer contract): cached (if new) and linked in order."""
         cache_ids = self._kv_llm.engine.generate_context_cache(list(text_chunks))
-        return self._answer(query_str, cache_ids, {}, **response_kwargs)
+        return self._answer(self.question(query_str), cache_ids, {}, **response_kwargs)
 
     async def aget_response(
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         engine = self._kv_llm.engine
         cache_ids = await asyncio.to_thread(engine.generate_context_cache, list(text_chunks))
-        return await self._aanswer(query_str, cache_ids, {}, **response_kwargs)
+        return await self._aanswer(self.question(query_str), cache_ids, {}, **response_kwargs)
 
     # ------------------------------------------------------------------ internals
 
