@@ -217,6 +217,30 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(model: Any) -> dict[str, torch.Tensor]:
+    """The inverse RoPE frequencies [rotary_dim / 2] of a HF causal LM, per layer type in use
+    (`{"all": inv_freq}` for a model with one rotary embedding); empty without RoPE.
+
+    Most models keep one `rotary_emb.inv_freq`. Models whose config gives RoPE settings per
+    layer type (Gemma 3: `rope_parameters = {"full_attention": ..., "sliding_attention":
+    ...}`) keep one `<layer type>_inv_freq` buffer per type instead.
+    """
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        return {}
+    if isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        return {"all": rotary.inv_freq}
+    text = model.config.get_text_config(decoder=True)
+    types = set(getattr(text, "layer_types", None) or [])
+    found = {t: getattr(rotary, f"{t}_inv_freq", None) for t in types}
+    if not found or any(not isinstance(f, torch.Tensor) for f in found.values()):
+        return {}  # a layer type without RoPE: its keys must not be rotated
+    return {t: f for t, f in sorted(found.items()) if isinstance(f, torch.Tensor)}
+
+
 # ----------------------------------------------------------------------------- caches
 
 

