@@ -97,7 +97,8 @@ QUERY = [7, 8, 9, 10, 11]
 def test_family_shapes_are_read_from_the_model(family: LoadedModel) -> None:
     text = family.model.config
     assert family.num_kv_heads == text.num_key_value_heads
-    assert family.head_dim == getattr(text, "head_dim", None) or 64 // text.num_attention_heads
+    assert family.head_dim == (getattr(text, "head_dim", None) or 64 // text.num_attention_heads)
+    assert family.inv_freq.shape == (family.head_dim // 2,)
     k, _ = unpack_cache(prefill(family, [5, 6, 7])[0])[0]
     assert tuple(k.shape[1::2]) == (family.num_kv_heads, family.head_dim)
 
