@@ -537,6 +537,57 @@ def test_chat_engine_answers_a_follow_up_over_cached_chunks(engine, index, event
 # ----------------------------------------------------------------------------- retrieval
 
 
+def test_the_ingestion_recipe_run_again_upserts_documents(smol, tmp_path: Path) -> None:
+    """The README's recipe (file names as document IDs, a docstore in the pipeline): a second
+    run over the same files encodes and adds nothing; after a file changes, its old chunks are
+    no longer retrieved and its new ones are."""
+    from llama_index.core import SimpleDirectoryReader
+    from llama_index.core.ingestion import DocstoreStrategy
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name, text in DOCS.items():
+        (folder / f"{name}.md").write_text(text)
+    durable = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path / "kv")), lm=smol)
+    pipeline = IngestionPipeline(
+        transformations=[
+            token_splitter(smol.tokenizer, chunk_tokens=256),
+            KVCacheTransform(durable, index_documents=True),
+        ],
+        docstore=SimpleDocumentStore(),  # skips documents it has seen unchanged
+        docstore_strategy=DocstoreStrategy.DUPLICATES_ONLY,  # (upserts need a vector store)
+    )
+
+    def ingest() -> list[Any]:
+        return list(
+            pipeline.run(documents=SimpleDirectoryReader(folder, filename_as_id=True).load_data())
+        )
+
+    def texts() -> list[str]:
+        return [hit.text for hit in durable.retrieve("lighthouse harbor kite", top_k=50)]
+
+    first = ingest()
+    assert len(first) == len(DOCS)
+    before, stored = texts(), len(durable.store)
+    assert len(before) == len(set(before)) == len(DOCS)
+    assert ingest() == [] and texts() == before and len(durable.store) == stored  # nothing new
+
+    (folder / "harbor.md").write_text("Velmora's harbor was dredged to 19 meters in 1990.")
+    changed = ingest()
+    assert len(changed) == 1  # only the changed file went through the pipeline
+    after = texts()
+    assert len(after) == len(DOCS) and not any("14 meters" in t for t in after)
+    assert any("19 meters" in t for t in after)
+    assert "19 meters" in durable.retrieve("How deep is the harbor?", top_k=1)[0].text
+
+    # documents named at random (a reader without filename_as_id) would pile up: said once
+    again = IngestionPipeline(transformations=pipeline.transformations)
+    with pytest.warns(UserWarning, match="filename_as_id") as said:
+        again.run(documents=SimpleDirectoryReader(folder).load_data())
+    assert len([w for w in said if "filename_as_id" in str(w.message)]) == 1
+
+
 def test_retriever_returns_cached_chunks_and_feeds_the_query_engine(
     smol, embed_model, tmp_path: Path
 ) -> None:

@@ -3,6 +3,8 @@ cache ID, so retrieval can hand the LLM cache IDs instead of text to prefill."""
 
 from __future__ import annotations
 
+import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -113,6 +115,20 @@ class KVCacheTransform(TransformComponent):
         positions: dict[str, list[int]] = {}
         for i, node in enumerate(nodes):
             positions.setdefault(node.ref_doc_id or node.node_id, []).append(i)
+        named_at_random = [
+            nodes[where[0]].metadata["file_path"]
+            for source, where in positions.items()
+            if "file_path" in nodes[where[0]].metadata and _is_uuid(source)
+        ]
+        if named_at_random:
+            warnings.warn(
+                f"{len(named_at_random)} documents from files (e.g. {named_at_random[0]}) have "
+                "random IDs, so every run adds them again as new documents: read them with "
+                "SimpleDirectoryReader(..., filename_as_id=True) (and give the pipeline a "
+                "docstore to skip unchanged files)",
+                UserWarning,
+                stacklevel=3,
+            )
         cache_ids = [""] * len(nodes)
         for source, where in positions.items():
             chunks = [texts[i] for i in where]
@@ -120,3 +136,12 @@ class KVCacheTransform(TransformComponent):
             for i, cache_id in zip(where, ingested.cache_ids):
                 cache_ids[i] = cache_id
         return cache_ids
+
+
+def _is_uuid(name: str) -> bool:
+    """Whether a document ID is a random one (LlamaIndex's default), not a stable name."""
+    try:
+        uuid.UUID(name)
+    except ValueError:
+        return False
+    return True
