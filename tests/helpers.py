@@ -54,3 +54,8 @@ def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tens
 def inlined_nodes(batch: BatchKV) -> set[TreeNode]:
     """Tree nodes laid out in a batch's rows."""
     return {node for layout in batch.layouts for node in layout.inlined}
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of one buffer (what the tests check the records by)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

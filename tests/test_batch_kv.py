@@ -8,9 +8,9 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-from helpers import inlined_nodes
+from helpers import inlined_nodes, shares_storage
 
-from rag_kvcache.serving.batch_kv import BatchKV, shares_storage
+from rag_kvcache.serving.batch_kv import BatchKV
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
 
 LAYERS, KV_HEADS, DIM = 3, 2, 4
@@ -74,9 +74,17 @@ def new_request(tree: PrefixTree, path: list[str], rng: random.Random) -> Reques
 
 
 def outside(tree: PrefixTree, batch: BatchKV) -> int:
-    """Bytes of the tree's nodes that do not live in the rows."""
-    outside = sum(n.nbytes for n in tree.nodes() if n not in inlined_nodes(batch))
-    assert batch.outside_nbytes(tree.nodes()) == outside  # by storage = by layout
+    """Bytes of the tree's nodes that do not live in the rows, by where their tensors are;
+    the records (`held_by`, the tree's kept count) say the same."""
+    in_rows = {
+        n
+        for n in tree.nodes()
+        if batch.keys and all(shares_storage(k, r) for k, r in zip(n.keys, batch.keys))
+    }
+    for node in tree.nodes():
+        assert (node.held_by is batch) == (node in in_rows), node.cache_ids
+    outside = sum(n.nbytes for n in tree.nodes() if n not in in_rows)
+    assert tree.nbytes - batch.inlined_nbytes == outside
     return outside
 
 
@@ -116,7 +124,7 @@ def check(batch: BatchKV, tree: PrefixTree, members: list[Request]) -> None:
 
 def test_rows_follow_joins_leaves_and_splits() -> None:
     rng = random.Random(7)
-    splits = 0
+    splits = split_held = 0
     for _ in range(5):
         tree, paths = build_tree(rng)
         batch = BatchKV()
@@ -124,10 +132,14 @@ def test_rows_follow_joins_leaves_and_splits() -> None:
         for _ in range(12):
             members = [m for m in members if rng.random() > 0.3]  # some leave
             if rng.random() < 0.5:  # a path leaving a run midway splits its node
-                victim = rng.choice(paths)
+                # (often one of an active request's path: a node the rows may hold)
+                active = [[c for n in path_to(m.leaf) for c in n.cache_ids] for m in members]
+                victim = rng.choice(active if active and rng.random() < 0.7 else paths)
+                held = {n for n in tree.nodes() if n.held_by is batch}
                 before = len(tree.nodes())
                 tree.match([*victim[: rng.randint(1, len(victim))], "elsewhere"])
                 splits += len(tree.nodes()) - before
+                split_held += sum(n.held_by is None for n in held)
             for _ in range(rng.randint(0, 3)):  # some join
                 members.append(new_request(tree, rng.choice(paths), rng))
             if not members:
@@ -154,4 +166,4 @@ def test_rows_follow_joins_leaves_and_splits() -> None:
                 assert k.untyped_storage().nbytes() == k.numel() * k.element_size()
             want_k, _ = expected(node)
             assert torch.equal(torch.stack(node.keys), want_k)
-    assert splits > 0  # the splits did happen, some of them to inlined nodes
+    assert splits > 0 and split_held > 0  # splits did happen, some to nodes held in rows

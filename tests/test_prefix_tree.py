@@ -99,7 +99,9 @@ def test_random_operations_keep_the_invariants(seed: int) -> None:
             assert tree.nbytes <= tree.budget_bytes or all(n.refs for n in leaves)
         else:
             tree.match(path)
-        # invariants: every held path is intact; every stored path reconstructs its KV
+        # invariants: the byte count kept as nodes come and go is the nodes' sum; every
+        # held path is intact; every stored path reconstructs its KV
+        assert tree.nbytes == sum(n.nbytes for n in tree.nodes())
         for leaf in held:
             nodes = path_to(leaf)
             assert all(n.refs > 0 for n in nodes)

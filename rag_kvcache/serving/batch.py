@@ -408,7 +408,7 @@ class BatchDecoder:
 
     def tree_nbytes(self) -> int:
         """The tree's KV not held in the batch's rows."""
-        return self.kv.outside_nbytes(self.tree.nodes())
+        return self.tree.nbytes - self.kv.inlined_nbytes
 
     def forward(self, active: list[_Active]) -> None:
         """One batched forward: every active request's last token at its own position."""

@@ -17,6 +17,10 @@ The rows are laid out again when the batch changes (a request joins or leaves), 
 time: the layer's new buffer is filled from the old one and the nodes no longer inlined get
 their own copy before the old buffer goes, so at most one extra layer is held at once. Laying
 out copies the batch's KV once, what transformers' DynamicCache does at every step.
+
+Who holds a node's KV is recorded on the node (`TreeNode.held_by`: this batch while its rows
+hold it, None once it has its own tensors again, e.g. after the tree split it), so moving in
+and out never has to tell tensors apart by their storage.
 """
 
 from __future__ import annotations
@@ -65,16 +69,12 @@ class BatchKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def outside_nbytes(self, nodes: list[TreeNode]) -> int:
-        """Bytes of the nodes' KV that does not live in the rows (checked per tensor, so a
-        node counts wherever its KV really is)."""
-        total = 0
-        for node in nodes:
-            for side, rows in ((node.keys, self.keys), (node.values, self.values)):
-                for layer, t in enumerate(side):
-                    if not (rows and shares_storage(t, rows[layer])):
-                        total += t.numel() * t.element_size()
-        return total
+    @property
+    def inlined_nbytes(self) -> int:
+        """Bytes of tree nodes whose KV lives in the rows (counted in `nbytes` already)."""
+        return sum(
+            node.nbytes for lay in self.layouts for node in lay.inlined if node.held_by is self
+        )
 
     def ends(self) -> list[int]:
         """Each row's filled length: its inlined tokens and its own."""
@@ -104,6 +104,7 @@ class BatchKV:
         capacity = max((lay.offset + m.capacity for lay, m in zip(layouts, members)), default=0)
         staying = {n for lay in layouts for n in lay.inlined}
         leaving = {n for lay in self.layouts for n in lay.inlined} - staying
+        moving_in = {n for n in staying if n.held_by is not self}  # own tensors until now
         old_rows = {
             id(m): (row, lay.offset)
             for row, (m, lay) in enumerate(zip(self.members, self.layouts, strict=True))
@@ -118,7 +119,7 @@ class BatchKV:
                 rows = getattr(self, side)
                 old = rows[layer] if rows else None
                 new, moved_in = self._lay_out(
-                    side, layer, members, layouts, capacity, old, old_rows
+                    side, layer, members, layouts, capacity, old, old_rows, moving_in
                 )
                 if new is not None:
                     filled.append(new)
@@ -127,13 +128,18 @@ class BatchKV:
                 held -= moved_in  # nodes' own tensors, now in the rows
                 for node in leaving:  # their own copy, before the old layer goes
                     kv = getattr(node, side)
-                    if old is not None and shares_storage(kv[layer], old):  # not if split
+                    if node.held_by is self:  # (a node split since has its own already)
                         kv[layer] = kv[layer].clone()
                         held += kv[layer].numel() * kv[layer].element_size()
                 most = max(most, held)
                 if old is not None:
                     rows[layer] = old.new_empty(0)  # drop the old layer now, not at the end
                     held -= old.numel() * old.element_size()
+        for node in leaving:
+            if node.held_by is self:
+                node.held_by = None
+        for node in staying:
+            node.held_by = self
         self.members, self.paths, self.layouts = list(members), paths, layouts
         self.keys, self.values = new_keys, new_values
         for m in members:
@@ -149,6 +155,7 @@ class BatchKV:
         capacity: int,
         old: torch.Tensor | None,
         old_rows: dict[int, tuple[int, int]],
+        moving_in: set[TreeNode],
     ) -> tuple[torch.Tensor | None, int]:
         """One layer's new buffer for `side` ("keys" / "values"), with the bytes of node
         tensors it took in that were not in the old rows (the caller counts them freed, as
@@ -165,7 +172,7 @@ class BatchKV:
             for node in lay.inlined:
                 kv = getattr(node, side)
                 new[row, :, at : at + node.tokens] = kv[layer]
-                if old is None or not shares_storage(kv[layer], old):
+                if node in moving_in:
                     moved_in += kv[layer].numel() * kv[layer].element_size()
                 kv[layer] = new[row, :, at : at + node.tokens]
                 at += node.tokens
@@ -177,7 +184,3 @@ class BatchKV:
                 own = getattr(m, "own_" + side)[layer][:, : m.length]
             new[row, :, at : at + m.length] = own
         return new, moved_in
-
-
-def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

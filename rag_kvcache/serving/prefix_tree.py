@@ -13,7 +13,9 @@ so a request's deepest node stays valid and `path_to(leaf)` always gives its cur
 
 A node keeps one tensor per layer, so that its KV can move layer by layer (the batch decoder
 lays a node used by one request inside that request's row of the batch buffer, see
-`batch_kv.py`) without ever holding two copies of every layer at once.
+`batch_kv.py`) without ever holding two copies of every layer at once. Where a node's KV lives
+is recorded, not inferred: `held_by` names the batch whose rows hold it (None: its own
+tensors). The tree's byte count is kept as nodes come and go, never summed by a walk.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class TreeNode:
     children: dict[str, TreeNode] = field(default_factory=dict)  # by first cache ID
     refs: int = 0
     last_used: int = 0
+    held_by: object | None = None  # the BatchKV whose rows hold this KV; None: its own tensors
 
     @property
     def tokens(self) -> int:
@@ -73,6 +76,7 @@ class PrefixTree:
         self.budget_bytes = budget_bytes
         self.roots: dict[str, TreeNode] = {}
         self._clock = itertools.count(1)
+        self._nbytes = 0  # every node's KV, kept as nodes are added and dropped
 
     # ------------------------------------------------------------------ lookups
 
@@ -108,7 +112,7 @@ class PrefixTree:
 
     @property
     def nbytes(self) -> int:
-        return sum(n.nbytes for n in self.nodes())
+        return self._nbytes
 
     # ------------------------------------------------------------------ changes
 
@@ -132,6 +136,7 @@ class PrefixTree:
         node = TreeNode(tuple(cache_ids), tuple(sizes), list(keys), list(values), start, parent)
         node.last_used = next(self._clock)
         siblings[cache_ids[0]] = node
+        self._nbytes += node.nbytes
         return node
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
@@ -155,6 +160,7 @@ class PrefixTree:
         node.keys = [k[:, cut:].clone() for k in node.keys]
         node.values = [v[:, cut:].clone() for v in node.values]
         node.start, node.parent = node.start + cut, upper
+        node.held_by = None  # both parts are copies of their own now, wherever it lived
         upper.children = {node.cache_ids[0]: node}
         return upper
 
@@ -176,19 +182,19 @@ class PrefixTree:
 
         One walk finds the leaves, a heap orders them; a parent left childless and
         unreferenced joins the heap: O(n log n), not a walk per victim."""
-        total = self.nbytes
-        if total + need_bytes <= self.budget_bytes:
+        if self._nbytes + need_bytes <= self.budget_bytes:
             return 0
         order = itertools.count()  # ties never compare nodes
         heap = [(n.last_used, next(order), n) for n in self.nodes() if _evictable(n)]
         heapq.heapify(heap)
         freed = 0
-        while total + need_bytes > self.budget_bytes and heap:
+        while self._nbytes + need_bytes > self.budget_bytes and heap:
             victim = heapq.heappop(heap)[2]
             siblings = self.roots if victim.parent is None else victim.parent.children
             del siblings[victim.cache_ids[0]]
+            victim.held_by = None  # nobody's: a batch's rows that held it need not copy it out
             freed += victim.nbytes
-            total -= victim.nbytes
+            self._nbytes -= victim.nbytes
             parent = victim.parent
             if parent is not None and _evictable(parent):
                 heapq.heappush(heap, (parent.last_used, next(order), parent))
