@@ -152,6 +152,19 @@ def test_pipeline_caches_every_node_and_hides_its_cache_id(engine, nodes) -> Non
     assert len(engine.store) == size
 
 
+def test_transform_show_progress_shows_the_encoding_bar(engine, capsys) -> None:
+    """`show_progress` of the transform, as LlamaIndex's components take it (its pipeline's own
+    flag draws a bar over the transformations and does not reach them)."""
+
+    def nodes(year: int) -> list[TextNode]:  # new text each run: cached chunks are skipped
+        return [TextNode(text=f"The Orrin Vale glass bridge was painted teal in {year}.")]
+
+    KVCacheTransform(engine)(nodes(1902))
+    assert "KV-encoding chunks" not in capsys.readouterr().err
+    KVCacheTransform(engine, show_progress=True)(nodes(1903))
+    assert "KV-encoding chunks" in capsys.readouterr().err
+
+
 def test_pipeline_cache_key_names_the_model(engine, tiny32) -> None:
     """Nodes tagged for one model must not come back from the pipeline cache for another."""
     other = RagKVCache(lm=tiny32)
