@@ -12,6 +12,8 @@ from rag_kvcache.strategy import Strategy
 LEGOLINK0_SINKS = 4  # sink tokens per chunk where legolink0 is measured (eval, bench) by default
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 QUANTIZATIONS = (None, "4bit", "8bit")
+# how the durable tier keeps KV: as computed (None), float32 KV as bfloat16, or 8-bit codes
+COMPRESSIONS = (None, "bfloat16", "int8")
 
 
 def default_cache_dir() -> Path:
@@ -92,11 +94,11 @@ class StoreConfig:
     cpu_bytes: int = 2 << 30
     gpu_bytes: int = 0
     policy: str = "lru"
-    compress: str | None = None  # "int8": 8-bit KV in the durable tier
+    compress: str | None = None  # the durable tier's KV: None as computed, "bfloat16", "int8"
 
     def __post_init__(self) -> None:
-        if self.compress not in (None, "int8"):
-            raise ConfigError(f"compress {self.compress!r} is not one of (None, 'int8')")
+        if self.compress not in COMPRESSIONS:
+            raise ConfigError(f"compress {self.compress!r} is not one of {COMPRESSIONS}")
         if self.cpu_bytes < 0 or self.gpu_bytes < 0:
             raise ConfigError("tier budgets must be >= 0 bytes")
         if self.policy not in ("lru", "lfu"):

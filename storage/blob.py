@@ -8,6 +8,12 @@ the checksum is xxh3-128 (integrity against bit rot and torn writes, ~30 GB/s; b
 before it carry sha256 and are still checked with it), and the tensors are views of the
 buffer the blob was read into (`parse_safetensors`), where safetensors' own `load` copies
 every tensor out of it first.
+
+What a blob holds is in its metadata, so blobs of every encoding live side by side in one
+store (`compression`, `COMPRESSIONS`): none (the KV as computed, the model's dtype), "bfloat16"
+(float32 KV rounded to bfloat16, half the bytes, cast back on read) or "int8" (per-channel 8-bit
+codes and scales). A blob without the key is one written as computed, as every store before the
+lossy encodings was. `as_stored` is what reading a blob gives back, for the hot tiers to keep.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import hashlib
 import json
 import math
 import struct
+from dataclasses import replace
 from typing import Any
 
 import torch
 import xxhash
 from safetensors.torch import save
 
+from rag_kvcache.config import COMPRESSIONS
+from rag_kvcache.config import DTYPES as DTYPES_BY_NAME
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.storage.compress import dequantize, quantize
@@ -104,20 +113,77 @@ def parse_safetensors(data: bytearray) -> tuple[dict[str, torch.Tensor], dict[st
         raise CorruptBlobError(f"not a valid safetensors buffer: {err}") from err
 
 
+def encoding(kv: ChunkKV, compress: str | None) -> str | None:
+    """How kv's blob is written under the store's `compress`: "bfloat16" rounds float32 KV
+    only (KV already 16-bit is stored as it is; float64 is the tests' exact oracle)."""
+    if compress not in COMPRESSIONS:
+        raise ValueError(f"unknown KV compression {compress!r}; use one of {COMPRESSIONS}")
+    if compress == "bfloat16" and kv.keys.dtype != torch.float32:
+        return None
+    return compress
+
+
 def to_blob(kv: ChunkKV, compress: str | None = None) -> bytes:
-    """Serialize kv; compress "int8" stores per-channel 8-bit codes and scales instead."""
+    """Serialize kv as `encoding(kv, compress)` says: as computed, as bfloat16, or int8."""
     meta = {"cache_id": kv.cache_id, "fingerprint": kv.fingerprint, "start": str(kv.start)}
-    if compress is None:
+    how = encoding(kv, compress)
+    if how is None:
         tensors = {"keys": kv.keys.contiguous().cpu(), "values": kv.values.contiguous().cpu()}
         return save(tensors, metadata=meta)
-    if compress != "int8":
-        raise ValueError(f"unknown KV compression {compress!r}; use None or 'int8'")
     tensors = {}
     for name, x in (("keys", kv.keys), ("values", kv.values)):
-        codes, scale = quantize(x.cpu())
-        tensors[f"{name}.int8"], tensors[f"{name}.scale"] = codes.contiguous(), scale.contiguous()
-    meta.update(compression="int8", dtype=str(kv.keys.dtype).removeprefix("torch."))
+        if how == "bfloat16":  # own names: a reader that predates them sees no keys, re-encodes
+            tensors[f"{name}.bf16"] = x.to(torch.bfloat16).contiguous().cpu()
+        else:
+            codes, scale = quantize(x.cpu())
+            tensors[f"{name}.int8"], tensors[f"{name}.scale"] = codes, scale.contiguous()
+    meta.update(compression=how, dtype=str(kv.keys.dtype).removeprefix("torch."))
     return save(tensors, metadata=meta)
+
+
+def as_stored(kv: ChunkKV, compress: str | None) -> ChunkKV:
+    """The KV that reading kv's blob gives back (kv itself when the encoding is lossless),
+    bit for bit: what the hot tiers keep, so an answer never depends on the tier serving it."""
+    how = encoding(kv, compress)
+    if how is None:
+        return kv
+    if how == "bfloat16":  # rounding to nearest even: the same on every device
+        keys, values = (x.to(torch.bfloat16).to(x.dtype) for x in (kv.keys, kv.values))
+    else:  # quantized on the CPU, as to_blob does
+        keys, values = (
+            dequantize(*quantize(x.cpu()), x.dtype).to(x.device) for x in (kv.keys, kv.values)
+        )
+    return replace(kv, keys=keys, values=values)
+
+
+FLOATS = {name: getattr(torch, name) for name in DTYPES_BY_NAME}  # what KV is computed in
+PARTS = {None: ("",), "bfloat16": (".bf16",), "int8": (".int8", ".scale")}  # tensor name endings
+
+
+def _decoded(
+    tensors: dict[str, torch.Tensor], meta: dict[str, str], cache_id: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values in the dtype they were computed in, whatever the blob's encoding."""
+    how, dtype = meta.get("compression"), FLOATS.get(meta.get("dtype", "float32"))
+    if how not in PARTS or dtype is None:
+        raise CorruptBlobError(
+            f"blob of chunk {cache_id} holds KV encoded as {how!r} from {meta.get('dtype')!r}: "
+            f"not one of {COMPRESSIONS} from one of {sorted(FLOATS)}"
+        )
+    out = []
+    for name in ("keys", "values"):
+        if any(name + end not in tensors for end in PARTS[how]):
+            raise CorruptBlobError(f"blob of chunk {cache_id} lacks {name}")
+        parts = [tensors[name + end] for end in PARTS[how]]
+        if how is None:
+            out.append(parts[0])
+        elif how == "bfloat16":
+            if parts[0].dtype != torch.bfloat16:
+                raise CorruptBlobError(f"blob of chunk {cache_id}: {name}.bf16 is not bfloat16")
+            out.append(parts[0].to(dtype))
+        else:
+            out.append(dequantize(parts[0], parts[1], dtype))
+    return out[0], out[1]
 
 
 def from_blob(
@@ -138,15 +204,7 @@ def from_blob(
         tensors, meta = parse_safetensors(data if isinstance(data, bytearray) else bytearray(data))
     except CorruptBlobError as err:
         raise CorruptBlobError(f"blob of chunk {cache_id}: {err}") from err
-    if meta.get("compression") == "int8":
-        dtype = getattr(torch, meta.get("dtype", "float32"))
-        keys = dequantize(tensors["keys.int8"], tensors["keys.scale"], dtype)
-        values = dequantize(tensors["values.int8"], tensors["values.scale"], dtype)
-    else:
-        found_keys, found_values = tensors.get("keys"), tensors.get("values")
-        if found_keys is None or found_values is None:
-            raise CorruptBlobError(f"blob of chunk {cache_id} lacks keys/values")
-        keys, values = found_keys, found_values
+    keys, values = _decoded(tensors, meta, cache_id)
     if keys.shape != values.shape:
         raise CorruptBlobError(f"blob of chunk {cache_id} lacks keys/values of one shape")
     if keys.shape[2] != len(token_ids):

@@ -19,13 +19,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from rag_kvcache.errors import StoreDamagedError, StoreNotFoundError, UnknownCacheIdError
+from rag_kvcache.config import COMPRESSIONS
+from rag_kvcache.errors import (
+    ConfigError,
+    StoreDamagedError,
+    StoreNotFoundError,
+    UnknownCacheIdError,
+)
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.storage.blob import (
     XXH3,
     CorruptBlobError,
+    as_stored,
     checksum,
-    checksum_matches,
     from_blob,
     to_blob,
 )
@@ -108,6 +114,17 @@ def _check_marker(root: Path, marker: StoreMarker | None, catalog: Catalog) -> N
         )
 
 
+def _parsed(row: ChunkRow, data: bytes | bytearray) -> ChunkKV | str:
+    """The chunk a blob holds, checked against its row (checksum, encoding, token count), or
+    'corrupt'."""
+    assert row.checksum is not None
+    try:
+        sinks = EncodeSettings.from_key(row.encode_settings).sink_ids
+        return from_blob(data, row.checksum, row.cache_id, row.fingerprint, row.token_ids, sinks)
+    except CorruptBlobError:
+        return "corrupt"
+
+
 def _wholesale(orphans: list[str], listed: set[str]) -> bool:
     """Orphan blobs are few (writers killed at the wrong moment); more of them than chunks in
     the catalog means the catalog is lost, old or another store's, not that they are garbage."""
@@ -140,6 +157,8 @@ class TieredStore:
         reencode: Reencode | None = None,
         create: bool = True,
     ):
+        if compress not in COMPRESSIONS:  # before any folder or catalog is made
+            raise ConfigError(f"compress {compress!r} is not one of {COMPRESSIONS}")
         root = Path(root)
         # the folder holds the vector index whatever the tiers are (with a PostgreSQL catalog
         # and Redis blobs nothing else would make it). A reader never makes one, except beside
@@ -166,7 +185,10 @@ class TieredStore:
         if gpu_bytes:
             self.hot.insert(0, MemoryTier("gpu", gpu_bytes, "cuda", policy))
         self.reencode = reencode
-        self.compress = compress  # "int8": durable blobs hold 8-bit KV (hot tiers keep full)
+        # how new durable blobs hold KV (blob.COMPRESSIONS); each blob says how it was written,
+        # so a store keeps serving blobs written under another setting. Hot tiers keep what a
+        # blob reads back as (blob.as_stored), never more precise than the durable copy
+        self.compress = compress
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-read")
         self.takeover_s = 30.0  # a claimed chunk still pending after this: its writer died
 
@@ -203,8 +225,7 @@ class TieredStore:
             expires_at=expires,
         )
         if claimed:
-            self._write(kv)
-            self._keep_hot(kv, pinned)
+            self._keep_hot(self._write(kv), pinned)
             return
         row = self.catalog.chunk(kv.cache_id)
         assert row is not None
@@ -213,7 +234,7 @@ class TieredStore:
             self.catalog.set_pinned(kv.cache_id, pinned or row.pinned)
         if not self._wait_stored(kv.cache_id):
             self._write(kv)  # its writer died (its row stayed pending)
-        self._keep_hot(kv, pinned or row.pinned)
+        self._keep_hot(as_stored(kv, self.compress), pinned or row.pinned)
 
     def _wait_stored(self, cache_id: str) -> bool:
         """Another writer claimed this chunk: wait for its commit rather than write the blob
@@ -227,7 +248,8 @@ class TieredStore:
             time.sleep(0.05)
         return False
 
-    def _write(self, kv: ChunkKV) -> None:
+    def _write(self, kv: ChunkKV) -> ChunkKV:
+        """Write kv's blob and commit its row; returns the KV that blob reads back as."""
         data = to_blob(kv, self.compress)
         try:
             self.durable.put(kv.cache_id, data)
@@ -235,6 +257,7 @@ class TieredStore:
             self.catalog.remove_chunk(kv.cache_id)  # nothing half-recorded
             raise
         self.catalog.commit_chunk(kv.cache_id, len(data), checksum(data), self.durable.name)
+        return as_stored(kv, self.compress)
 
     def _keep_hot(self, kv: ChunkKV, pinned: bool) -> None:
         for tier in self.hot:
@@ -286,13 +309,7 @@ class TieredStore:
         data = self.durable.get(row.cache_id)
         if data is None or row.checksum is None:
             return "missing"
-        try:
-            sinks = EncodeSettings.from_key(row.encode_settings).sink_ids
-            return from_blob(
-                data, row.checksum, row.cache_id, row.fingerprint, row.token_ids, sinks
-            )
-        except CorruptBlobError:
-            return "corrupt"
+        return _parsed(row, data)
 
     def _repair(self, row: ChunkRow, why: str) -> ChunkKV:
         if self.reencode is None:
@@ -302,9 +319,7 @@ class TieredStore:
                 "(rag_kvcache.engine.reencoder), or let RagKVCache open it from a StoreConfig"
             )
         self.catalog.count(f"reencoded:{why}")
-        kv = self.reencode(row)
-        self._write(kv)
-        return kv
+        return self._write(self.reencode(row))
 
     def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str:
         """Keep a model's link calibration in the catalog (shared by every worker on it)."""
@@ -378,7 +393,8 @@ class TieredStore:
     def verify(
         self, repair: bool = True, on_checked: Callable[[], None] | None = None
     ) -> VerifyReport:
-        """Re-read every stored blob and check it; re-encode bad ones when `repair`. A good
+        """Re-read every stored blob and check it (its checksum, and that it holds the KV its
+        row describes, in whichever encoding); re-encode bad ones when `repair`. A good
         blob still under an older store's sha256 gets its xxh3-128 checksum (faster reads).
         Orphan blobs (no row names them) are reported, and deleted when repairing unless
         they disagree with the catalog wholesale (see gc)."""
@@ -399,8 +415,8 @@ class TieredStore:
             data = self.durable.get(row.cache_id)
             if data is None:
                 missing.append(row.cache_id)
-            elif row.checksum is None or not checksum_matches(data, row.checksum):
-                corrupt.append(row.cache_id)
+            elif row.checksum is None or isinstance(_parsed(row, data), str):
+                corrupt.append(row.cache_id)  # its bytes, or the KV they hold (any encoding)
             else:
                 if not row.checksum.startswith(XXH3):
                     self.catalog.commit_chunk(
