@@ -95,6 +95,28 @@ def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
     assert disk["disk-int8"]["kl_vs_uncompressed"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bench_store_measures_the_bfloat16_durable_tier(dtype, tmp_path: Path) -> None:
+    """`bench store`'s disk-bf16 row: half the bytes and a small KL for a float32 model; for a
+    bfloat16 model the same blobs as computed (KL 0)."""
+    from helpers import TINY_VOCAB, build_tiny
+    from tiny_tokenizer import build_tokenizer
+
+    from rag_kvcache.tools.bench.store import bench_dtype
+
+    lm = build_tiny(dtype, tokenizer=build_tokenizer(TINY_VOCAB))
+    rows = {r.tier: r for r in bench_dtype(lm, 256, 64, 1, None, tmp_path)}
+    disk, half = rows["disk"], rows["disk-bf16"]
+    assert half.kl_vs_uncompressed is not None and half.ttft_vs_cpu is not None
+    assert disk.kl_vs_uncompressed == pytest.approx(0, abs=1e-9)
+    if dtype == torch.float32:
+        assert 0.5 < half.bytes_per_token / disk.bytes_per_token < 0.52  # + a small header
+        assert 0 < half.kl_vs_uncompressed < 0.1 and half.top1_agrees
+    else:
+        assert half.bytes_per_token == disk.bytes_per_token
+        assert half.kl_vs_uncompressed == pytest.approx(0, abs=1e-9)
+
+
 def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:
     from helpers import random_chunks
 

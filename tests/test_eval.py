@@ -277,6 +277,52 @@ def test_without_teacher_forcing_full_is_not_run(tiny32) -> None:
     assert rows[1].prefill_ttft_s == rows[0].ttft_s
 
 
+def test_eval_through_a_durable_store_answers_from_the_kv_it_reads_back(
+    tiny32, tmp_path: Path
+) -> None:
+    """`eval --store-compress`: the chunks go through a tiered store, so the answers are those
+    of the KV its durable tier gives back: as computed (none) equals the in-memory run; bfloat16
+    moves the cached strategies' distributions, never prefill's."""
+    from rag_kvcache.config import StoreConfig
+
+    items = [
+        EvalItem("a", ("The lighthouse was built in 1788.", "Six crews row."), "When?", ("1788",)),
+        EvalItem("b", ("The bakery opens at five.", "Bread.", "Eel."), "Who bakes?", ("x",)),
+    ]
+    run = {"max_new_tokens": 4, "teacher_tokens": 3}
+    memory, _ = run_eval(tiny32, items, ["naive"], **run)
+    plain, _ = run_eval(tiny32, items, ["naive"], **run, store=StoreConfig(tmp_path / "f32"))
+    half, _ = run_eval(
+        tiny32, items, ["naive"], **run, store=StoreConfig(tmp_path / "bf16", compress="bfloat16")
+    )
+    assert [(r.strategy, r.token_ids, r.kl) for r in plain] == [
+        (r.strategy, r.token_ids, r.kl) for r in memory
+    ]
+    for ours, theirs in zip(half, memory, strict=True):
+        if ours.strategy == "naive":
+            assert ours.kl != theirs.kl  # the bfloat16 KV was what answered
+        else:  # full and prefill recompute everything: the store's KV is not read
+            assert (ours.token_ids, ours.kl) == (theirs.token_ids, theirs.kl)
+    assert len(list((tmp_path / "bf16" / "blobs").glob("*/*.safetensors"))) > 0
+
+
+def test_rows_are_not_reused_across_durable_encodings(tiny32, tmp_path: Path) -> None:
+    items = [EvalItem("a", ("The tower is 12 metres tall.", "Gulls."), "How tall?", ("12",))]
+    settings = {
+        "model": tiny32.name,
+        "dtype": "float32",
+        "max_new_tokens": 3,
+        "teacher_tokens": 0,
+        "document_order": "as in the dataset",
+    }
+    rows, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps(report_dict("eval", rows, summary, **settings)))
+    assert reused_rows(report, {**settings, "store_compress": None}, items)  # as computed
+    with pytest.raises(ConfigError, match="store_compress=None, this run with 'bfloat16'"):
+        reused_rows(report, {**settings, "store_compress": "bfloat16"}, items)
+
+
 def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on(
     tiny32, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,13 +36,14 @@ from rag_kvcache.config import (
     EncodeConfig,
     EngineConfig,
     GenerationConfig,
+    StoreConfig,
 )
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.retrieval.embedding import Embedder
-from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.strategy import PREFILL, Strategy
 from rag_kvcache.tools.metrics import (
     Estimate,
@@ -143,7 +144,9 @@ class Evaluator:
     engine's public answer path: what it measures is what `RagKVCache.generate` answers.
 
     The documents of an item are cached once as chunks of an in-memory store (LegoLink-0's
-    again after `sink_tokens` sink tokens, in an engine configured for it)."""
+    again after `sink_tokens` sink tokens, in an engine configured for it); with `store` (a
+    StoreConfig with a root), of that tiered store instead, so the answers read KV as its
+    durable tier keeps it (`compress`: bfloat16, int8)."""
 
     def __init__(
         self,
@@ -153,12 +156,15 @@ class Evaluator:
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         sink_tokens: int = LEGOLINK0_SINKS,
         calibration: Calibration | None = None,
+        store: StoreConfig | None = None,
     ):
         config = EngineConfig(
             generation=GenerationConfig(max_new_tokens=max_new_tokens),
+            store=store or StoreConfig(),
             system_prompt=system_prompt,
         )
-        self.engine = RagKVCache(config, lm=lm, store=MemoryStore())
+        # in memory unless told: a root-less StoreConfig opens a MemoryStore
+        self.engine = RagKVCache(config, lm=lm)
         self.sink_engine = self.engine.with_encoding(EncodeConfig(sink_tokens=sink_tokens))
         if calibration is not None:  # what `+calibrated` strategies link with
             self.engine.set_calibration(calibration)
@@ -299,7 +305,9 @@ def kept_against(results: list[ItemResult], report: Path) -> dict[str, Estimate]
     return out
 
 
-REUSE_SETTINGS = ("dtype", "max_new_tokens", "teacher_tokens", "document_order")
+# a report's rows stand for this run's only under these (store_compress: None for the KV as
+# computed, in memory or durable alike; older reports lack it and were in memory)
+REUSE_SETTINGS = ("dtype", "max_new_tokens", "teacher_tokens", "document_order", "store_compress")
 
 
 def same_model(theirs: Mapping[str, object], ours: Mapping[str, object]) -> bool:
@@ -383,25 +391,31 @@ def run_eval(
     journal: Journal | None = None,
     calibration: Calibration | None = None,
     reuse: Mapping[str, Mapping[str, ItemResult]] | None = None,
+    store: StoreConfig | None = None,
 ) -> tuple[list[ItemResult], list[StrategySummary]]:
     """Every item through every strategy. With a `journal`, each item's results are appended
     as soon as they exist and the items it already holds are not run again: a killed run,
     restarted with the same settings, loses at most the item it was on. `reuse` (item ->
     strategy -> row, `reused_rows`) supplies rows an earlier run measured: a strategy added
-    to a long run costs only its own answers, not prefill's again."""
+    to a long run costs only its own answers, not prefill's again. `store`: the chunks are
+    kept in that tiered store (see Evaluator), not in memory."""
     parsed = check_strategies(strategies, with_full=teacher_tokens > 0)
-    evaluator = Evaluator(lm, max_new_tokens, teacher_tokens, calibration=calibration)
+    evaluator = Evaluator(lm, max_new_tokens, teacher_tokens, calibration=calibration, store=store)
     done = journal.results() if journal else {}
     results: list[ItemResult] = []
-    for item in items:
-        rows = done.get(item.id)
-        if rows is None:
-            rows = evaluator.run_item(item, parsed, (reuse or {}).get(item.id))
-            if journal:
-                journal.append(rows)
-        results += rows
-        if on_item:
-            on_item(item)
+    try:
+        for item in items:
+            rows = done.get(item.id)
+            if rows is None:
+                rows = evaluator.run_item(item, parsed, (reuse or {}).get(item.id))
+                if journal:
+                    journal.append(rows)
+            results += rows
+            if on_item:
+                on_item(item)
+    finally:
+        if isinstance(evaluator.engine.store, TieredStore):
+            evaluator.engine.store.close()
     return results, summarize(results, parsed)
 
 

@@ -4,7 +4,10 @@
 from the CPU tier and from the durable tiers (disk with the blob files dropped from the OS
 page cache first, so reads really hit the disk; Redis when reachable), bytes per token, and
 the TTFT of a link strategy's generation (`legolink:2` unless told) with the chunks fetched from
-each tier, side by side with full prefill of the same prompt. Writes store.json and store.png.
+each tier, side by side with full prefill of the same prompt. The disk tier is measured with
+blobs as computed ("disk"), as 8-bit codes ("disk-int8") and as bfloat16 ("disk-bf16": float32
+KV halved; a 16-bit model's is stored as it is), each with the next-token KL of its answer
+against the KV as computed. Writes store.json and store.png.
 """
 
 from __future__ import annotations
@@ -116,8 +119,12 @@ def bench_dtype(
     gpu_bytes = 2 * n * docs[0].nbytes if lm.device.type == "cuda" else 0
     where = f"{dtype}-{context}"
     durables: list[tuple[str, TieredStore]] = [
-        ("disk", TieredStore(root / f"disk-{where}", gpu_bytes=gpu_bytes)),
+        ("disk", TieredStore(root / f"disk-{where}", compress=None, gpu_bytes=gpu_bytes)),
         ("disk-int8", TieredStore(root / f"int8-{where}", compress="int8", gpu_bytes=gpu_bytes)),
+        (
+            "disk-bf16",
+            TieredStore(root / f"bf16-{where}", compress="bfloat16", gpu_bytes=gpu_bytes),
+        ),
     ]
     if redis_url:
         try:

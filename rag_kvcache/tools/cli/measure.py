@@ -137,6 +137,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="take the rows an earlier run with the same settings measured (its prefill, say) "
         "instead of running those strategies again; needs --teacher-tokens 0",
     )
+    evaluate.add_argument(
+        "--store-compress",
+        default=None,
+        choices=["none", "bfloat16", "int8"],
+        help="keep the chunks in a tiered store (a temporary folder) whose durable tier holds "
+        "KV as computed (none), as bfloat16 or as int8, and answer from what it reads back "
+        "(default: in memory, as computed)",
+    )
     evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
     evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -233,6 +241,17 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         "teacher_tokens": args.teacher_tokens,
         "document_order": "retrieval" if args.retrieval_order else "as in the dataset",
     }
+    store = None
+    if args.store_compress is not None:  # what a durable store reads back, not the KV computed
+        import tempfile
+
+        from rag_kvcache.config import StoreConfig
+
+        compress = None if args.store_compress == "none" else args.store_compress
+        folder = tempfile.TemporaryDirectory(prefix="rag-kvcache-eval-")
+        store = StoreConfig(Path(folder.name), compress=compress)
+        facts["store"] = "tiered (disk, a temporary folder)"
+        facts["store_compress"] = compress
     if args.calibration is not None:
         import hashlib
 
@@ -272,6 +291,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             journal=journal,
             calibration=calibration,
             reuse=reuse,
+            store=store,
         )
     if args.kept_against:
         against = ev.kept_against(results, args.kept_against)
@@ -428,6 +448,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "vs cpu": lambda r: _maybe(r["ttft_vs_cpu"], ".2f"),
             "speedup": lambda r: f"{r['speedup_vs_prefill']:.1f}x",
             "bytes/token": lambda r: f"{r['bytes_per_token']:.0f}",
+            "KL vs as computed": lambda r: _maybe(r["kl_vs_uncompressed"], ".2e"),
         }
     else:
         from rag_kvcache.tools.bench.ttft import run_ttft_bench
