@@ -306,7 +306,7 @@ def test_eval_through_a_durable_store_answers_from_the_kv_it_reads_back(
     assert len(list((tmp_path / "bf16" / "blobs").glob("*/*.safetensors"))) > 0
 
 
-def test_rows_are_not_reused_across_durable_encodings(tiny32, tmp_path: Path) -> None:
+def test_only_prefill_rows_are_reused_across_durable_encodings(tiny32, tmp_path: Path) -> None:
     items = [EvalItem("a", ("The tower is 12 metres tall.", "Gulls."), "How tall?", ("12",))]
     settings = {
         "model": tiny32.name,
@@ -318,9 +318,10 @@ def test_rows_are_not_reused_across_durable_encodings(tiny32, tmp_path: Path) ->
     rows, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
     report = tmp_path / "eval.json"
     report.write_text(json.dumps(report_dict("eval", rows, summary, **settings)))
-    assert reused_rows(report, {**settings, "store_compress": None}, items)  # as computed
-    with pytest.raises(ConfigError, match="store_compress=None, this run with 'bfloat16'"):
-        reused_rows(report, {**settings, "store_compress": "bfloat16"}, items)
+    same = reused_rows(report, {**settings, "store_compress": None}, items)  # as computed
+    assert set(same["a"]) == {"prefill", "naive"}
+    other = reused_rows(report, {**settings, "store_compress": "bfloat16"}, items)
+    assert set(other["a"]) == {"prefill"}  # naive answered from float32 KV: run again
 
 
 def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on(

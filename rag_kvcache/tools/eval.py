@@ -305,9 +305,11 @@ def kept_against(results: list[ItemResult], report: Path) -> dict[str, Estimate]
     return out
 
 
-# a report's rows stand for this run's only under these (store_compress: None for the KV as
-# computed, in memory or durable alike; older reports lack it and were in memory)
-REUSE_SETTINGS = ("dtype", "max_new_tokens", "teacher_tokens", "document_order", "store_compress")
+# a report's rows stand for this run's only under these
+REUSE_SETTINGS = ("dtype", "max_new_tokens", "teacher_tokens", "document_order")
+# ... and the rows of strategies that read the cache only under this one too: how the durable
+# tier kept the KV (None: as computed, in memory or durable alike; older reports lack it)
+CACHE_SETTINGS = ("store_compress",)
 
 
 def same_model(theirs: Mapping[str, object], ours: Mapping[str, object]) -> bool:
@@ -325,7 +327,9 @@ def reused_rows(
 ) -> dict[str, dict[str, ItemResult]]:
     """An earlier eval report's rows (item -> strategy -> row) for the given items, checked to
     come from the same settings (`REUSE_SETTINGS`): greedy answers repeat under them, so its
-    rows stand for this run's. Not with teacher forcing, whose KL needs this run's `full`."""
+    rows stand for this run's. Not with teacher forcing, whose KL needs this run's `full`.
+    Measured with the KV kept otherwise (`CACHE_SETTINGS`: a bfloat16 durable tier against
+    float32), only the rows of strategies that never read the cache (prefill) are taken."""
     try:
         data = json.loads(Path(report).read_text(encoding="utf-8"))
         rows = [item_result(r) for r in data["items"]]
@@ -344,10 +348,11 @@ def reused_rows(
                 f"{report} was measured with {name}={data.get(name)!r}, this run with "
                 f"{settings.get(name)!r}: its answers cannot stand for this run's"
             )
+    same_cache = all(data.get(name) == settings.get(name) for name in CACHE_SETTINGS)
     wanted = {item.id for item in items}
     out: dict[str, dict[str, ItemResult]] = {}
     for row in rows:
-        if row.item in wanted:
+        if row.item in wanted and (same_cache or not Strategy.parse(row.strategy).uses_cache):
             out.setdefault(row.item, {})[row.strategy] = row
     return out
 
