@@ -86,7 +86,13 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class StoreConfig:
     """Where chunk KV lives. `root` None keeps it in process memory only; otherwise a tiered
-    store under root (SQLite catalog there unless `catalog_url`, e.g. postgresql+psycopg://)."""
+    store under root (SQLite catalog there unless `catalog_url`, e.g. postgresql+psycopg://).
+
+    `compress` is how new blobs of the durable tier hold KV: "bfloat16" (the default) halves a
+    float32 model's (KV of a 16-bit model is stored as computed: it is already that size), None
+    keeps it as computed, "int8" quarters it. Each blob says how it was written, so a store
+    serves blobs of every setting, older float32 ones included. On 36 dev items bfloat16
+    changed one answer of 36 and no right answer (demos/results/cpu/store-bf16-dev-1k)."""
 
     root: Path | None = None
     catalog_url: str | None = None
@@ -94,7 +100,7 @@ class StoreConfig:
     cpu_bytes: int = 2 << 30
     gpu_bytes: int = 0
     policy: str = "lru"
-    compress: str | None = None  # the durable tier's KV: None as computed, "bfloat16", "int8"
+    compress: str | None = "bfloat16"  # durable blobs' KV: "bfloat16", None (as computed), "int8"
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESSIONS:

@@ -117,6 +117,20 @@ def test_bench_store_measures_the_bfloat16_durable_tier(dtype, tmp_path: Path) -
         assert half.kl_vs_uncompressed == pytest.approx(0, abs=1e-9)
 
 
+def test_store_compress_flag_reaches_the_store_config() -> None:
+    import argparse
+
+    from rag_kvcache.config import StoreConfig
+    from rag_kvcache.tools.cli.common import engine_options, store_compress
+
+    parser = argparse.ArgumentParser()
+    engine_options(parser)
+    assert store_compress(parser.parse_args([])) == StoreConfig.compress == "bfloat16"
+    assert store_compress(parser.parse_args(["--store-compress", "none"])) is None
+    assert store_compress(parser.parse_args(["--store-compress", "int8"])) == "int8"
+    assert store_compress(argparse.Namespace()) == "bfloat16"  # a command without the flag
+
+
 def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:
     from helpers import random_chunks
 

@@ -181,6 +181,13 @@ def test_an_engine_opening_an_older_store_from_the_default_config_serves_its_blo
     expected_logits = reference.forced_logits(QUESTION, ids, list(answer.token_ids), "naive")
     assert torch.equal(logits, expected_logits)
     assert engine.store.catalog.counters()["hits:disk"] == 4  # type: ignore[union-attr]
+    # what the engine writes now is the default's: bfloat16, beside the old float32 blobs
+    assert StoreConfig().compress == "bfloat16"
+    (new_id,) = engine.generate_context_cache(["The bakery on Mill Lane opens at five."])
+    blob = engine.store.durable.get(new_id)  # type: ignore[attr-defined]
+    assert parse_safetensors(bytearray(blob))[1]["compression"] == "bfloat16"
+    old_blob = engine.store.durable.get(ids[0])  # type: ignore[attr-defined]
+    assert "compression" not in parse_safetensors(bytearray(old_blob))[1]  # left as it was
     engine.store.close()  # type: ignore[attr-defined]
 
 

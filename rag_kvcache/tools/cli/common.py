@@ -31,6 +31,14 @@ def store_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(parser: argparse.ArgumentParser) -> None:
     store_options(parser)
+    parser.add_argument(
+        "--store-compress",
+        default="bfloat16",
+        choices=["bfloat16", "none", "int8"],
+        help="how blobs this command writes keep KV in the durable tier: float32 KV as "
+        "bfloat16 (16-bit KV as computed), as computed (none), or 8-bit; blobs already stored "
+        "are read whatever they hold",
+    )
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
@@ -59,6 +67,7 @@ def open_engine(
             catalog_url=args.catalog_url,
             redis_url=args.redis_url,
             cpu_bytes=StoreConfig.cpu_bytes if keep_hot else 0,
+            compress=store_compress(args),
         ),
         generation=GenerationConfig(max_new_tokens=getattr(args, "max_new_tokens", 64)),
         strategy=getattr(args, "strategy", None) or DEFAULT_STRATEGY,
@@ -73,7 +82,12 @@ def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStor
     from rag_kvcache.config import ModelConfig, StoreConfig
     from rag_kvcache.storage.store import Reencode, TieredStore
 
-    config = StoreConfig(args.store, catalog_url=args.catalog_url, redis_url=args.redis_url)
+    config = StoreConfig(
+        args.store,
+        catalog_url=args.catalog_url,
+        redis_url=args.redis_url,
+        compress=store_compress(args),  # how `verify --repair` writes the blobs it re-encodes
+    )
     reencode: Reencode | None = None
     if with_model:
         from rag_kvcache.engine import reencoder
@@ -84,6 +98,16 @@ def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStor
         config.root or Path(),
         catalog_url=config.catalog_url,
         redis_url=config.redis_url,
+        compress=config.compress,
         reencode=reencode,
         create=False,
     )
+
+
+def store_compress(args: argparse.Namespace) -> str | None:
+    """--store-compress as StoreConfig.compress ("none" -> None; StoreConfig's default when the
+    command has no such flag)."""
+    from rag_kvcache.config import StoreConfig
+
+    given = getattr(args, "store_compress", StoreConfig.compress)
+    return None if given == "none" else given
