@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from rag_kvcache import EncodeConfig, EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import LEGOLINK0_SINKS
 from rag_kvcache.errors import ConfigError
+from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.eval import (
@@ -306,15 +308,20 @@ def test_eval_through_a_durable_store_answers_from_the_kv_it_reads_back(
     assert len(list((tmp_path / "bf16" / "blobs").glob("*/*.safetensors"))) > 0
 
 
-def test_only_prefill_rows_are_reused_across_durable_encodings(tiny32, tmp_path: Path) -> None:
-    items = [EvalItem("a", ("The tower is 12 metres tall.", "Gulls."), "How tall?", ("12",))]
-    settings = {
-        "model": tiny32.name,
+def report_settings(lm: LoadedModel) -> dict[str, Any]:
+    """The settings of a tiny run's report, as `eval` records them (what --reuse checks)."""
+    return {
+        "model": lm.name,
         "dtype": "float32",
         "max_new_tokens": 3,
         "teacher_tokens": 0,
         "document_order": "as in the dataset",
     }
+
+
+def test_only_prefill_rows_are_reused_across_durable_encodings(tiny32, tmp_path: Path) -> None:
+    items = [EvalItem("a", ("The tower is 12 metres tall.", "Gulls."), "How tall?", ("12",))]
+    settings = report_settings(tiny32)
     rows, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
     report = tmp_path / "eval.json"
     report.write_text(json.dumps(report_dict("eval", rows, summary, **settings)))
@@ -371,13 +378,7 @@ def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
         EvalItem(name, (f"The {name} tower is {n} metres tall.", "Gulls."), "How tall?", (str(n),))
         for name, n in (("a", 12), ("b", 30))
     ]
-    settings = {
-        "model": tiny32.name,
-        "dtype": "float32",
-        "max_new_tokens": 3,
-        "teacher_tokens": 0,
-        "document_order": "as in the dataset",
-    }
+    settings = report_settings(tiny32)
     earlier, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
     report = tmp_path / "eval.json"
     report.write_text(json.dumps(report_dict("eval", earlier, summary, **settings)))
