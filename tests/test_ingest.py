@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -281,9 +282,18 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
     assert "full prefill" in out and "answers agree" in out  # full == prefill, token for token
     assert "01_harbor_town_of_velmora.md" in out and "TTFT" in out
 
-    monkeypatch.setattr("sys.stdin", io.StringIO(question + "\nAnd who built it?\n/quit\n"))
-    assert main(["chat", "--max-new-tokens", "8", *store]) == 0
-    assert capsys.readouterr().out.count("TTFT") == 2
+    # a chat: follow-ups answered afresh (SmolLM2 used to give its first answer every turn)
+    turns = [
+        ("Who designed the TK-7 tidal spectrometer?", "TK-7"),
+        ("When was it introduced?", "1987"),
+        ("How much does it weigh?", "23.5"),
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{q}\n" for q, _ in turns) + "/quit\n"))
+    assert main(["chat", "--max-new-tokens", "16", *store]) == 0
+    shown = re.split(r"^TTFT.*$", capsys.readouterr().out, flags=re.MULTILINE)[:-1]
+    answers = [turn.split("> ", 1)[1].split("\nsources")[0].strip() for turn in shown]
+    assert len(answers) == len(turns) and len(set(answers)) == len(answers), answers
+    assert all(right in answer for (_, right), answer in zip(turns, answers)), answers
 
     empty_store = ["--store", str(tmp_path / "empty-store")]
     assert main(["query", question, *empty_store]) == 1

@@ -5,6 +5,7 @@ SmolLM2-135M. Answers are greedy, so exact equalities hold."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -518,7 +519,7 @@ def test_chat_engine_answers_a_follow_up_over_cached_chunks(engine, index, event
     assert "Mara Quell" in first.response
     events.clear()
 
-    follow_up = "When was it first lit?"
+    follow_up = "In what year was it first lit?"
     second = chat_engine.chat(follow_up)
     assert "1788" in second.response
     cache_ids = [n.node.metadata["cache_id"] for n in second.source_nodes]
@@ -531,7 +532,7 @@ def test_chat_engine_answers_a_follow_up_over_cached_chunks(engine, index, event
         ChatMessage(role=MessageRole.ASSISTANT, content=first.response),
         ChatMessage(role=MessageRole.USER, content=follow_up),
     ]
-    asked = chat_question(history)
+    asked = chat_question(history, engine)
     assert QUESTION in asked and asked.endswith(follow_up)
     assert link.prompt_tokens == len(engine.prompt_ids(asked, cache_ids))
     assert [m.content for m in chat_engine.chat_history] == [
@@ -545,6 +546,70 @@ def test_chat_engine_answers_a_follow_up_over_cached_chunks(engine, index, event
     text = "".join(streamed.response_gen)
     assert "14" in text
     assert all(n.node.metadata.get("cache_id") for n in streamed.source_nodes)
+
+
+ROLE_LABEL = re.compile(r"^\s*(user|assistant|system)\s*:", re.IGNORECASE)
+
+
+@pytest.mark.parametrize(
+    "turns",
+    [
+        # SmolLM2 answered the follow-ups with its first answer again, word for word
+        [
+            (QUESTION, "Mara Quell"),
+            ("What did its lamp burn?", "whale oil"),
+            ("Until when?", "1861"),
+        ],
+        # ... and began these with "user:", imitating the history's "user: ..." lines
+        [
+            ("When is the kite festival held?", "April"),
+            ("Where?", "Brindle Hill"),
+            ("How big was the largest kite?", "9 meters"),
+        ],
+    ],
+    ids=["lighthouse", "kite festival"],
+)
+def test_chat_follow_ups_are_answered_afresh(engine, index, turns) -> None:
+    """Turns whole and streamed: no answer starts with a role label or is an earlier answer
+    again, every follow-up is answered right, and the memory holds the answers shown."""
+    chat_engine = as_chat_engine(engine, index=index, similarity_top_k=2, strategy="full")
+    answers: list[str] = []
+    for i, (question, right) in enumerate(turns):
+        if i % 2:
+            answer = "".join(chat_engine.stream_chat(question).response_gen)  # then in memory
+        else:
+            answer = chat_engine.chat(question).response
+        assert not ROLE_LABEL.match(answer), answer
+        assert answer not in answers, answer
+        assert right in answer
+        answers.append(answer)
+    assert [m.content for m in chat_engine.chat_history] == [
+        text for (question, _), answer in zip(turns, answers) for text in (question, answer)
+    ]
+
+
+def test_chat_question_is_the_chat_templates_rendering_of_the_turns(engine, index) -> None:
+    """The linked prompt of a follow-up reads as the model's chat template renders the chat:
+    the chunks and the first question in the first user turn, the answer in an assistant turn,
+    the follow-up in a user turn of its own."""
+    cache_ids = [n.node.metadata["cache_id"] for n in index.as_retriever().retrieve(QUESTION)]
+    first_answer = "It was designed by Mara Quell."
+    history = [
+        ChatMessage(role=MessageRole.USER, content=QUESTION),
+        ChatMessage(role=MessageRole.ASSISTANT, content=first_answer),
+        ChatMessage(role=MessageRole.USER, content="When was it first lit?"),
+    ]
+    decode = engine.lm.tokenizer.decode
+    chunks = "".join(decode(c.token_ids) for c in engine.store.get(cache_ids))
+    rendered = engine.chat_prompt(
+        [
+            {"role": "system", "content": engine.config.system_prompt},
+            {"role": "user", "content": f"{chunks}Question: {QUESTION}"},
+            {"role": "assistant", "content": first_answer},
+            {"role": "user", "content": "When was it first lit?"},
+        ]
+    )
+    assert decode(engine.prompt_ids(chat_question(history, engine), cache_ids)) == rendered
 
 
 # ----------------------------------------------------------------------------- retrieval

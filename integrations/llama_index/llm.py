@@ -64,11 +64,16 @@ def strategy_name(strategy: str | Strategy) -> str:
     return str(Strategy.parse(strategy))
 
 
-def chat_question(messages: Sequence[ChatMessage]) -> str:
-    """Chat turns as the question of a linked prompt: the earlier turns, then the last message.
+def chat_question(messages: Sequence[ChatMessage], engine: RagKVCache) -> str:
+    """Chat turns as the question of a linked prompt: the earlier turns, then the last message,
+    laid out as the model's own chat template lays out turns.
 
     The linked prompt's layout is fixed ([system prefix][chunks][question]) so the cached KV can
-    be reused; the conversation therefore rides inside the question.
+    be reused; the conversation therefore rides inside the question. Its text is the chat
+    template's rendering of the turns, cut after the prefix, so the prompt reads as a real chat:
+    the chunks and the first question in the first user turn, each earlier answer in its own
+    assistant turn, the last message in a new user turn. (Earlier turns written as "user: ..."
+    lines were imitated by a small model: answers began with "user:" and repeated the last one.)
     """
     if any(m.role == MessageRole.SYSTEM for m in messages):
         raise ValueError(
@@ -78,10 +83,25 @@ def chat_question(messages: Sequence[ChatMessage]) -> str:
     if not messages:
         raise ValueError("a linked chat needs at least one message")
     *history, last = messages
+    while history and history[0].role != MessageRole.USER:  # the chunks' turn is a user turn
+        history.pop(0)
     if not history:
         return last.content or ""
-    turns = "\n".join(f"{m.role.value}: {m.content or ''}" for m in history)
-    return f"Conversation so far:\n{turns}\n\nFollow-up: {last.content or ''}"
+    turns = [{"role": m.role.value, "content": (m.content or "").strip()} for m in history]
+    turns.append({"role": MessageRole.USER.value, "content": (last.content or "").strip()})
+    template = engine.template
+    system = {"role": MessageRole.SYSTEM.value, "content": engine.config.system_prompt}
+    rendered = engine.chat_prompt([system, *turns])
+    if rendered.startswith(template.prefix) and rendered.endswith(template.suffix):
+        return rendered[len(template.prefix) : len(rendered) - len(template.suffix)]
+    # no chat template: the layout's own "Question: ...\nAnswer: ..." form
+    text = turns[0]["content"]
+    for turn in turns[1:]:
+        if turn["role"] == MessageRole.USER.value:
+            text += f"\n\nQuestion: {turn['content']}"
+        else:
+            text += f"{template.suffix} {turn['content']}"
+    return text
 
 
 def usage(
@@ -321,7 +341,7 @@ class KVCacheLLM(CustomLLM):
         Retrieved nodes found in the messages are linked: their text leaves the messages,
         and system messages (a LlamaIndex template's instructions) lead the question."""
         if kwargs.get("cache_ids") is not None:
-            return chat_question(messages)
+            return chat_question(messages, self._engine)
         if self._retrieved is not None:
             found = [(m, self._retrieved.find(m.content or "")) for m in messages]
             nodes = [p.node for _, placed in found for p in placed]
@@ -333,7 +353,7 @@ class KVCacheLLM(CustomLLM):
                 ]
                 system = [m.content for m in rest if m.role == MessageRole.SYSTEM and m.content]
                 turns = [m for m in rest if m.role != MessageRole.SYSTEM]
-                return "\n\n".join([*system, chat_question(turns)])
+                return "\n\n".join([*system, chat_question(turns, self._engine)])
         assert self.messages_to_prompt is not None  # set in __init__ or by the caller
         return self.messages_to_prompt(messages)
 

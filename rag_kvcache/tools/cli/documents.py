@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from rag_kvcache.strategy import DEFAULT
+from rag_kvcache.strategy import DEFAULT, Strategy
 from rag_kvcache.tools.cli.common import engine_options, open_engine
+
+if TYPE_CHECKING:
+    from rag_kvcache.engine import RagKVCache
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -102,6 +106,30 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+HISTORY_TURNS = 2  # earlier exchanges a chat answer sees
+
+
+def with_history(engine: RagKVCache, history: list[tuple[str, str]], question: str) -> str:
+    """A chat question after earlier (question, answer) turns, as the linked prompt's question:
+    the turns as the model's chat template renders them (the chunks and the first question in
+    the first user turn, each answer in its own assistant turn), cut after the template's
+    prefix. Earlier turns written as "(earlier) ... (answered) ..." lines were copied by a small
+    model: every answer repeated the first one."""
+    if not history:
+        return question
+    turns = [{"role": "system", "content": engine.config.system_prompt}]
+    for asked, answered in history:
+        turns += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
+    turns.append({"role": "user", "content": question})
+    rendered = engine.chat_prompt(turns)
+    prefix, suffix = engine.template.prefix, engine.template.suffix
+    if rendered.startswith(prefix) and rendered.endswith(suffix):
+        return rendered[len(prefix) : len(rendered) - len(suffix)]
+    # no chat template: the layout's own "Question: ...\nAnswer: ..." form
+    earlier = "\n\nQuestion: ".join(f"{q}{suffix} {a}" for q, a in history)
+    return f"{earlier}\n\nQuestion: {question}"
+
+
 def answer_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.answer import Answer, AnswerStream
     from rag_kvcache.errors import ConfigError
@@ -113,34 +141,50 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]no documents in {args.store}: run `rag-kvcache ingest PATH` first")
         return 1
 
+    def shown(asked: str, ids: list[str], run: Strategy, earlier: list[str]) -> Answer | None:
+        """The answer to `asked`, streamed to the console, but held back while it spells the
+        start of an `earlier` answer: None, never shown, if it is one of them word for word."""
+        stream = engine.generate(asked, ids, strategy=run, stream=True)
+        assert isinstance(stream, AnswerStream)
+        held: str | None = ""
+        for piece in stream:
+            if held is not None:
+                held += piece
+                if any(text.startswith(held.lstrip()) for text in earlier):
+                    continue
+                piece, held = held, None
+            console.print(piece, end="", highlight=False, markup=False)
+        if held is not None and held.strip() in earlier:
+            return None
+        console.print(held or "", highlight=False, markup=False)
+        assert stream.answer is not None
+        return stream.answer
+
     def ask(question: str, history: list[tuple[str, str]]) -> str:
         hits = engine.retrieve(question, args.top_k)
         ids = [h.cache_id for h in hits]
-        asked = "".join(f"(earlier) {q}\n(answered) {a}\n" for q, a in history) + question
+        asked = with_history(engine, history, question)
         strategy = engine.config.strategy  # compared with a prefill of the same prompt
-        runs = [strategy] + ([strategy.baseline] if args.compare else [])
-        answers: list[Answer] = []
-        for run in runs:
-            if args.compare:
-                console.print(f"[bold]{run}:[/bold]")
-            stream = engine.generate(asked, ids, strategy=run, stream=True)
-            assert isinstance(stream, AnswerStream)
-            for piece in stream:
-                console.print(piece, end="", highlight=False, markup=False)
-            console.print()
-            assert stream.answer is not None
-            answers.append(stream.answer)
+        if args.compare:
+            console.print(f"[bold]{strategy}:[/bold]")
+        first = shown(asked, ids, strategy, [a for _, a in history])
+        if first is None:  # an earlier answer again (a small model copies its last turn)
+            asked = question  # so: the question alone
+            first = shown(asked, ids, strategy, [])
+            assert first is not None
+        base = None
+        if args.compare:
+            console.print(f"[bold]{strategy.baseline}:[/bold]")
+            base = shown(asked, ids, strategy.baseline, [])
         table = Table("score", "source", "chunk", title="sources", title_justify="left")
         for hit in hits:
             table.add_row(f"{hit.score:.2f}", Path(hit.source or "?").name, hit.text[:70])
         console.print(table)
-        first = answers[0]
         line = (
             f"TTFT {first.ttft_s:.3f} s ({first.strategy}, {first.context_tokens} context "
             f"tokens, {first.recomputed_tokens} recomputed)"
         )
-        if args.compare:
-            base = answers[1]
+        if base is not None:
             line += (
                 f" vs {base.ttft_s:.3f} s full prefill: {base.ttft_s / first.ttft_s:.1f}x; "
                 f"answers {'agree' if base.text == first.text else 'differ'}"
@@ -160,5 +204,5 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             break
         if not question or question == "/quit":
             break
-        history.append((question, ask(question, history[-2:])))
+        history.append((question, ask(question, history[-HISTORY_TURNS:])))
     return 0
