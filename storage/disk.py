@@ -39,7 +39,9 @@ class DiskTier:
         target = self.path(cache_id)
         target.parent.mkdir(exist_ok=True)
         self._clear_non_file(target)
-        fd, tmp = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, dir=target.parent)
+        # the writer's PID in the name: between creating the file and locking it, gc tells a
+        # live writer (keep) from a dead one (remove) by it
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{os.getpid()}-", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)  # held until renamed: gc sees a live writer
@@ -126,11 +128,28 @@ class DiskTier:
             except BlockingIOError:  # a live writer holds it
                 continue
             else:
-                tmp.unlink(missing_ok=True)
-                removed += 1
+                if not _writer_alive(tmp.name):  # (alive: it has not locked it yet)
+                    tmp.unlink(missing_ok=True)
+                    removed += 1
             finally:
                 os.close(fd)
         return removed
 
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in self.root.glob("*/*.safetensors") if f.is_file())
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process named in a temporary file's name (`.tmp-<pid>-...`) still runs on
+    this machine. A name without a PID (an older writer's) counts as dead; a PID reused by
+    another process keeps a dead writer's file until it exits (harmless)."""
+    pid = name.removeprefix(TEMPORARY_PREFIX).partition("-")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True

@@ -293,7 +293,9 @@ def test_eval_through_a_durable_store_answers_from_the_kv_it_reads_back(
     ]
     run = {"max_new_tokens": 4, "teacher_tokens": 3}
     memory, _ = run_eval(tiny32, items, ["naive"], **run)
-    plain, _ = run_eval(tiny32, items, ["naive"], **run, store=StoreConfig(tmp_path / "f32"))
+    plain, _ = run_eval(
+        tiny32, items, ["naive"], **run, store=StoreConfig(tmp_path / "f32", compress=None)
+    )
     half, _ = run_eval(
         tiny32, items, ["naive"], **run, store=StoreConfig(tmp_path / "bf16", compress="bfloat16")
     )
