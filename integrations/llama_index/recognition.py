@@ -97,7 +97,12 @@ def without(prompt: str, placed: list[Placed]) -> str:
         pieces.append(prompt[at : p.start])
         at = p.end
     pieces.append(prompt[at:])
-    return re.sub(r"\n\s*\n(\s*\n)+", "\n\n", "".join(pieces)).strip()
+    return tidy("".join(pieces))
+
+
+def tidy(text: str) -> str:
+    """Text a context was cut out of: runs of blank lines made one, the ends stripped."""
+    return re.sub(r"\n\s*\n(\s*\n)+", "\n\n", text).strip()
 
 
 _watcher: RetrievedNodes | None = None

@@ -12,7 +12,6 @@ methods, so many concurrent queries decode in the engine loop's one batch.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncGenerator, AsyncIterable, Generator, Iterable, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from rag_kvcache.integrations.llama_index.llm import KVCacheLLM
+from rag_kvcache.integrations.llama_index.recognition import tidy
 from rag_kvcache.integrations.llama_index.transform import cache_ids_of
 
 dispatcher = get_dispatcher(__name__)
@@ -101,7 +101,7 @@ class KVCacheSynthesizer(BaseSynthesizer):
             )
         else:
             text = template.format(context_str="", query_str=query)
-        return re.sub(r"\n\s*\n(\s*\n)+", "\n\n", text).strip()
+        return tidy(text)
 
     # ------------------------------------------------------------------ nodes -> answer
 
