@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -21,6 +21,7 @@ from rag_kvcache.answer import (
     prepare,
     prompt_in_position_order,
 )
+from rag_kvcache.chat import HISTORY_TURNS, Message, chat_question
 from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, StoreConfig
 from rag_kvcache.errors import (
     CalibrationError,
@@ -342,6 +343,15 @@ class RagKVCache:
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """Render chat messages ({"role", "content"}) with the model's own chat template."""
         return self.template.render_chat(self.lm.tokenizer, messages)
+
+    def chat_question(
+        self, messages: Sequence[Message], history_turns: int | None = HISTORY_TURNS
+    ) -> str:
+        """The question for `generate` that answers a chat's last (user) message over linked
+        chunks: earlier turns rendered as the chat template renders them (see `chat`)."""
+        return chat_question(
+            self.template, self.lm.tokenizer, self.config.system_prompt, messages, history_turns
+        )
 
     def generate_batch(
         self,

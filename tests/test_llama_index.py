@@ -24,7 +24,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
-from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.errors import ConfigError, RagKVCacheError
 from rag_kvcache.integrations.llama_index import (
     FirstTokenEvent,
     KVCacheLLM,
@@ -288,7 +288,15 @@ def test_linked_llm_calls_report_usage_and_events(engine, nodes, events) -> None
     # a one-message linked chat asks exactly the question
     chat = llm.chat([ChatMessage(role=MessageRole.USER, content=question)], cache_ids=cache_ids)
     assert chat.message.content == done.text and chat.raw["token_ids"] == done.raw["token_ids"]
-    with pytest.raises(ValueError, match="system prompt"):
+    # a system message is the caller's instruction: it leads the question (the engine's
+    # cached system prompt stays first); a chat without the user's message is refused
+    told = [
+        ChatMessage(role=MessageRole.SYSTEM, content="Be terse."),
+        ChatMessage(content=question),
+    ]
+    terse = engine.generate(f"Be terse.\n\n{question}", cache_ids, strategy="naive")
+    assert llm.chat(told, cache_ids=cache_ids).raw["token_ids"] == list(terse.token_ids)
+    with pytest.raises(ConfigError, match="must end with the user's message"):
         llm.chat([ChatMessage(role=MessageRole.SYSTEM, content="Be terse.")], cache_ids=cache_ids)
     with pytest.raises(RagKVCacheError):
         KVCacheLLM(engine, strategy="bogus")

@@ -5,29 +5,22 @@ runs on a standalone question the LLM condenses from the history ("when was it l
 was the lighthouse lit?"), a plain, unlinked call. (2) The answer comes from a response
 synthesizer, the one part replaced here: KVCacheSynthesizer links the retrieved nodes' cache IDs
 and renders the chat history into the question (the linked prompt's layout is fixed, see
-llm.chat_question), as the model's chat template renders turns. So the system prompt is the
+rag_kvcache.chat), as the model's chat template renders turns. So the system prompt is the
 engine's, whose KV is cached; the base class's system and context prompts have no place and are
 not accepted. The answer sees the last `history_turns` exchanges only (the memory keeps them
 all), so a long chat never crowds the chunks out of the window. A follow-up answer that is an
 earlier answer again, word for word (SmolLM2-135M copies its last turn), is answered again
-without the history (FollowUpSynthesizer). Memory, streaming and async come unchanged from
-the base class.
+without the history (FollowUpSynthesizer, with rag_kvcache.chat's guard). Memory, streaming
+and async come unchanged from the base class.
 """
 
 from __future__ import annotations
 
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Callable,
-    Generator,
-    Iterator,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.base.response.schema import (
     RESPONSE_TYPE,
     AsyncStreamingResponse,
@@ -44,10 +37,9 @@ from llama_index.core.response_synthesizers.base import QueryTextType
 from llama_index.core.schema import NodeWithScore
 from llama_index.core.settings import Settings
 
+from rag_kvcache.chat import HISTORY_TURNS, aunless_repeated, earlier_answers, unless_repeated
 from rag_kvcache.integrations.llama_index.llm import KVCacheLLM
 from rag_kvcache.integrations.llama_index.synthesizer import KVCacheSynthesizer
-
-HISTORY_TURNS = 2  # earlier exchanges (question + answer) the linked answer sees
 
 
 class KVCacheChatEngine(CondensePlusContextChatEngine):
@@ -120,11 +112,8 @@ class FollowUpSynthesizer(KVCacheSynthesizer):
         super().__init__(llm, **kwargs)
         self._alone = {k: v for k, v in kwargs.items() if k != "chat_history"}
         history = kwargs.get("chat_history") or []
-        self._earlier = [
-            text
-            for m in history
-            if m.role == MessageRole.ASSISTANT and (text := (m.content or "").strip())
-        ]
+        turns = [{"role": m.role.value, "content": m.content or ""} for m in history]
+        self._earlier = earlier_answers(turns, None)  # the chat engine has cut the history
 
     def synthesize(
         self,
@@ -188,40 +177,3 @@ class FollowUpSynthesizer(KVCacheSynthesizer):
         if isinstance(response, Response) and (response.response or "").strip() in self._earlier:
             return await again()
         return response
-
-
-def unless_repeated(
-    pieces: Iterator[str], earlier: list[str], again: Callable[[], Iterator[str]]
-) -> Generator[str, None, None]:
-    """`pieces`, held back while they spell the start of an `earlier` text; `again()`'s pieces
-    instead if they spell all of one."""
-    held = ""
-    for piece in pieces:
-        held += piece
-        if not any(text.startswith(held) for text in earlier):
-            yield held
-            yield from pieces
-            return
-    if held.strip() in earlier:
-        yield from again()
-    elif held:
-        yield held
-
-
-async def aunless_repeated(
-    pieces: AsyncIterator[str], earlier: list[str], again: Callable[[], AsyncIterator[str]]
-) -> AsyncGenerator[str, None]:
-    """`unless_repeated` of an async stream."""
-    held = ""
-    async for piece in pieces:
-        held += piece
-        if not any(text.startswith(held) for text in earlier):
-            yield held
-            async for rest in pieces:
-                yield rest
-            return
-    if held.strip() in earlier:
-        async for piece in again():
-            yield piece
-    elif held:
-        yield held

@@ -64,44 +64,17 @@ def strategy_name(strategy: str | Strategy) -> str:
     return str(Strategy.parse(strategy))
 
 
-def chat_question(messages: Sequence[ChatMessage], engine: RagKVCache) -> str:
-    """Chat turns as the question of a linked prompt: the earlier turns, then the last message,
-    laid out as the model's own chat template lays out turns.
-
-    The linked prompt's layout is fixed ([system prefix][chunks][question]) so the cached KV can
-    be reused; the conversation therefore rides inside the question. Its text is the chat
-    template's rendering of the turns, cut after the prefix, so the prompt reads as a real chat:
-    the chunks and the first question in the first user turn, each earlier answer in its own
-    assistant turn, the last message in a new user turn. (Earlier turns written as "user: ..."
-    lines were imitated by a small model: answers began with "user:" and repeated the last one.)
-    """
-    if any(m.role == MessageRole.SYSTEM for m in messages):
-        raise ValueError(
-            "a linked chat (cache_ids given) always uses the engine's cached system prompt "
-            "(EngineConfig.system_prompt); remove the system message"
-        )
+def chat_question(
+    messages: Sequence[ChatMessage], engine: RagKVCache, history_turns: int | None = None
+) -> str:
+    """Chat turns as the question of a linked prompt (`RagKVCache.chat_question`): earlier
+    turns as the model's chat template renders them, system messages leading as instructions.
+    `history_turns`: the last exchanges kept (None: all the messages given; the chat engine
+    has cut them already)."""
     if not messages:
         raise ValueError("a linked chat needs at least one message")
-    *history, last = messages
-    while history and history[0].role != MessageRole.USER:  # the chunks' turn is a user turn
-        history.pop(0)
-    if not history:
-        return last.content or ""
-    turns = [{"role": m.role.value, "content": (m.content or "").strip()} for m in history]
-    turns.append({"role": MessageRole.USER.value, "content": (last.content or "").strip()})
-    template = engine.template
-    system = {"role": MessageRole.SYSTEM.value, "content": engine.config.system_prompt}
-    rendered = engine.chat_prompt([system, *turns])
-    if rendered.startswith(template.prefix) and rendered.endswith(template.suffix):
-        return rendered[len(template.prefix) : len(rendered) - len(template.suffix)]
-    # no chat template: the layout's own "Question: ...\nAnswer: ..." form
-    text = turns[0]["content"]
-    for turn in turns[1:]:
-        if turn["role"] == MessageRole.USER.value:
-            text += f"\n\nQuestion: {turn['content']}"
-        else:
-            text += f"{template.suffix} {turn['content']}"
-    return text
+    turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+    return engine.chat_question(turns, history_turns)
 
 
 def usage(
@@ -351,9 +324,7 @@ class KVCacheLLM(CustomLLM):
                     ChatMessage(role=m.role, content=without(m.content or "", placed))
                     for m, placed in found
                 ]
-                system = [m.content for m in rest if m.role == MessageRole.SYSTEM and m.content]
-                turns = [m for m in rest if m.role != MessageRole.SYSTEM]
-                return "\n\n".join([*system, chat_question(turns, self._engine)])
+                return chat_question(rest, self._engine)
         assert self.messages_to_prompt is not None  # set in __init__ or by the caller
         return self.messages_to_prompt(messages)
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
+from rag_kvcache.chat import earlier_answers, unless_repeated
 from rag_kvcache.strategy import DEFAULT, Strategy
 from rag_kvcache.tools.cli.common import engine_options, open_engine
-
-if TYPE_CHECKING:
-    from rag_kvcache.engine import RagKVCache
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -106,30 +105,6 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-HISTORY_TURNS = 2  # earlier exchanges a chat answer sees
-
-
-def with_history(engine: RagKVCache, history: list[tuple[str, str]], question: str) -> str:
-    """A chat question after earlier (question, answer) turns, as the linked prompt's question:
-    the turns as the model's chat template renders them (the chunks and the first question in
-    the first user turn, each answer in its own assistant turn), cut after the template's
-    prefix. Earlier turns written as "(earlier) ... (answered) ..." lines were copied by a small
-    model: every answer repeated the first one."""
-    if not history:
-        return question
-    turns = [{"role": "system", "content": engine.config.system_prompt}]
-    for asked, answered in history:
-        turns += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
-    turns.append({"role": "user", "content": question})
-    rendered = engine.chat_prompt(turns)
-    prefix, suffix = engine.template.prefix, engine.template.suffix
-    if rendered.startswith(prefix) and rendered.endswith(suffix):
-        return rendered[len(prefix) : len(rendered) - len(suffix)]
-    # no chat template: the layout's own "Question: ...\nAnswer: ..." form
-    earlier = "\n\nQuestion: ".join(f"{q}{suffix} {a}" for q, a in history)
-    return f"{earlier}\n\nQuestion: {question}"
-
-
 def answer_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.answer import Answer, AnswerStream
     from rag_kvcache.errors import ConfigError
@@ -141,41 +116,37 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]no documents in {args.store}: run `rag-kvcache ingest PATH` first")
         return 1
 
-    def shown(asked: str, ids: list[str], run: Strategy, earlier: list[str]) -> Answer | None:
-        """The answer to `asked`, streamed to the console, but held back while it spells the
-        start of an `earlier` answer: None, never shown, if it is one of them word for word."""
-        stream = engine.generate(asked, ids, strategy=run, stream=True)
-        assert isinstance(stream, AnswerStream)
-        held: str | None = ""
-        for piece in stream:
-            if held is not None:
-                held += piece
-                if any(text.startswith(held.lstrip()) for text in earlier):
-                    continue
-                piece, held = held, None
-            console.print(piece, end="", highlight=False, markup=False)
-        if held is not None and held.strip() in earlier:
-            return None
-        console.print(held or "", highlight=False, markup=False)
-        assert stream.answer is not None
-        return stream.answer
-
-    def ask(question: str, history: list[tuple[str, str]]) -> str:
+    def ask(question: str, history: list[dict[str, str]]) -> str:
+        """Answer `question` (after the chat's `history`) streamed to the console; an answer
+        that is an earlier one again is held back and the question answered alone."""
         hits = engine.retrieve(question, args.top_k)
         ids = [h.cache_id for h in hits]
-        asked = with_history(engine, history, question)
         strategy = engine.config.strategy  # compared with a prefill of the same prompt
+        runs: list[tuple[str, AnswerStream]] = []
+
+        def run(asked: str, how: Strategy) -> Iterator[str]:
+            stream = engine.generate(asked, ids, strategy=how, stream=True)
+            assert isinstance(stream, AnswerStream)
+            runs.append((asked, stream))
+            return iter(stream)
+
+        def show(pieces: Iterator[str]) -> Answer:
+            for piece in pieces:
+                console.print(piece, end="", highlight=False, markup=False)
+            console.print()
+            answer = runs[-1][1].answer
+            assert answer is not None
+            return answer
+
         if args.compare:
             console.print(f"[bold]{strategy}:[/bold]")
-        first = shown(asked, ids, strategy, [a for _, a in history])
-        if first is None:  # an earlier answer again (a small model copies its last turn)
-            asked = question  # so: the question alone
-            first = shown(asked, ids, strategy, [])
-            assert first is not None
+        asked = engine.chat_question([*history, {"role": "user", "content": question}])
+        again = partial(run, question, strategy)  # the question alone
+        first = show(unless_repeated(run(asked, strategy), earlier_answers(history), again))
         base = None
         if args.compare:
             console.print(f"[bold]{strategy.baseline}:[/bold]")
-            base = shown(asked, ids, strategy.baseline, [])
+            base = show(run(runs[-1][0], strategy.baseline))  # the prompt the answer shown had
         table = Table("score", "source", "chunk", title="sources", title_justify="left")
         for hit in hits:
             table.add_row(f"{hit.score:.2f}", Path(hit.source or "?").name, hit.text[:70])
@@ -195,7 +166,7 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
     if args.command == "query":
         ask(args.question, [])
         return 0
-    history: list[tuple[str, str]] = []
+    history: list[dict[str, str]] = []
     console.print("Ask about the ingested documents (empty line or /quit to end).")
     while True:
         try:
@@ -204,5 +175,6 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             break
         if not question or question == "/quit":
             break
-        history.append((question, ask(question, history[-HISTORY_TURNS:])))
+        answer = ask(question, history)
+        history += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return 0

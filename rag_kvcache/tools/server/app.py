@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from rag_kvcache.answer import Answer
+from rag_kvcache.chat import aunless_repeated, earlier_answers
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import (
     ContextTooLongError,
@@ -35,12 +36,12 @@ from rag_kvcache.errors import (
     StoreError,
     UnknownCacheIdError,
 )
+from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.server.metrics import ServerMetrics
 from rag_kvcache.tools.server.schema import (
     ChatRequest,
     CompletionRequest,
-    Message,
     RagUsage,
     Sampling,
     Usage,
@@ -81,6 +82,42 @@ class Job:
     cache_ids: list[str]
     strategy: Strategy | None
     max_tokens: int | None
+    alone: str = ""  # a chat's last message: asked alone if the answer repeats one of
+    earlier: list[str] = field(default_factory=list)  # ... the answers its question shows
+
+
+class FollowUpStream:
+    """A chat follow-up's answer stream, with the repeat guard of `rag_kvcache.chat`: the
+    answer to the question with its history, or, when that is an earlier answer again word for
+    word, to the last message alone. `result` is the record of the answer whose pieces were
+    given (the same interface as the engine's `AsyncTokenStream`)."""
+
+    def __init__(self, start: Callable[[str], AsyncTokenStream[Answer]], job: Job) -> None:
+        self._streams: list[AsyncTokenStream[Answer]] = []
+
+        def run(text: str) -> AsyncIterator[str]:
+            self._streams.append(start(text))
+            return aiter(self._streams[-1])
+
+        self._pieces = aunless_repeated(run(job.text), job.earlier, lambda: run(job.alone))
+
+    @property
+    def result(self) -> Answer | None:
+        return self._streams[-1].result
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._pieces
+
+    async def finish(self) -> Answer:
+        async for _ in self._pieces:
+            pass
+        assert self.result is not None
+        return self.result
+
+    async def aclose(self) -> None:
+        await self._pieces.aclose()
+        for stream in self._streams:
+            await stream.aclose()
 
 
 def create_app(
@@ -192,7 +229,10 @@ def create_app(
             messages = [{"role": m.role, "content": m.text} for m in body.messages]
             job = Job(engine.chat_prompt(messages), False, [], None, max_tokens)
         else:
-            job = await _rag_job(engine, body, _question(body.messages), max_tokens)
+            messages = [{"role": m.role, "content": m.text} for m in body.messages]
+            asked = engine.chat_question(messages)  # the history inside the question
+            job = await _rag_job(engine, body, body.messages[-1].text, max_tokens)
+            job = replace(job, text=asked, earlier=earlier_answers(messages[:-1]))
         return await _respond(engine, served_name(engine), body, job, "chat.completion", metrics)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -229,33 +269,28 @@ async def _rag_job(
     else:
         hits = await asyncio.to_thread(engine.retrieve, question, rag.top_k or DEFAULT_TOP_K)
         cache_ids = [hit.cache_id for hit in hits]
-    return Job(question, True, cache_ids, strategy, max_tokens)
-
-
-def _question(messages: list[Message]) -> str:
-    """The last user message; earlier turns, when there are any, ride along as a transcript
-    before it (the engine's own system prompt and the chunks come first)."""
-    *earlier, last = messages
-    if not earlier:
-        return last.text
-    transcript = "\n".join(f"{m.role}: {m.text}" for m in earlier)
-    return f"Conversation so far:\n{transcript}\n\nQuestion: {last.text}"
+    return Job(question, True, cache_ids, strategy, max_tokens, alone=question)
 
 
 async def _respond(
     engine: RagKVCache, model: str, body: Sampling, job: Job, kind: str, metrics: ServerMetrics
 ) -> Response:
     temperature, top_p, seed = body.temperature, body.top_p, body.seed
+    stream: AsyncTokenStream[Answer] | FollowUpStream
     if job.rag:
-        stream = engine.astream(
-            job.text,
-            job.cache_ids,
-            strategy=job.strategy,
-            max_new_tokens=job.max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-        )
+
+        def start(text: str) -> AsyncTokenStream[Answer]:
+            return engine.astream(
+                text,
+                job.cache_ids,
+                strategy=job.strategy,
+                max_new_tokens=job.max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+            )
+
+        stream = FollowUpStream(start, job) if job.earlier else start(job.text)
     else:
         stream = engine.astream_complete(
             job.text, max_new_tokens=job.max_tokens, temperature=temperature, top_p=top_p, seed=seed

@@ -1,0 +1,155 @@
+"""A conversation over linked chunks (rag_kvcache.chat): the question carries the earlier turns
+as the model's chat template renders them, and the repeat guard passes every answer on whole
+unless it is an earlier answer again."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rag_kvcache.chat import (
+    aunless_repeated,
+    chat_question,
+    earlier_answers,
+    unless_repeated,
+)
+from rag_kvcache.errors import ConfigError
+from rag_kvcache.prompt import PromptTemplate
+
+SYSTEM = "Answer from the documents."
+CHAT = [
+    {"role": "user", "content": "Who designed the lighthouse?"},
+    {"role": "assistant", "content": "Mara Quell."},
+    {"role": "user", "content": "When was it lit?"},
+    {"role": "assistant", "content": "In 1788."},
+    {"role": "user", "content": "What did it burn?"},
+]
+
+
+@pytest.fixture(scope="module")
+def template(tiny_tokenizer) -> PromptTemplate:
+    return PromptTemplate.from_tokenizer(tiny_tokenizer, SYSTEM)
+
+
+def test_the_question_is_the_chat_templates_rendering_of_the_turns(tiny_tokenizer, template):
+    """prefix + question + suffix is the whole chat as the template renders it: the question
+    is the turns after the template's prefix, each answer in an assistant turn of its own."""
+    question = chat_question(template, tiny_tokenizer, SYSTEM, CHAT, history_turns=None)
+    whole = template.render_chat(tiny_tokenizer, [{"role": "system", "content": SYSTEM}, *CHAT])
+    assert template.prefix + question + template.suffix == whole
+    assert "Conversation so far" not in question and not question.startswith("user:")
+
+
+def test_history_turns_keeps_the_last_exchanges(tiny_tokenizer, template) -> None:
+    def asked(turns: int | None) -> str:
+        return chat_question(template, tiny_tokenizer, SYSTEM, CHAT, history_turns=turns)
+
+    assert asked(0) == "What did it burn?"
+    one = asked(1)
+    assert "When was it lit?" in one and "In 1788." in one and "Mara Quell" not in one
+    assert asked(2) == asked(None) == asked(5)
+    assert "Mara Quell" in asked(2)
+    assert earlier_answers(CHAT[:-1], 1) == ["In 1788."]
+    assert earlier_answers(CHAT[:-1]) == ["Mara Quell.", "In 1788."]
+    assert earlier_answers(CHAT[:-1], 0) == []
+
+
+def test_instructions_lead_and_a_leading_answer_is_dropped(tiny_tokenizer, template) -> None:
+    """System and developer messages are the caller's instructions: they lead the question.
+    The chunks sit in the first user turn, so an answer before any question is dropped."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "Hello! Ask me anything."},
+        *CHAT[:2],
+        {"role": "developer", "content": "Answer in English."},
+        CHAT[2],
+    ]
+    question = chat_question(template, tiny_tokenizer, SYSTEM, messages)
+    rest = chat_question(template, tiny_tokenizer, SYSTEM, CHAT[:3])
+    assert question == f"Be brief.\n\nAnswer in English.\n\n{rest}"
+    assert "Hello!" not in question
+    assert rest.startswith(CHAT[0]["content"])
+
+
+def test_without_a_chat_template_the_layouts_own_question_form(tiny_tokenizer) -> None:
+    plain = copy.copy(tiny_tokenizer)
+    plain.chat_template = None
+    template = PromptTemplate.from_tokenizer(plain, SYSTEM)
+    question = chat_question(template, plain, SYSTEM, CHAT[:3])
+    assert (
+        question
+        == "Who designed the lighthouse?\nAnswer: Mara Quell.\n\nQuestion: When was it lit?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "why"),
+    [
+        ([], "must end with the user's message"),
+        (CHAT[:2], "must end with the user's message"),
+        ([{"role": "tool", "content": "42"}, CHAT[0]], "unknown chat role"),
+        ([{"role": "system", "content": "Be brief."}], "must end with the user's message"),
+    ],
+)
+def test_a_malformed_chat_is_refused_by_name(tiny_tokenizer, template, messages, why) -> None:
+    with pytest.raises(ConfigError, match=why):
+        chat_question(template, tiny_tokenizer, SYSTEM, messages)
+    with pytest.raises(ConfigError, match="history_turns must be >= 0"):
+        chat_question(template, tiny_tokenizer, SYSTEM, CHAT, history_turns=-1)
+
+
+# ----------------------------------------------------------------------------- repeat guard
+
+words = st.sampled_from(["The", " answer", " is", " 1788", ".", " Mara", " Quell", " ", ""])
+answers = st.lists(words, max_size=6)
+
+
+@given(pieces=answers, earlier=st.lists(answers.map("".join), max_size=3), retry=answers)
+def test_the_guard_passes_an_answer_on_whole_unless_it_repeats_one(pieces, earlier, retry):
+    """The text shown is the answer's, whole and in order, unless the answer is an earlier
+    one word for word: then it is the retry's; the retry starts only then; sync and async
+    agree."""
+    retried: list[bool] = []
+
+    def again() -> Iterator[str]:
+        retried.append(True)
+        return iter(retry)
+
+    async def aagain() -> AsyncIterator[str]:
+        for piece in retry:
+            yield piece
+
+    async def apieces() -> AsyncIterator[str]:
+        for piece in pieces:
+            yield piece
+
+    async def ashown() -> str:
+        return "".join([p async for p in aunless_repeated(apieces(), earlier, aagain)])
+
+    text = "".join(pieces)
+    repeated = bool(text.strip()) and text.strip() in earlier
+    shown = "".join(unless_repeated(iter(pieces), earlier, again))
+    assert shown == ("".join(retry) if repeated else text)
+    assert retried == ([True] if repeated else [])
+    assert asyncio.run(ashown()) == shown
+
+
+def test_the_guard_holds_back_only_while_the_answer_spells_an_earlier_one() -> None:
+    """Streaming goes on as soon as the answer leaves every earlier answer: the first piece
+    shown comes when the answer reads "in" (the earlier one went on "by"), not at its end."""
+    read: list[str] = []
+
+    def pieces() -> Iterator[str]:
+        for piece in ["It", " was", " lit", " in", " 1788", " and", " burned", " oil", "."]:
+            read.append(piece)
+            yield piece
+
+    shown = unless_repeated(pieces(), ["It was lit by Mara Quell."], lambda: iter(["retry"]))
+    assert next(shown) == "It was lit in"
+    assert read == ["It", " was", " lit", " in"]
+    assert "".join(shown) == " 1788 and burned oil."
