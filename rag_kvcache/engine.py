@@ -259,7 +259,9 @@ class RagKVCache:
         """
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
         question = self.template.question_ids(self.lm.tokenizer, query)
-        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        gen = self.generation_config(
+            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
         ids = [self.prefix_id, *strategy.arrange(cache_ids)]
 
         def context() -> Prepared:
@@ -286,7 +288,9 @@ class RagKVCache:
         """Plain generation from an already formatted prompt (no cached chunks): what any LLM
         does. The prompt is tokenized as is (no special tokens added), prefilled, and decoded."""
         ids = self.template.tokenize(self.lm.tokenizer, prompt)
-        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        gen = self.generation_config(
+            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
 
         def context() -> Prepared:
             return prepare(self.lm, [], ids, PREFILL, gen.max_new_tokens)
@@ -369,7 +373,10 @@ class RagKVCache:
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
         work = [
             self._loop_request(
-                r.query, list(r.cache_ids), strategy, self._generation(r.max_new_tokens or None)
+                r.query,
+                list(r.cache_ids),
+                strategy,
+                self.generation_config(r.max_new_tokens or None),
             )
             for r in requests
         ]
@@ -424,7 +431,9 @@ class RagKVCache:
         cache ID) are raised from the iteration; bad arguments are raised here. Sampling
         settings left None are the engine's (`GenerationConfig`)."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        gen = self.generation_config(
+            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
         request = self._loop_request(query, cache_ids, strategy, gen)
         return AsyncTokenStream(self.serving_loop(), request, self._answer)
 
@@ -456,7 +465,9 @@ class RagKVCache:
         """`complete`'s text pieces as the engine loop decodes them (see `astream`): a
         request with no cached chunks, its prompt tokenized as is and prefilled alone."""
         ids = self.template.tokenize(self.lm.tokenizer, prompt)
-        gen = self._generation(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        gen = self.generation_config(
+            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
         request = LoopRequest((), tuple(ids), gen, PREFILL)
         return AsyncTokenStream(self.serving_loop(), request, self._answer)
 
@@ -506,14 +517,15 @@ class RagKVCache:
             reused=done.reused,
         )
 
-    def _generation(
+    def generation_config(
         self,
-        max_new_tokens: int | None,
+        max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
         seed: int | None = None,
     ) -> GenerationConfig:
-        """The engine's generation settings, with those given (not None) instead."""
+        """The engine's generation settings, with those given (not None) instead: what an
+        answer asked with them would use. A bad value is a ConfigError now, not at answer time."""
         gen = self.config.generation
         return replace(
             gen,

@@ -60,7 +60,7 @@ def test_random_arrivals_lengths_and_aborts_equal_each_request_alone(engine, tin
             chunks = tuple(rng.sample(ids, rng.randint(0, 3)))
             spec = (rng.choice(QUESTIONS), chunks, rng.choice(STRATEGIES), rng.randint(1, 8))
             request = engine._loop_request(
-                spec[0], list(chunks), Strategy.parse(spec[2]), engine._generation(spec[3])
+                spec[0], list(chunks), Strategy.parse(spec[2]), engine.generation_config(spec[3])
             )
             request_id = decoder.add_request(
                 list(request.path), list(request.question), request.config, request.strategy
@@ -105,8 +105,8 @@ def test_aborting_an_active_request_releases_its_path(engine, tiny64) -> None:
     ids = engine.generate_context_cache(DOCS)
     decoder = BatchDecoder(tiny64, engine.prefix_tree, engine.store.get)
     strategy = Strategy.parse("legolink:2")
-    keep = engine._loop_request("Who designed it?", ids[:2], strategy, engine._generation(20))
-    drop = engine._loop_request("How deep is it?", ids[2:4], strategy, engine._generation(20))
+    keep = engine._loop_request("Who designed it?", ids[:2], strategy, engine.generation_config(20))
+    drop = engine._loop_request("How deep is it?", ids[2:4], strategy, engine.generation_config(20))
     kept = decoder.add_request(list(keep.path), list(keep.question), keep.config, strategy)
     dropped = decoder.add_request(list(drop.path), list(drop.question), drop.config, strategy)
     decoder.step()
@@ -254,7 +254,7 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine
     try:
 
         async def run(chunks: list[str]) -> Answer:
-            request = engine._loop_request("Who?", chunks, strategy, engine._generation(None))
+            request = engine._loop_request("Who?", chunks, strategy, engine.generation_config(None))
             stream = AsyncTokenStream(loop, request, engine._answer)
             async for _ in stream:
                 pass
@@ -355,7 +355,7 @@ def test_a_linked_requests_first_token_goes_out_before_the_next_is_linked(engine
     decoder = BatchDecoder(tiny64, engine.prefix_tree, fetch)
     strategy = Strategy.parse("legolink:2")
     for question in QUESTIONS:
-        r = engine._loop_request(question, ids[:2], strategy, engine._generation(4))
+        r = engine._loop_request(question, ids[:2], strategy, engine.generation_config(4))
         decoder.add_request(list(r.path), list(r.question), r.config, strategy)
     outputs = decoder.step(lambda out: events.append(f"token {out.request_id}"))
     assert events == ["link", "token 0", "link", "token 1", "link", "token 2"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,11 @@ import pytest
 import torch
 from llama_index.core import Document, PromptTemplate, Settings, VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from llama_index.core.base.response.schema import Response, StreamingResponse
+from llama_index.core.base.response.schema import (
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -375,6 +380,9 @@ def test_the_llm_pickles_as_its_engine_configuration(smol, tiny32, tmp_path: Pat
     copy = pickle.loads(pickle.dumps(llm))
     assert copy.engine is not durable and copy.engine.config == config
     assert (copy.strategy, copy.temperature) == ("legolink:2", 0.0)
+    # printable, as LlamaIndex prints its components (the default prompt callables are
+    # bound to the LLM itself and recursed)
+    assert repr(llm).startswith("KVCacheLLM(") and "strategy='legolink:2'" in str(llm)
     assert copy.complete(QUESTION, cache_ids=[cache_id]).text == (
         llm.complete(QUESTION, cache_ids=[cache_id]).text
     )
@@ -519,6 +527,36 @@ def test_llamaindex_engines_link_untagged_nodes_and_custom_templates(
 
 
 # ----------------------------------------------------------------------------- chat
+
+
+def test_async_queries_encode_untagged_nodes_off_the_event_loop(
+    engine, embed_model, monkeypatch
+) -> None:
+    """`aquery` over nodes never cached: the LLM encodes them (a forward pass per node) in a
+    worker thread, never on the event loop's thread; the answers equal the sync ones."""
+    untagged = VectorStoreIndex.from_documents(documents(), embed_model=embed_model)
+    encoded_on: list[threading.Thread] = []
+    encode = engine.generate_context_cache
+
+    def recorded(texts: list[str], *args: Any, **kwargs: Any) -> list[str]:
+        encoded_on.append(threading.current_thread())
+        return encode(texts, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate_context_cache", recorded)
+    llm = KVCacheLLM(engine, strategy="full")
+    query_engine = untagged.as_query_engine(llm=llm, similarity_top_k=2)
+    streaming = untagged.as_query_engine(llm=llm, similarity_top_k=2, streaming=True)
+
+    async def run() -> tuple[str, str]:
+        whole = await query_engine.aquery(QUESTION)
+        streamed = await streaming.aquery("How deep is North Basin?")
+        assert isinstance(streamed, AsyncStreamingResponse)
+        return whole.response, "".join([p async for p in streamed.async_response_gen()])
+
+    whole, streamed = asyncio.run(run())
+    assert encoded_on and threading.main_thread() not in encoded_on
+    assert whole == query_engine.query(QUESTION).response
+    assert streamed == "".join(streaming.query("How deep is North Basin?").response_gen)
 
 
 def test_chat_engine_answers_a_follow_up_over_cached_chunks(engine, index, events) -> None:

@@ -186,7 +186,7 @@ class KVCacheLLM(CustomLLM):
             )
             raise TypeError(f"KVCacheLLM got unknown arguments: {', '.join(unknown)}{where}")
         super().__init__(strategy=strategy, max_new_tokens=max_new_tokens, **kwargs)
-        engine._generation(None, self.temperature, self.top_p, self.seed)  # checks them now
+        engine.generation_config(None, self.temperature, self.top_p, self.seed)  # checked now
         self._engine = engine
         if self.link_retrieved:
             self._retrieved = watch()
@@ -201,6 +201,12 @@ class KVCacheLLM(CustomLLM):
     @classmethod
     def class_name(cls) -> str:
         return "KVCacheLLM"
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # our default prompt callables are bound to self: their repr would recurse
+        for name, value in super().__repr_args__():
+            if getattr(value, "__self__", None) is not self:
+                yield name, value
 
     def __getstate__(self) -> dict[Any, Any]:
         # pydantic's own state, not LlamaIndex's (which test-pickles every attribute and
@@ -276,6 +282,7 @@ class KVCacheLLM(CustomLLM):
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
+        prompt = await asyncio.to_thread(self._link_found, prompt, kwargs)
         last = await _last(self._agenerate(prompt, formatted, kwargs))
         return CompletionResponse(text=last.text, raw=last.raw)
 
@@ -283,18 +290,21 @@ class KVCacheLLM(CustomLLM):
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
+        prompt = await asyncio.to_thread(self._link_found, prompt, kwargs)
         return self._agenerate(prompt, formatted, kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        last = await _last(self._agenerate(self._chat_prompt(messages, kwargs), True, kwargs))
+        prompt = await asyncio.to_thread(self._chat_prompt, messages, kwargs)
+        last = await _last(self._agenerate(prompt, True, kwargs))
         return completion_response_to_chat_response(last)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        responses = self._agenerate(self._chat_prompt(messages, kwargs), True, kwargs)
+        prompt = await asyncio.to_thread(self._chat_prompt, messages, kwargs)
+        responses = self._agenerate(prompt, True, kwargs)
         return astream_completion_response_to_chat_response(responses)
 
     # ------------------------------------------------------------------ internals
@@ -367,8 +377,10 @@ class KVCacheLLM(CustomLLM):
         self, prompt: str, formatted: bool, kwargs: dict[str, Any]
     ) -> CompletionResponseAsyncGen:
         """`_generate` on the engine loop: the request is submitted when iteration starts.
-        Bad arguments (an unknown strategy) raise here, as in the sync calls."""
-        prompt = self._link_found(prompt, kwargs)
+        Bad arguments (an unknown strategy) raise here, as in the sync calls. The caller has
+        linked the retrieved nodes in the prompt in a worker thread (`_link_found` or
+        `_chat_prompt`): a node not cached yet is encoded there, a forward pass that must not
+        stall the event loop."""
         cache_ids, strategy, max_new_tokens = self._call_args(kwargs)
         if cache_ids is None:
             text = prompt if formatted else self._as_prompt(prompt)
