@@ -61,9 +61,7 @@ def chat_question(
     if not turns or turns[-1]["role"] != "user":
         raise ConfigError("a chat must end with the user's message")
     *history, last = turns
-    history = _recent(history, history_turns)
-    while history and history[0]["role"] != "user":  # the chunks' turn is a user turn
-        history.pop(0)
+    history = _shown(history, history_turns)
     question = _rendered(template, tokenizer, system_prompt, [*history, last])
     return "\n\n".join([*(i for i in instructions if i), question])
 
@@ -93,17 +91,20 @@ def earlier_answers(
 ) -> list[str]:
     """The answers among a chat's earlier messages (all but the question) that the question
     shows the model: those it may copy."""
-    shown = _recent([m for m in history if m["role"] in TURN_ROLES], history_turns)
+    shown = _shown([m for m in history if m["role"] in TURN_ROLES], history_turns)
     return [text for m in shown if m["role"] == "assistant" and (text := m["content"].strip())]
 
 
-def _recent(turns: list[Any], history_turns: int | None) -> list[Any]:
-    """The turns of the last `history_turns` exchanges (None: all)."""
-    if history_turns is None:
-        return turns
-    if history_turns < 0:
+def _shown(turns: list[Any], history_turns: int | None) -> list[Any]:
+    """The earlier turns a question shows: those of the last `history_turns` exchanges (None:
+    all), from a user turn on (the chunks' turn is a user turn)."""
+    if history_turns is not None and history_turns < 0:
         raise ConfigError(f"history_turns must be >= 0, got {history_turns}")
-    return turns[max(0, len(turns) - 2 * history_turns) :] if history_turns else []
+    if history_turns is not None:
+        turns = turns[max(0, len(turns) - 2 * history_turns) :] if history_turns else []
+    while turns and turns[0]["role"] != "user":
+        turns = turns[1:]
+    return turns
 
 
 def unless_repeated(
@@ -115,7 +116,7 @@ def unless_repeated(
     held = ""
     for piece in pieces:
         held += piece
-        if not any(text.startswith(held.lstrip()) for text in earlier):
+        if not any(text.startswith(held.strip()) for text in earlier):
             yield held
             yield from pieces
             return
@@ -132,7 +133,7 @@ async def aunless_repeated(
     held = ""
     async for piece in pieces:
         held += piece
-        if not any(text.startswith(held.lstrip()) for text in earlier):
+        if not any(text.startswith(held.strip()) for text in earlier):
             yield held
             async for rest in pieces:
                 yield rest

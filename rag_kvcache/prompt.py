@@ -36,11 +36,19 @@ class PromptTemplate:
 
     @staticmethod
     def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-        """Chat messages as the model's chat template renders them, ready for the reply."""
+        """Chat messages as the model's chat template renders them, ready for the reply. A
+        chat the template refuses (e.g. two user turns in a row, where turns must alternate) is
+        a ConfigError naming the template's reason."""
         if getattr(tokenizer, "chat_template", None):
-            return str(
-                tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            )
+            from jinja2 import TemplateError
+
+            try:
+                rendered = tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True
+                )
+            except TemplateError as e:
+                raise ConfigError(f"the model's chat template refuses these messages: {e}") from e
+            return str(rendered)
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join(lines) + "\nassistant:"
 

@@ -1,12 +1,15 @@
 """A hot tier: ready-to-use ChunkKV in CPU or GPU memory under a byte budget.
 
 Hot tiers are caches over the durable tier, so evicting loses nothing. Pinned chunks are
-never evicted; a chunk bigger than the budget (after pins) is simply not cached.
+never evicted; a chunk bigger than the budget (after pins) is simply not cached. A tier is
+shared by the engine loop's thread and the threads that encode or fetch beside it, so every
+method holds the tier's lock (reads are a dict lookup: the lock costs next to nothing).
 On a CUDA machine the CPU tier keeps pinned host memory, so copies to the GPU can overlap.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import torch
@@ -28,15 +31,21 @@ class MemoryTier:
         self._pinned: set[str] = set()
         self._bytes = 0
         self._pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
+        self._lock = threading.RLock()
 
     def get(self, cache_id: str) -> ChunkKV | None:
-        kv = self._chunks.get(cache_id)
-        if kv is not None:
-            self._policy.touch(cache_id)
-        return kv
+        with self._lock:
+            kv = self._chunks.get(cache_id)
+            if kv is not None:
+                self._policy.touch(cache_id)
+            return kv
 
     def put(self, kv: ChunkKV, pinned: bool = False) -> list[str]:
         """Hold kv (moved to this tier's device); returns the IDs evicted to make room."""
+        with self._lock:
+            return self._put(kv, pinned)
+
+    def _put(self, kv: ChunkKV, pinned: bool) -> list[str]:
         if kv.cache_id in self._chunks:
             self._policy.touch(kv.cache_id)
             if pinned:
@@ -69,22 +78,25 @@ class MemoryTier:
         return evicted
 
     def set_pinned(self, cache_id: str, pinned: bool) -> None:
-        (self._pinned.add if pinned else self._pinned.discard)(cache_id)
+        with self._lock:
+            (self._pinned.add if pinned else self._pinned.discard)(cache_id)
 
     def contains(self, cache_id: str) -> bool:
         return cache_id in self._chunks
 
     def remove(self, cache_id: str) -> bool:
-        kv = self._chunks.pop(cache_id, None)
-        if kv is None:
-            return False
-        self._bytes -= kv.nbytes
-        self._policy.forget(cache_id)
-        self._pinned.discard(cache_id)
-        return True
+        with self._lock:
+            kv = self._chunks.pop(cache_id, None)
+            if kv is None:
+                return False
+            self._bytes -= kv.nbytes
+            self._policy.forget(cache_id)
+            self._pinned.discard(cache_id)
+            return True
 
     def nbytes(self) -> int:
         return self._bytes
 
     def keys(self) -> list[str]:
-        return list(self._chunks)
+        with self._lock:
+            return list(self._chunks)

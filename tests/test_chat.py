@@ -9,7 +9,7 @@ import copy
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rag_kvcache.chat import (
@@ -57,6 +57,10 @@ def test_history_turns_keeps_the_last_exchanges(tiny_tokenizer, template) -> Non
     assert earlier_answers(CHAT[:-1], 1) == ["In 1788."]
     assert earlier_answers(CHAT[:-1]) == ["Mara Quell.", "In 1788."]
     assert earlier_answers(CHAT[:-1], 0) == []
+    # a greeting before the first question is in neither the question nor the answers guarded
+    greeted = [{"role": "assistant", "content": "Hello! Ask me anything."}, *CHAT]
+    assert earlier_answers(greeted[:-1], None) == ["Mara Quell.", "In 1788."]
+    assert chat_question(template, tiny_tokenizer, SYSTEM, greeted[-1:]) == "What did it burn?"
 
 
 def test_instructions_lead_and_a_leading_answer_is_dropped(tiny_tokenizer, template) -> None:
@@ -103,6 +107,21 @@ def test_a_malformed_chat_is_refused_by_name(tiny_tokenizer, template, messages,
         chat_question(template, tiny_tokenizer, SYSTEM, CHAT, history_turns=-1)
 
 
+def test_a_chat_the_template_refuses_is_a_config_error(tiny_tokenizer) -> None:
+    """Templates that need alternating turns raise inside jinja: that is the caller's chat,
+    refused by name (the server answers 400), not an internal error."""
+    strict = copy.copy(tiny_tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == "
+        "messages[loop.index0 - 1]['role'] %}{{ raise_exception('roles must alternate') }}"
+        "{% endif %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    )
+    template = PromptTemplate.from_tokenizer(strict, SYSTEM)
+    twice = [CHAT[0], CHAT[0]]
+    with pytest.raises(ConfigError, match="roles must alternate"):
+        chat_question(template, strict, SYSTEM, [CHAT[0], CHAT[1], *twice])
+
+
 # ----------------------------------------------------------------------------- repeat guard
 
 words = st.sampled_from(["The", " answer", " is", " 1788", ".", " Mara", " Quell", " ", ""])
@@ -110,6 +129,7 @@ answers = st.lists(words, max_size=6)
 
 
 @given(pieces=answers, earlier=st.lists(answers.map("".join), max_size=3), retry=answers)
+@example(pieces=["The", " "], earlier=["The"], retry=["again"])  # a repeat, then whitespace
 def test_the_guard_passes_an_answer_on_whole_unless_it_repeats_one(pieces, earlier, retry):
     """The text shown is the answer's, whole and in order, unless the answer is an earlier
     one word for word: then it is the retry's; the retry starts only then; sync and async

@@ -225,6 +225,41 @@ def test_hot_tier_budget_and_pins_hold_under_random_traffic(tiny64, policy: str)
     assert placed_pins == pinned
 
 
+def test_hot_tier_stays_exact_under_threads(tiny64) -> None:
+    """The engine loop's thread and worker threads (LlamaIndex's async calls encode there)
+    put and evict in one tier: its byte count and its budget hold. The interpreter switches
+    threads every microsecond here, so an unlocked check-then-insert would race."""
+    import threading
+
+    kvs = encode_chunks(tiny64, random_chunks([random.Random(i).randint(1, 12) for i in range(20)]))
+    budget = sum(k.nbytes for k in kvs) // 2
+    tier = MemoryTier("cpu", budget)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def traffic(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(3000):
+            kv = rng.choice(kvs)
+            if rng.random() < 0.6:
+                tier.put(kv)
+            elif rng.random() < 0.5:
+                tier.get(kv.cache_id)
+            else:
+                tier.remove(kv.cache_id)
+
+    try:
+        threads = [threading.Thread(target=traffic, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert tier.nbytes() == sum(k.nbytes for k in kvs if tier.contains(k.cache_id))
+    assert tier.nbytes() <= budget
+
+
 def test_lru_and_lfu_choose_different_victims(tiny64) -> None:
     a, b, c = encode_chunks(tiny64, random_chunks([4, 4, 4], seed=2))
     for policy, survivor in [("lru", a), ("lfu", b)]:

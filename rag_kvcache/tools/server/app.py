@@ -115,9 +115,11 @@ class FollowUpStream:
         return self.result
 
     async def aclose(self) -> None:
-        await self._pieces.aclose()
-        for stream in self._streams:
-            await stream.aclose()
+        try:
+            await self._pieces.aclose()
+        finally:  # the engine's requests are aborted whatever happened above
+            for stream in self._streams:
+                await stream.aclose()
 
 
 def create_app(
@@ -232,7 +234,8 @@ def create_app(
             messages = [{"role": m.role, "content": m.text} for m in body.messages]
             asked = engine.chat_question(messages)  # the history inside the question
             job = await _rag_job(engine, body, body.messages[-1].text, max_tokens)
-            job = replace(job, text=asked, earlier=earlier_answers(messages[:-1]))
+            alone = engine.chat_question(messages, history_turns=0)  # if it repeats one
+            job = replace(job, text=asked, alone=alone, earlier=earlier_answers(messages[:-1]))
         return await _respond(engine, served_name(engine), body, job, "chat.completion", metrics)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
