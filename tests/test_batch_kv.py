@@ -97,8 +97,10 @@ def check(batch: BatchKV, tree: PrefixTree, members: list[Request]) -> None:
         want_k, want_v = expected(node)
         assert torch.equal(torch.stack(node.keys), want_k)
         assert torch.equal(torch.stack(node.values), want_v)
-    assert batch.ends() == [lay.offset + m.length for lay, m in zip(batch.layouts, members)]
-    for row, (m, layout) in enumerate(zip(members, batch.layouts, strict=True)):
+    assert sorted(map(id, batch.members)) == sorted(map(id, members))  # rows: any order
+    rows = batch.members
+    assert batch.ends() == [lay.offset + m.length for lay, m in zip(batch.layouts, rows)]
+    for row, (m, layout) in enumerate(zip(rows, batch.layouts, strict=True)):
         # inlined: exactly the nodes of its path that no other active request uses
         assert layout.inlined == tuple(n for n in path_to(m.leaf) if users[n] == 1)
         for layer in range(LAYERS):
@@ -151,7 +153,7 @@ def test_rows_follow_joins_leaves_and_splits() -> None:
             assert batch.pack(members) == batch.nbytes  # the same batch: nothing moves
             assert batch.keys is rows
             check(batch, tree, members)
-            for row, m in enumerate(members):  # a decode step writes one token each
+            for row, m in enumerate(batch.members):  # a decode step writes one token each
                 if m.length < m.capacity:
                     at = batch.ends()[row]
                     for layer in range(LAYERS):
@@ -167,3 +169,74 @@ def test_rows_follow_joins_leaves_and_splits() -> None:
             want_k, _ = expected(node)
             assert torch.equal(torch.stack(node.keys), want_k)
     assert splits > 0 and split_held > 0  # splits did happen, some to nodes held in rows
+
+
+def test_a_join_or_leave_writes_only_the_rows_that_change() -> None:
+    """Rows are slots: a request that stays keeps its row and its row is not written again;
+    a leaving request's row goes to a joining one, or to the last row's request (the rows stay
+    0..n-1); the buffers are the same tensors until the batch outgrows them or shrinks to a
+    quarter. A mark past a row's end shows whether the row was written (writing zeroes it)."""
+    rng = random.Random(3)
+    tree = PrefixTree(budget_bytes=2**40)
+    paths = [["sys", f"d{i}"] for i in range(6)]  # nothing shared but the system prompt
+    for path in paths:
+        found = tree.match(path)
+        rest, prefix = path[found.chunks :], tuple(path[: found.chunks])
+        kvs = [chunk_kv(prefix + tuple(rest[: i + 1]), 2) for i in range(len(rest))]
+        keys = torch.cat([k for k, _ in kvs], dim=2)
+        values = torch.cat([v for _, v in kvs], dim=2)
+        parent = found.nodes[-1] if found.nodes else None
+        tree.insert(parent, rest, [2] * len(rest), list(keys.clone()), list(values.clone()))
+
+    def roomy(path: list[str]) -> Request:  # room for a token past its end
+        while (request := new_request(tree, path, rng)).capacity == request.length:
+            pass
+        return request
+
+    batch = BatchKV()
+    members = [roomy(paths[i]) for i in range(4)]
+    batch.pack(members)
+    check(batch, tree, members)
+    buffers = list(batch.keys)
+
+    def mark() -> None:
+        for row, end in enumerate(batch.ends()):
+            batch.keys[0][row, 0, end, 0] = 7.0
+
+    def marked() -> list[bool]:
+        flags = [bool(batch.keys[0][row, 0, end, 0] == 7.0) for row, end in enumerate(batch.ends())]
+        for row, end in enumerate(batch.ends()):
+            batch.keys[0][row, 0, end, 0] = 0.0
+        return flags
+
+    # the request in row 1 leaves, one joins: it takes row 1, the others are not written
+    mark()
+    joined = roomy(paths[4])
+    members = [members[0], members[2], members[3], joined]
+    batch.pack(members)
+    assert [batch.members.index(m) for m in members] == [0, 2, 3, 1]
+    assert marked() == [True, False, True, True]
+    assert all(a is b for a, b in zip(batch.keys, buffers))  # no new buffer
+    check(batch, tree, members)
+
+    # the request in row 0 leaves: the last row's request moves into row 0
+    mark()
+    members = members[1:]
+    last = batch.members[-1]
+    batch.pack(members)
+    assert batch.members[0] is last and len(batch.members) == 3
+    assert marked() == [False, True, True]
+    assert all(a is b for a, b in zip(batch.keys, buffers))
+    check(batch, tree, members)
+
+    # down to two rows: half of them unused, so the buffers shrink to what is used
+    members = members[:2]
+    batch.pack(members)
+    assert batch.keys[0].shape[0] == 2 and batch.keys[0] is not buffers[0]
+    check(batch, tree, members)
+    # requests joining one at a time: a quarter more rows (at least one) when full
+    for path, rows in [(paths[5], 3), (paths[0], 4), (paths[1], 5)]:
+        members.append(roomy(path))
+        batch.pack(members)
+        assert batch.keys[0].shape[0] == rows
+        check(batch, tree, members)

@@ -11,8 +11,9 @@ nothing attends in one call per layer.
 
 The decoder has the shape a server drives (vLLM's, SGLang's): `add_request` queues a request,
 `step` runs one batched forward and then lets waiting requests join, `abort` drops one. A
-request leaves the batch when done; the rows are laid out again only when the batch changes,
-so a step's bookkeeping is proportional to the batch, not to the tree.
+request leaves the batch when done; its row is a slot that a joining request takes (only the
+rows that change are written), so a step's bookkeeping is proportional to the batch, not to
+the tree, and a join or leave copies one row's KV, not the batch's.
 
 A `prefill` request (a plain prompt, or chunks computed afresh) links nothing: its whole
 prompt is prefilled alone and kept in its row, outside the tree, and it decodes in the same
@@ -175,7 +176,7 @@ class BatchDecoder:
         max_batch: int = 32,
     ):
         self.lm, self.tree, self.fetch, self.max_batch = lm, tree, fetch, max_batch
-        self.kv = BatchKV()  # the active requests' rows, laid out again when the batch changes
+        self.kv = BatchKV()  # the active requests' rows: slots, written as requests come and go
         self.peak_bytes = 0  # prefix tree + rows, at the fullest (moves included)
         self.waiting: deque[_Waiting] = deque()
         self.waiting_ids: set[int] = set()  # an aborted waiting request leaves this set only
@@ -414,6 +415,7 @@ class BatchDecoder:
         """One batched forward: every active request's last token at its own position."""
         device = self.lm.device
         self.pack(active)
+        active = self.kv.members  # type: ignore[assignment]  # the same requests, in row order
         ids = torch.tensor([[a.tokens[-1]] for a in active], device=device)
         positions = torch.tensor([[a.position] for a in active], device=device)
         rows_of: dict[TreeNode, list[int]] = {}  # nodes outside the rows: attended as parts
@@ -424,13 +426,14 @@ class BatchDecoder:
         ends = self.kv.ends()
         at = torch.tensor(ends, device=device)  # each row's new slot
         # one slot for every row (the usual case): a plain slice, not an indexed write
+        n = len(active)
         slot: tuple[slice | torch.Tensor, slice, int | torch.Tensor] = (
-            slice(None),
+            slice(0, n),
             slice(None),
             ends[0],
         )
         if any(e != ends[0] for e in ends):
-            slot = (torch.arange(len(active), device=device), slice(None), at)
+            slot = (torch.arange(n, device=device), slice(None), at)
         rows_k, rows_v = self.kv.keys, self.kv.values
 
         def store_new(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -445,8 +448,8 @@ class BatchDecoder:
                 (node.keys[layer].transpose(0, 1), node.values[layer].transpose(0, 1), rows)
                 for node, rows in rows_of.items()
             ]
-            own_k = rows_k[layer][:, :, :longest].transpose(1, 2)  # [B, tokens, kv, dim]
-            own_v = rows_v[layer][:, :, :longest].transpose(1, 2)
+            own_k = rows_k[layer][:n, :, :longest].transpose(1, 2)  # [B, tokens, kv, dim]
+            own_v = rows_v[layer][:n, :, :longest].transpose(1, 2)
             out = cascade_attention(query[:, :, 0], shared, scale, (own_k, own_v, lengths))
             return out[:, None]  # [B, 1, heads, head_dim]
 

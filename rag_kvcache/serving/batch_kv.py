@@ -13,10 +13,16 @@ Nodes that several requests use stay where they are and are attended once for al
 (the first phase of `cascade_attention`). With nothing shared, a step is one attention call
 per layer, like a plain padded batch.
 
-The rows are laid out again when the batch changes (a request joins or leaves), one layer at a
-time: the layer's new buffer is filled from the old one and the nodes no longer inlined get
-their own copy before the old buffer goes, so at most one extra layer is held at once. Laying
-out copies the batch's KV once, what transformers' DynamicCache does at every step.
+Rows are slots, as a serving engine's KV pool hands out slots: a request keeps its row while it
+decodes, and when the batch changes (a request joins or leaves, or the tree splits a node on a
+request's path) only the rows whose contents change are written. A joining request takes a
+leaving one's row; the last row's request moves into a row left empty, so the active rows stay
+0..n-1 and are read as one slice. A join or a leave therefore copies one row's KV, not the
+batch's (as the first version did, and as transformers' DynamicCache does at every step). The
+buffers are reallocated only to grow (by a quarter more rows when requests join one at a
+time: spare rows are the price of not copying the batch at every join; tokens to the longest
+row) or to shrink (once half the rows or half the tokens are unused), one layer at a time, so
+at most one extra layer is held at once.
 
 Who holds a node's KV is recorded on the node (`TreeNode.held_by`: this batch while its rows
 hold it, None once it has its own tensors again, e.g. after the tree split it), so moving in
@@ -81,106 +87,141 @@ class BatchKV:
         return [lay.offset + m.length for lay, m in zip(self.layouts, self.members, strict=True)]
 
     def changed(self, members: Sequence[Member]) -> bool:
-        """Whether the batch or a member's path (a split) changed since the last layout."""
-        return len(members) != len(self.members) or any(
-            a is not b or tuple(path_to(a.leaf)) != path
-            for a, b, path in zip(members, self.members, self.paths)
+        """Whether the batch (as a set) or a member's path (a split) changed since the last
+        layout."""
+        if len(members) != len(self.members):
+            return True
+        row_of = {id(m): row for row, m in enumerate(self.members)}
+        return any(
+            id(m) not in row_of or tuple(path_to(m.leaf)) != self.paths[row_of[id(m)]]
+            for m in members
         )
 
     def pack(self, members: Sequence[Member]) -> int:
-        """Give `members` (row order) their rows, if the batch or a member's path (a split)
-        changed since the last call; `pack([])` hands every inlined node its own copy back and
-        frees the rows. Returns the most bytes held at once, counting the rows (old and new)
-        and the nodes moving in or out of them: with the bytes of the tree's nodes outside
-        the rows before the call, the peak."""
+        """Give `members` (in any order; `self.members` is their row order) their rows, if the
+        batch or a member's path (a split) changed since the last call; `pack([])` hands
+        every inlined node its own copy back and frees the rows. Returns the most bytes held
+        at once, counting the rows (old and new) and the nodes moving in or out of them: with
+        the bytes of the tree's nodes outside the rows before the call, the peak.
+
+        Rows are slots: a request keeps its row while it stays, a leaving request's row goes
+        to a joining one or to the last row's request (so the rows stay 0..n-1), and only the
+        rows whose contents change are written. The buffers are reallocated only to grow
+        (rows by a quarter, or to the new count if more; tokens to the longest row) or to
+        shrink (to the rows and tokens in use, once half of either is unused)."""
         if not self.changed(members):
             return self.nbytes
-        paths = [tuple(path_to(m.leaf)) for m in members]
-        users = Counter(node for path in paths for node in path)
-        layouts = []
-        for path in paths:
-            inlined = tuple(n for n in path if users[n] == 1)
-            layouts.append(Layout(inlined, sum(n.tokens for n in inlined)))
-        capacity = max((lay.offset + m.capacity for lay, m in zip(layouts, members)), default=0)
-        staying = {n for lay in layouts for n in lay.inlined}
-        leaving = {n for lay in self.layouts for n in lay.inlined} - staying
-        moving_in = {n for n in staying if n.held_by is not self}  # own tensors until now
-        old_rows = {
-            id(m): (row, lay.offset)
-            for row, (m, lay) in enumerate(zip(self.members, self.layouts, strict=True))
+        paths = {id(m): tuple(path_to(m.leaf)) for m in members}
+        users = Counter(node for path in paths.values() for node in path)
+        layout_of = {}
+        for m in members:
+            inlined = tuple(n for n in paths[id(m)] if users[n] == 1)
+            layout_of[id(m)] = Layout(inlined, sum(n.tokens for n in inlined))
+        old_row = {id(m): row for row, m in enumerate(self.members)}
+        n = len(members)
+        order: list[Member | None] = [None] * n  # the new rows
+        for m in members:  # a staying request keeps its row where it can
+            row = old_row.get(id(m), n)
+            if row < n:
+                order[row] = m
+        free = iter([row for row in range(n) if order[row] is None])
+        for m in members:  # joining requests, and those whose row is past the new end
+            if old_row.get(id(m), n) >= n:
+                order[next(free)] = m
+        rows: list[Member] = [m for m in order if m is not None]
+        tokens = max((layout_of[id(m)].offset + m.capacity for m in rows), default=0)
+        row_cap, token_cap = (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+        grow = bool(rows) and (n > row_cap or tokens > token_cap)
+        shrink = not rows or 2 * n <= row_cap or 2 * tokens < token_cap
+        realloc = grow or shrink
+        if realloc and rows:  # a batch growing one request at a time: a quarter more rows
+            row_cap = n if n <= row_cap or not self.keys else max(n, -(-5 * row_cap // 4))
+            token_cap = tokens
+        # rows written: all on a new buffer; else those whose request is new to the row, or
+        # stays but whose path or layout changed
+        same = {
+            id(m)
+            for row, m in enumerate(rows)
+            if old_row.get(id(m)) == row
+            and self.paths[row] == paths[id(m)]
+            and self.layouts[row] == layout_of[id(m)]
         }
-        # old rows, or (none yet: every member is new) the first member's own KV
-        layers = len(self.keys) or (len(members[0].own_keys) if members else 0)
-        held = most = self.nbytes  # the old rows, then the new ones as they fill
-        new_keys: list[torch.Tensor] = []
-        new_values: list[torch.Tensor] = []
+        written = [row for row, m in enumerate(rows) if realloc or id(m) not in same]
+        owner = {node: id(m) for m in rows for node in layout_of[id(m)].inlined}
+        staying = set(owner)
+        # A node leaves its place in the rows unless its request keeps it inlined and its old
+        # place stays readable until it is written anew (a new buffer, or a row past the new
+        # end); the others get their own copy first (a node inlined again is copied back).
+        in_place = {id(rows[row]) for row in written if old_row.get(id(rows[row])) == row}
+        out = {
+            node
+            for m, lay in zip(self.members, self.layouts, strict=True)
+            for node in lay.inlined
+            if node.held_by is self
+            and not (owner.get(node) == id(m) and (realloc or id(m) not in in_place))
+        }
+        moving_in = {node for node in staying if node.held_by is not self}
+        layers = len(self.keys) or (len(rows[0].own_keys) if rows else 0)
+        held = most = self.nbytes
         for layer in range(layers):
-            for side, filled in (("keys", new_keys), ("values", new_values)):
-                rows = getattr(self, side)
-                old = rows[layer] if rows else None
-                new, moved_in = self._lay_out(
-                    side, layer, members, layouts, capacity, old, old_rows, moving_in
-                )
-                if new is not None:
-                    filled.append(new)
-                    held += new.numel() * new.element_size()
-                most = max(most, held)
-                held -= moved_in  # nodes' own tensors, now in the rows
-                for node in leaving:  # their own copy, before the old layer goes
+            for side in ("keys", "values"):
+                buffers: list[torch.Tensor] = getattr(self, side)
+                old = buffers[layer] if layer < len(buffers) else None
+                for node in out:
                     kv = getattr(node, side)
-                    if node.held_by is self:  # (a node split since has its own already)
-                        kv[layer] = kv[layer].clone()
-                        held += kv[layer].numel() * kv[layer].element_size()
+                    kv[layer] = kv[layer].clone()
+                    held += kv[layer].numel() * kv[layer].element_size()
                 most = max(most, held)
-                if old is not None:
-                    rows[layer] = old.new_empty(0)  # drop the old layer now, not at the end
-                    held -= old.numel() * old.element_size()
-        for node in leaving:
-            if node.held_by is self:
-                node.held_by = None
+                if not rows:
+                    if old is not None:
+                        held -= old.numel() * old.element_size()
+                        buffers[layer] = old.new_empty(0)
+                    continue
+                own = {}  # each written row's own tokens, read before any row is written
+                for row in written:
+                    m = rows[row]
+                    if id(m) in old_row:
+                        assert old is not None
+                        at = self.layouts[old_row[id(m)]].offset
+                        kv = old[old_row[id(m)], :, at : at + m.length]
+                        own[row] = kv.clone() if id(m) in in_place else kv
+                    else:
+                        own[row] = getattr(m, "own_" + side)[layer][:, : m.length]
+                target = old
+                if realloc or old is None:
+                    template = old if old is not None else getattr(rows[0], "own_" + side)[layer]
+                    kv_heads, dim = template.shape[-3], template.shape[-1]
+                    target = template.new_zeros(row_cap, kv_heads, token_cap, dim)
+                    held += target.numel() * target.element_size()
+                    most = max(most, held)
+                assert target is not None
+                for row in written:
+                    m, at = rows[row], 0
+                    for node in layout_of[id(m)].inlined:
+                        kv = getattr(node, side)
+                        target[row, :, at : at + node.tokens] = kv[layer]
+                        if node in moving_in or node in out:  # its own tensor goes
+                            held -= kv[layer].numel() * kv[layer].element_size()
+                        kv[layer] = target[row, :, at : at + node.tokens]
+                        at += node.tokens
+                    target[row, :, at : at + m.length] = own[row]
+                    target[row, :, at + m.length :] = 0
+                most = max(most, held)
+                if target is not old:
+                    if old is not None:
+                        held -= old.numel() * old.element_size()
+                    if layer < len(buffers):
+                        buffers[layer] = target
+                    else:
+                        buffers.append(target)
+        for node in out:
+            node.held_by = None
         for node in staying:
             node.held_by = self
-        self.members, self.paths, self.layouts = list(members), paths, layouts
-        self.keys, self.values = new_keys, new_values
-        for m in members:
+        if not rows:
+            self.keys, self.values = [], []
+        self.members, self.paths = rows, [paths[id(m)] for m in rows]
+        self.layouts = [layout_of[id(m)] for m in rows]
+        for m in rows:
             m.own_keys, m.own_values = [], []
         return most
-
-    @staticmethod
-    def _lay_out(
-        side: str,
-        layer: int,
-        members: Sequence[Member],
-        layouts: list[Layout],
-        capacity: int,
-        old: torch.Tensor | None,
-        old_rows: dict[int, tuple[int, int]],
-        moving_in: set[TreeNode],
-    ) -> tuple[torch.Tensor | None, int]:
-        """One layer's new buffer for `side` ("keys" / "values"), with the bytes of node
-        tensors it took in that were not in the old rows (the caller counts them freed, as
-        the node now points at its place in the new rows)."""
-        if not members:
-            return None, 0
-        moved_in = 0
-        # [kv_heads, tokens, head_dim]: an old row, or a new member's own KV (no old rows)
-        template = old[0] if old is not None else getattr(members[0], "own_" + side)[layer]
-        kv_heads, dim = template.shape[0], template.shape[2]
-        new = template.new_zeros(len(members), kv_heads, capacity, dim)
-        for row, (m, lay) in enumerate(zip(members, layouts)):
-            at = 0
-            for node in lay.inlined:
-                kv = getattr(node, side)
-                new[row, :, at : at + node.tokens] = kv[layer]
-                if node in moving_in:
-                    moved_in += kv[layer].numel() * kv[layer].element_size()
-                kv[layer] = new[row, :, at : at + node.tokens]
-                at += node.tokens
-            if id(m) in old_rows:
-                assert old is not None
-                old_row, old_offset = old_rows[id(m)]
-                own = old[old_row, :, old_offset : old_offset + m.length]
-            else:
-                own = getattr(m, "own_" + side)[layer][:, : m.length]
-            new[row, :, at : at + m.length] = own
-        return new, moved_in
