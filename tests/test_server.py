@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,20 @@ def engine(tiny32, tmp_path_factory) -> Iterator[RagKVCache]:
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def client(engine) -> Iterator[TestClient]:
-    app = create_app(lambda: engine, api_key=KEY)
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 30
+@contextmanager
+def served(engine: RagKVCache) -> Iterator[TestClient]:
+    """A client of the app over `engine`, once /health says the model is ready."""
+    with TestClient(create_app(lambda: engine, api_key=KEY)) as client:
+        deadline = time.monotonic() + 60
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> Iterator[TestClient]:
+    with served(engine) as client:
         yield client
 
 
@@ -88,12 +95,7 @@ def smol_client(smol, tmp_path_factory) -> Iterator[tuple[TestClient, RagKVCache
     config = EngineConfig(store=store, generation=GenerationConfig(max_new_tokens=24))
     engine = RagKVCache(config, lm=smol)
     engine.ingest_document("harbor.md", [DOCS[2] + " North Basin takes the grain ships."])
-    app = create_app(lambda: engine, api_key=KEY)
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with served(engine) as client:
         yield client, engine
     engine.close()
 
