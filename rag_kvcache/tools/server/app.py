@@ -272,7 +272,7 @@ async def _rag_job(
     else:
         hits = await asyncio.to_thread(engine.retrieve, question, rag.top_k or DEFAULT_TOP_K)
         cache_ids = [hit.cache_id for hit in hits]
-    return Job(question, True, cache_ids, strategy, max_tokens, alone=question)
+    return Job(question, True, cache_ids, strategy, max_tokens)
 
 
 async def _respond(
