@@ -129,8 +129,12 @@ class EngineConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     strategy: Strategy = DEFAULT_STRATEGY
-    prefix_tree_bytes: int = 1 << 30  # linked prefixes kept for batched generation
+    # all the KV of batched answering (shared linked prefixes and the batch's rows); None:
+    # a quarter of the machine's memory on the CPU, half the GPU memory free once loaded
+    kv_cache_bytes: int | None = None
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))  # StrategyError
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 0:
+            raise ConfigError("kv_cache_bytes must be >= 0 (or None for the default)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -104,6 +105,18 @@ def reencoder(lm: LoadedModel) -> Reencode:
     return reencode
 
 
+def default_kv_cache_bytes(lm: LoadedModel) -> int:
+    """The KV budget of batched answering when the config leaves it out: half the memory
+    free on the model's GPU once it is loaded, or a quarter of the machine's memory (4 GiB
+    where the system does not say)."""
+    if lm.device.type == "cuda":
+        return torch.cuda.mem_get_info(lm.device)[0] // 2
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
+        return 4 << 30
+
+
 class RagKVCache:
     """The engine. `generate_context_cache(texts) -> cache_ids`, `generate(query, cache_ids)`."""
 
@@ -124,8 +137,10 @@ class RagKVCache:
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
         prefix = self.template.prefix_ids(self.lm.tokenizer)
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
-        # linked prefixes of every strategy (each keyed by it), under one byte budget
-        self.prefix_tree = PrefixTree(self.config.prefix_tree_bytes)
+        # linked prefixes of every strategy (each keyed by it) and the batches' rows, under one
+        # byte budget
+        budget = self.config.kv_cache_bytes
+        self.prefix_tree = PrefixTree(default_kv_cache_bytes(self.lm) if budget is None else budget)
         self._tree_lock = threading.Lock()  # held by whoever decodes over the tree
         self._loop: EngineLoop | None = None  # started by the first agenerate / astream
         self._loop_guard = threading.Lock()
@@ -477,7 +492,8 @@ class RagKVCache:
             if self._closed:
                 raise EngineClosedError("the engine is closed; open a new one to answer")
             if self._loop is None:
-                decoder = BatchDecoder(self.lm, self.prefix_tree, self.store.get)
+                with self._tree_lock:  # it joins the tree's batches, which a step may be reading
+                    decoder = BatchDecoder(self.lm, self.prefix_tree, self.store.get)
                 self._loop = EngineLoop(decoder, self._tree_lock)
             return self._loop
 

@@ -44,6 +44,11 @@ class ContextTooLongError(RagKVCacheError):
     """Prompt (plus tokens to generate) does not fit the model's context window."""
 
 
+class KVBudgetError(ContextTooLongError):
+    """A request's KV (context plus room for its answer) does not fit the serving path's KV
+    budget (`EngineConfig.kv_cache_bytes`), even with nothing else decoding."""
+
+
 class EmptyChunkError(RagKVCacheError, ValueError):
     """A chunk has no tokens; there is nothing to encode."""
 

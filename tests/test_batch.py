@@ -9,7 +9,7 @@ from helpers import linked_span
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.link.linker import LinkedPrefix, link
-from rag_kvcache.serving.batch import BatchRequest, tree_path
+from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.strategy import Strategy
 
 DOCS = [
@@ -150,31 +150,6 @@ def test_batches_refuse_what_the_tree_cannot_share_with_a_clear_error(tiny64, st
     twice = [BatchRequest("Who?", ids), BatchRequest("When?", ids)]
     with pytest.raises(StrategyError, match="one at a time"):
         engine.generate_batch(twice, strategy=strategy)
-
-
-def test_a_tight_budget_never_evicts_the_path_being_extended(tiny64) -> None:
-    """With no byte budget every idle leaf is evicted to make room; the prefix a new request
-    builds on must survive that, or its new node would hang under a node no longer in the
-    tree."""
-    config = EngineConfig(
-        generation=GenerationConfig(max_new_tokens=4),
-        prefix_tree_bytes=0,
-        strategy=Strategy.parse("legolink:2"),  # in the given order: `longer` extends `first`
-    )
-    engine = RagKVCache(config, lm=tiny64)
-    ids = engine.generate_context_cache(DOCS)
-    first = BatchRequest("Who designed it?", (ids[0],))
-    longer = BatchRequest("When was it lit?", (ids[0], ids[1]))
-    engine.generate_batch([first])
-    result = engine.generate_batch([longer])
-    tree = engine.prefix_tree
-    in_tree = tree.nodes()
-    assert all(n.parent is None or n.parent in in_tree for n in in_tree)
-    path = tree_path(Strategy.parse("legolink:2"), [engine.prefix_id, *longer.cache_ids])
-    assert tree.match(path).chunks == len(path)  # the whole path is still reachable
-    assert result.answers[0].reused_tokens > 0  # it did build on the first request's path
-    alone = engine.generate(longer.query, list(longer.cache_ids), max_new_tokens=4)
-    assert result.answers[0].token_ids == alone.token_ids
 
 
 @pytest.mark.slow

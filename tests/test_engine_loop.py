@@ -354,11 +354,66 @@ def test_a_linked_requests_first_token_goes_out_before_the_next_is_linked(engine
 
     decoder = BatchDecoder(tiny64, engine.prefix_tree, fetch)
     strategy = Strategy.parse("legolink:2")
-    for question in QUESTIONS:
-        r = engine._loop_request(question, ids[:2], strategy, engine.generation_config(4))
+    for i, question in enumerate(QUESTIONS):
+        r = engine._loop_request(question, [ids[i]], strategy, engine.generation_config(4))
         decoder.add_request(list(r.path), list(r.question), r.config, strategy)
     outputs = decoder.step(lambda out: events.append(f"token {out.request_id}"))
     assert events == ["link", "token 0", "link", "token 1", "link", "token 2"]
     assert [o.request_id for o in outputs] == [0, 1, 2]
     while decoder.has_work:
         decoder.step()
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_questions_over_a_context_in_the_tree_are_asked_in_one_forward(
+    engine, tiny64, monkeypatch, together
+) -> None:
+    """Requests over the same chunks arriving together: the first links them; the others
+    find their whole context in the tree, and their questions are computed together in one
+    forward after the admissions (or, past the size one forward takes, in several). Every
+    answer equals `generate` alone."""
+    import rag_kvcache.serving.batch as batch
+    import rag_kvcache.serving.questions as questions
+
+    ids = engine.generate_context_cache(DOCS)
+    events: list[str] = []
+    asked = batch.prefill_questions
+
+    def prefill_questions(lm, paths, questions):  # type: ignore[no-untyped-def]
+        events.append(f"ask {len(questions)}")
+        return asked(lm, paths, questions)
+
+    monkeypatch.setattr(batch, "prefill_questions", prefill_questions)
+
+    def fetch(path: list[str]) -> list:
+        events.append("fetch")
+        return engine.store.get(path)
+
+    decoder = BatchDecoder(tiny64, engine.prefix_tree, fetch)
+    strategy = Strategy.parse("legolink:2")
+    requests = []
+    for question in QUESTIONS:
+        r = engine._loop_request(question, ids[:2], strategy, engine.generation_config(4))
+        requests.append(r)
+        decoder.add_request(list(r.path), list(r.question), r.config, strategy)
+    longest = max(len(r.question) for r in requests)
+    if not together:  # room for one question a forward
+        monkeypatch.setattr(questions, "MAX_TOKEN_PAIRS", longest * longest)
+    decoder.step(lambda out: events.append(f"token {out.request_id}"))
+    if together:
+        assert events == ["fetch", "token 0", "fetch", "fetch", "ask 2", "token 1", "token 2"]
+    else:
+        assert events[4:] == ["ask 1", "token 1", "ask 1", "token 2"]
+    done = {}
+    while decoder.has_work:
+        for out in decoder.step():
+            if out.done is not None:
+                done[out.request_id] = engine._answer(out.done)
+    for request_id, question in enumerate(QUESTIONS):
+        alone = engine.generate(question, ids[:2], strategy=strategy, max_new_tokens=4)
+        assert isinstance(alone, Answer)
+        answer = done[request_id]
+        assert answer.token_ids == alone.token_ids
+        assert answer.prompt_tokens == alone.prompt_tokens
+    assert done[1].reused_tokens == done[1].context_tokens > 0 == done[1].recomputed_tokens
+    assert refs(engine.prefix_tree) == 0

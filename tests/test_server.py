@@ -298,6 +298,14 @@ def test_concurrent_requests_decode_in_one_batch_and_metrics_count_them(client, 
     )
     assert float(generated.split()[-1]) >= tokens
     assert 'rag_kvcache_store_hits_total{tier="' in text
+    gauge = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("rag_kvcache_") and not line.startswith("#") and "{" not in line
+    }
+    assert gauge["rag_kvcache_kv_budget_bytes"] == engine.prefix_tree.budget_bytes
+    assert 0 < gauge["rag_kvcache_kv_bytes"] <= gauge["rag_kvcache_kv_budget_bytes"]  # the tree
+    assert gauge["rag_kvcache_waiting_requests"] == 0
 
 
 def test_health_is_503_while_loading_and_after_a_failed_load() -> None:

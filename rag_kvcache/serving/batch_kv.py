@@ -82,6 +82,33 @@ class BatchKV:
             node.nbytes for lay in self.layouts for node in lay.inlined if node.held_by is self
         )
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Rows and tokens the buffers have room for."""
+        return (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+
+    def shape_for(self, rows: int, tokens: int) -> tuple[int, int]:
+        """The buffers' rows and tokens once `rows` requests whose longest row is `tokens`
+        long hold them: as now if they fit and at least half is used; grown (rows by a
+        quarter when requests join one at a time, tokens to the longest row) or shrunk to
+        what is used otherwise."""
+        row_cap, token_cap = self.shape
+        if not rows:
+            return 0, 0
+        if rows > row_cap or tokens > token_cap:  # grow
+            if self.keys and rows > row_cap:
+                return max(rows, -(-5 * row_cap // 4)), tokens
+            return rows, tokens
+        if 2 * rows <= row_cap or 2 * tokens < token_cap:  # shrink
+            return rows, tokens
+        return row_cap, token_cap
+
+    def nbytes_for(self, rows: int, tokens: int, bytes_per_token: int) -> int:
+        """The buffers' bytes once `rows` requests with a longest row of `tokens` hold them
+        (`bytes_per_token`: one token's KV over every layer)."""
+        row_cap, token_cap = self.shape_for(rows, tokens)
+        return row_cap * token_cap * bytes_per_token
+
     def ends(self) -> list[int]:
         """Each row's filled length: its inlined tokens and its own."""
         return [lay.offset + m.length for lay, m in zip(self.layouts, self.members, strict=True)]
@@ -130,13 +157,8 @@ class BatchKV:
                 order[next(free)] = m
         rows: list[Member] = [m for m in order if m is not None]
         tokens = max((layout_of[id(m)].offset + m.capacity for m in rows), default=0)
-        row_cap, token_cap = (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
-        grow = bool(rows) and (n > row_cap or tokens > token_cap)
-        shrink = not rows or 2 * n <= row_cap or 2 * tokens < token_cap
-        realloc = grow or shrink
-        if realloc and rows:  # a batch growing one request at a time: a quarter more rows
-            row_cap = n if n <= row_cap or not self.keys else max(n, -(-5 * row_cap // 4))
-            token_cap = tokens
+        row_cap, token_cap = self.shape_for(n, tokens)
+        realloc = not rows or (row_cap, token_cap) != self.shape
         # rows written: all on a new buffer; else those whose request is new to the row, or
         # stays but whose path or layout changed
         same = {

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -69,12 +71,24 @@ class Match:
     tokens: int  # how many tokens they hold
 
 
+class Rows(Protocol):
+    """A batch's rows of KV (`BatchKV`), counted under the tree's budget."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def inlined_nbytes(self) -> int: ...
+
+
 class PrefixTree:
-    """Linked prefixes under a byte budget. Not thread-safe: one scheduler owns it."""
+    """Linked prefixes, and the rows of the batches decoding over them, under one byte budget
+    (`budget_bytes`: all the KV of the serving path). Not thread-safe: one scheduler owns it."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.roots: dict[str, TreeNode] = {}
+        self.batches: weakref.WeakSet[Rows] = weakref.WeakSet()  # whose rows share the budget
         self._clock = itertools.count(1)
         self._nbytes = 0  # every node's KV, kept as nodes are added and dropped
 
@@ -113,6 +127,15 @@ class PrefixTree:
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+    def rows_nbytes(self) -> int:
+        """Bytes of the batches' rows that are not the tree's nodes (inlined nodes count once,
+        as nodes)."""
+        return sum(b.nbytes - b.inlined_nbytes for b in self.batches)
+
+    def in_use(self) -> int:
+        """All the KV under the budget: the nodes, and the batches' rows beyond them."""
+        return self._nbytes + self.rows_nbytes()
 
     # ------------------------------------------------------------------ changes
 

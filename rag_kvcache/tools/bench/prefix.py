@@ -119,13 +119,18 @@ def run_prefix_bench(
 ) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
     lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
-    config = EngineConfig(generation=GenerationConfig(max_new_tokens=new_tokens))
-    engine = RagKVCache(config, lm=lm)
     rows: list[PrefixRow] = []
     cases = [(p, b, True) for p in prefixes for b in batches]
     if unshared:
         cases += [(prefixes[0], b, False) for b in batches if b > 1]
     pool_tokens = max(p * (1 if s else b) for p, b, s in cases)
+    # every request of a case decodes at once: a KV budget that holds the largest case twice
+    # over (its prefixes, and rows as long as prefix + question + answer each)
+    most = max(b * (p + CHUNK_TOKENS + new_tokens) for p, b, _ in cases) * lm.kv_bytes_per_token
+    config = EngineConfig(
+        generation=GenerationConfig(max_new_tokens=new_tokens), kv_cache_bytes=2 * most
+    )
+    engine = RagKVCache(config, lm=lm)
     pool = corpus_tokens(lm, pool_tokens + CHUNK_TOKENS)
     chunk_pool = [pool[i : i + CHUNK_TOKENS] for i in range(0, pool_tokens, CHUNK_TOKENS)]
     with Progress() as progress:
@@ -144,6 +149,7 @@ def run_prefix_bench(
         new_tokens=new_tokens,
         strategy="legolink:2",
         repeats=repeats,
+        kv_cache_bytes=2 * most,
     )
 
 

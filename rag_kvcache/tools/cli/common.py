@@ -60,6 +60,7 @@ def open_engine(
     if existing:
         open_store(args).close()
 
+    kv_mib = getattr(args, "kv_cache_mib", None)
     config = EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
         store=StoreConfig(
@@ -71,6 +72,7 @@ def open_engine(
         ),
         generation=GenerationConfig(max_new_tokens=getattr(args, "max_new_tokens", 64)),
         strategy=getattr(args, "strategy", None) or DEFAULT_STRATEGY,
+        kv_cache_bytes=None if kv_mib is None else kv_mib << 20,
     )
     with console.status("loading the model"):
         return RagKVCache(config)

@@ -36,6 +36,7 @@ from rag_kvcache.errors import (
     StoreError,
     UnknownCacheIdError,
 )
+from rag_kvcache.serving.batch import BatchLoad
 from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.server.metrics import ServerMetrics
@@ -149,7 +150,7 @@ def create_app(
 
     app = FastAPI(title="rag-kvcache", lifespan=lifespan, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(
-        batch=lambda: _batch_size(loading.engine), hits=lambda: _store_hits(loading.engine)
+        batch=lambda: _batch_state(loading.engine), hits=lambda: _store_hits(loading.engine)
     )
 
     def authorized(request: Request) -> None:
@@ -419,14 +420,15 @@ def _status_of(e: RagKVCacheError) -> tuple[int, str | None]:
     return 400, "invalid_request"
 
 
-def _batch_size(engine: RagKVCache | None) -> int:
-    """Requests decoding now (0 before the model is loaded or after the engine closed)."""
+def _batch_state(engine: RagKVCache | None) -> tuple[BatchLoad, int]:
+    """The engine loop's decoder as its last step left it, and the KV budget (nothing
+    before the model is loaded or after the engine closed)."""
     if engine is None:
-        return 0
+        return BatchLoad(0, 0, 0), 0
     try:
-        return len(engine.serving_loop().decoder.active)
+        return engine.serving_loop().decoder.load, engine.prefix_tree.budget_bytes
     except EngineClosedError:
-        return 0
+        return BatchLoad(0, 0, 0), 0
 
 
 def _store_hits(engine: RagKVCache | None) -> dict[str, int]:

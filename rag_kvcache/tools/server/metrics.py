@@ -2,8 +2,9 @@
 
 Per answer: time to first token (histogram), tokens generated and prompt tokens (counters:
 `rate()` gives tokens/s), context tokens and those reused from the prefix tree (their ratio is
-the tree's hit rate). Read at scrape time: the requests decoding now (the batch size) and the
-store's hits per tier, which the catalog counts for every worker sharing the store.
+the tree's hit rate). Read at scrape time: the requests decoding now (the batch size) and
+waiting for room, the KV held against its budget, and the store's hits per tier, which the
+catalog counts for every worker sharing the store.
 """
 
 from __future__ import annotations
@@ -15,21 +16,31 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rag_kvcache.answer import Answer
+from rag_kvcache.serving.batch import BatchLoad
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class LiveState(Collector):
-    """Gauges read when Prometheus scrapes: `batch()` requests decoding, `hits()` the store's
-    hits per tier."""
+    """Gauges read when Prometheus scrapes: `batch()` the decoder's load and the KV budget,
+    `hits()` the store's hits per tier."""
 
-    def __init__(self, batch: Callable[[], int], hits: Callable[[], dict[str, int]]):
+    def __init__(
+        self, batch: Callable[[], tuple[BatchLoad, int]], hits: Callable[[], dict[str, int]]
+    ):
         self.batch, self.hits = batch, hits
 
     def collect(self) -> Iterator[Metric]:
-        size = GaugeMetricFamily("rag_kvcache_batch_size", "requests decoding in the batch now")
-        size.add_metric([], self.batch())
-        yield size
+        load, budget = self.batch()
+        for name, text, value in (
+            ("rag_kvcache_batch_size", "requests decoding in the batch now", load.decoding),
+            ("rag_kvcache_waiting_requests", "requests waiting for room", load.waiting),
+            ("rag_kvcache_kv_bytes", "KV held: shared prefixes, the batch's rows", load.kv_bytes),
+            ("rag_kvcache_kv_budget_bytes", "what that KV may reach", budget),
+        ):
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], value)
+            yield gauge
         hits = self.hits()
         total = sum(hits.values())
         counter = CounterMetricFamily(
@@ -48,7 +59,9 @@ class LiveState(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, batch: Callable[[], int], hits: Callable[[], dict[str, int]]):
+    def __init__(
+        self, batch: Callable[[], tuple[BatchLoad, int]], hits: Callable[[], dict[str, int]]
+    ):
         self.registry = CollectorRegistry()
         self.ttft = Histogram(
             "rag_kvcache_ttft_seconds",
