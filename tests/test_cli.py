@@ -131,6 +131,17 @@ def test_store_compress_flag_reaches_the_store_config() -> None:
     assert store_compress(argparse.Namespace()) == "bfloat16"  # a command without the flag
 
 
+def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
+    from rag_kvcache.tools.cli.common import engine_config
+    from rag_kvcache.tools.cli.main import build_parser
+
+    parser = build_parser()
+    given = parser.parse_args(["serve", "--store", "s", "--kv-cache-mib", "64"])
+    assert engine_config(given).kv_cache_bytes == 64 << 20
+    assert engine_config(parser.parse_args(["serve", "--store", "s"])).kv_cache_bytes is None
+    assert engine_config(parser.parse_args(["query", "q", "--store", "s"])).kv_cache_bytes is None
+
+
 def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:
     from helpers import random_chunks
 

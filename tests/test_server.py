@@ -234,6 +234,32 @@ def test_bad_requests_get_openai_errors(client, body, status, code) -> None:
     assert error["type"] in {"invalid_request_error", "not_found_error"}
 
 
+def test_a_request_beyond_the_kv_budget_is_a_clear_400(engine, tiny32) -> None:
+    """A server whose KV budget cannot hold one request: a 400 context_length_exceeded that
+    names the budget, whole and streamed, and the server goes on answering."""
+    small = RagKVCache(
+        EngineConfig(generation=GenerationConfig(max_new_tokens=6), kv_cache_bytes=1 << 10),
+        lm=tiny32,
+        store=engine.store,
+    )
+    body = {"messages": [{"role": "user", "content": "q"}], "rag": {"cache_ids": ids(engine)}}
+    try:
+        with served(small) as client:
+            for stream in (False, True):
+                response = client.post(
+                    "/v1/chat/completions", json={**body, "stream": stream}, headers=AUTH
+                )
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["code"] == "context_length_exceeded"
+                assert "kv-cache-mib" in error["message"] and "Traceback" not in response.text
+            plain = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
+            assert client.post("/v1/chat/completions", json=plain, headers=AUTH).status_code == 400
+            assert client.get("/health").status_code == 200
+    finally:
+        small.close()
+
+
 def test_streamed_errors_keep_their_status_and_a_broken_body_is_json(client) -> None:
     body = {
         "messages": [{"role": "user", "content": "q"}],

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 if TYPE_CHECKING:
+    from rag_kvcache.config import EngineConfig
     from rag_kvcache.engine import RagKVCache
     from rag_kvcache.storage.store import TieredStore
 
@@ -53,15 +54,23 @@ def open_engine(
     not there is a StoreNotFoundError (checked before the model loads), never a new one.
     `keep_hot=False`: no hot copies in memory (ingesting reads nothing back; its memory then
     stays bounded whatever it writes)."""
-    from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig, StoreConfig
     from rag_kvcache.engine import RagKVCache
-    from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
 
     if existing:
         open_store(args).close()
+    config = engine_config(args, keep_hot)
+    with console.status("loading the model"):
+        return RagKVCache(config)
+
+
+def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConfig:
+    """The engine's config from a command's flags (`engine_options`, and a command's own
+    --max-new-tokens, --strategy, --kv-cache-mib where it has them)."""
+    from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig, StoreConfig
+    from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
 
     kv_mib = getattr(args, "kv_cache_mib", None)
-    config = EngineConfig(
+    return EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
         store=StoreConfig(
             args.store,
@@ -74,8 +83,6 @@ def open_engine(
         strategy=getattr(args, "strategy", None) or DEFAULT_STRATEGY,
         kv_cache_bytes=None if kv_mib is None else kv_mib << 20,
     )
-    with console.status("loading the model"):
-        return RagKVCache(config)
 
 
 def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStore:
