@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,7 +42,7 @@ from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
 from rag_kvcache.model.adapter import forward, hook_cache, unpack_cache
 from rag_kvcache.model.loading import LoadedModel
-from rag_kvcache.serving.batch_kv import BatchKV
+from rag_kvcache.serving.batch_kv import BatchKV, inlined
 from rag_kvcache.serving.cascade import cascade_attention
 from rag_kvcache.serving.decoding import finished, next_token, prefill
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
@@ -437,16 +437,14 @@ class BatchDecoder:
         The count is the layout the next `pack` makes: nodes one active request uses are
         inlined in its row (counted once, in the rows), the others stay in the tree, and
         the rows are as wide as the longest (`BatchKV.nbytes_for`). O(batch x path)."""
-        paths = [path_to(r.leaf) for r in self.active.values()]
-        users = Counter(node for p in paths for node in p)
-        users.update(nodes)
-        inlined = {node for node, n in users.items() if n == 1}
-        rows = [sum(n.tokens for n in p if n in inlined) for p in paths]
-        rows = [t + r.capacity for t, r in zip(rows, self.active.values(), strict=True)]
-        rows.append(sum(n.tokens for n in nodes if n in inlined) + tokens)
+        paths = [path_to(r.leaf) for r in self.active.values()] + [list(nodes)]
+        own = inlined(paths)  # what each row will hold of the tree, as `BatchKV.plan` lays out
+        room = [r.capacity for r in self.active.values()] + [tokens]
+        rows = [sum(n.tokens for n in o) + t for o, t in zip(own, room, strict=True)]
         rows_bytes = self.kv.nbytes_for(len(rows), max(rows), self.lm.kv_bytes_per_token)
         others = self.tree.rows_nbytes() - (self.kv.nbytes - self.kv.inlined_nbytes)
-        need = rows_bytes + others - sum(n.nbytes for n in inlined)  # beyond the tree's nodes
+        moved = sum(n.nbytes for o in own for n in o)  # nodes that will live in the rows
+        need = rows_bytes + others - moved  # beyond the tree's nodes
         if nodes:
             self.tree.acquire(nodes[-1])  # making room must not evict the path it extends
         self.tree.evict(need)

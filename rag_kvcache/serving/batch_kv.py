@@ -60,6 +60,31 @@ class Layout:
     offset: int
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """What `pack` does, worked out before any KV moves: the new row order (each member's
+    path and layout), where a staying member's row was, the buffers' shape, and which rows
+    and nodes are written or moved."""
+
+    rows: list[Member]
+    paths: list[tuple[TreeNode, ...]]
+    layouts: list[Layout]
+    old_row: dict[int, int]  # new row -> its member's row before (staying members)
+    shape: tuple[int, int]  # rows, tokens
+    realloc: bool  # new buffers (every row written)
+    written: list[int]  # rows whose contents change
+    in_place: set[int]  # written rows whose member stays in the same row
+    held: set[TreeNode]  # nodes the rows hold afterwards
+    moving_in: set[TreeNode]  # of those, nodes that had their own tensors
+    moving_out: set[TreeNode]  # nodes the rows held that get their own copy back
+
+
+def inlined(paths: Sequence[Sequence[TreeNode]]) -> list[tuple[TreeNode, ...]]:
+    """Each path's nodes that no other path uses (path order): what its row holds."""
+    users = Counter(node for path in paths for node in path)
+    return [tuple(node for node in path if users[node] == 1) for path in paths]
+
+
 class BatchKV:
     """Rows of the active requests' KV; `keys[layer]` / `values[layer]` are
     [rows, kv_heads, capacity, head_dim], zero past each row's end (read, masked)."""
@@ -129,21 +154,36 @@ class BatchKV:
         batch or a member's path (a split) changed since the last call; `pack([])` hands
         every inlined node its own copy back and frees the rows. Returns the most bytes held
         at once, counting the rows (old and new) and the nodes moving in or out of them: with
-        the bytes of the tree's nodes outside the rows before the call, the peak.
+        the bytes of the tree's nodes outside the rows before the call, the peak."""
+        if not self.changed(members):
+            return self.nbytes
+        plan = self.plan(members)
+        most = self.write(plan)
+        for node in plan.moving_out:
+            node.held_by = None
+        for node in plan.held:
+            node.held_by = self
+        if not plan.rows:
+            self.keys, self.values = [], []
+        self.members, self.paths, self.layouts = plan.rows, plan.paths, plan.layouts
+        for m in plan.rows:
+            m.own_keys, m.own_values = [], []
+        return most
+
+    def plan(self, members: Sequence[Member]) -> RowPlan:
+        """Where each member goes and what must be written (nothing is moved yet).
 
         Rows are slots: a request keeps its row while it stays, a leaving request's row goes
         to a joining one or to the last row's request (so the rows stay 0..n-1), and only the
-        rows whose contents change are written. The buffers are reallocated only to grow
-        (rows by a quarter, or to the new count if more; tokens to the longest row) or to
-        shrink (to the rows and tokens in use, once half of either is unused)."""
-        if not self.changed(members):
-            return self.nbytes
-        paths = {id(m): tuple(path_to(m.leaf)) for m in members}
-        users = Counter(node for path in paths.values() for node in path)
-        layout_of = {}
-        for m in members:
-            inlined = tuple(n for n in paths[id(m)] if users[n] == 1)
-            layout_of[id(m)] = Layout(inlined, sum(n.tokens for n in inlined))
+        rows whose contents change are written: all of them on a new buffer (`shape_for`),
+        else those whose request is new to the row, or stays but whose path or layout
+        changed."""
+        paths = [tuple(path_to(m.leaf)) for m in members]
+        layout_of = {
+            id(m): Layout(own, sum(n.tokens for n in own))
+            for m, own in zip(members, inlined(paths), strict=True)
+        }
+        path_of = {id(m): path for m, path in zip(members, paths, strict=True)}
         old_row = {id(m): row for row, m in enumerate(self.members)}
         n = len(members)
         order: list[Member | None] = [None] * n  # the new rows
@@ -157,39 +197,54 @@ class BatchKV:
                 order[next(free)] = m
         rows: list[Member] = [m for m in order if m is not None]
         tokens = max((layout_of[id(m)].offset + m.capacity for m in rows), default=0)
-        row_cap, token_cap = self.shape_for(n, tokens)
-        realloc = not rows or (row_cap, token_cap) != self.shape
-        # rows written: all on a new buffer; else those whose request is new to the row, or
-        # stays but whose path or layout changed
+        shape = self.shape_for(n, tokens)
+        realloc = not rows or shape != self.shape
         same = {
             id(m)
             for row, m in enumerate(rows)
             if old_row.get(id(m)) == row
-            and self.paths[row] == paths[id(m)]
+            and self.paths[row] == path_of[id(m)]
             and self.layouts[row] == layout_of[id(m)]
         }
         written = [row for row, m in enumerate(rows) if realloc or id(m) not in same]
         owner = {node: id(m) for m in rows for node in layout_of[id(m)].inlined}
-        staying = set(owner)
         # A node leaves its place in the rows unless its request keeps it inlined and its old
         # place stays readable until it is written anew (a new buffer, or a row past the new
         # end); the others get their own copy first (a node inlined again is copied back).
         in_place = {id(rows[row]) for row in written if old_row.get(id(rows[row])) == row}
-        out = {
+        moving_out = {
             node
             for m, lay in zip(self.members, self.layouts, strict=True)
             for node in lay.inlined
             if node.held_by is self
             and not (owner.get(node) == id(m) and (realloc or id(m) not in in_place))
         }
-        moving_in = {node for node in staying if node.held_by is not self}
+        return RowPlan(
+            rows=rows,
+            paths=[path_of[id(m)] for m in rows],
+            layouts=[layout_of[id(m)] for m in rows],
+            old_row={row: old_row[id(m)] for row, m in enumerate(rows) if id(m) in old_row},
+            shape=shape,
+            realloc=realloc,
+            written=written,
+            in_place={row for row in written if old_row.get(id(rows[row])) == row},
+            held=set(owner),
+            moving_in={node for node in owner if node.held_by is not self},
+            moving_out=moving_out,
+        )
+
+    def write(self, plan: RowPlan) -> int:
+        """Carry out `plan` a layer at a time (so at most one layer's buffer is held twice):
+        nodes leaving the rows get their own copy, written rows get their inlined nodes and
+        their own tokens. Returns the most bytes held at once."""
+        rows, written = plan.rows, plan.written
         layers = len(self.keys) or (len(rows[0].own_keys) if rows else 0)
         held = most = self.nbytes
         for layer in range(layers):
             for side in ("keys", "values"):
                 buffers: list[torch.Tensor] = getattr(self, side)
                 old = buffers[layer] if layer < len(buffers) else None
-                for node in out:
+                for node in plan.moving_out:
                     kv = getattr(node, side)
                     kv[layer] = kv[layer].clone()
                     held += kv[layer].numel() * kv[layer].element_size()
@@ -202,27 +257,29 @@ class BatchKV:
                 own = {}  # each written row's own tokens, read before any row is written
                 for row in written:
                     m = rows[row]
-                    if id(m) in old_row:
+                    if row in plan.old_row:
                         assert old is not None
-                        at = self.layouts[old_row[id(m)]].offset
-                        kv = old[old_row[id(m)], :, at : at + m.length]
-                        own[row] = kv.clone() if id(m) in in_place else kv
+                        was = plan.old_row[row]
+                        at = self.layouts[was].offset
+                        kv = old[was, :, at : at + m.length]
+                        own[row] = kv.clone() if row in plan.in_place else kv
                     else:
                         own[row] = getattr(m, "own_" + side)[layer][:, : m.length]
                 target = old
-                if realloc or old is None:
+                if plan.realloc or old is None:
                     template = old if old is not None else getattr(rows[0], "own_" + side)[layer]
                     kv_heads, dim = template.shape[-3], template.shape[-1]
+                    row_cap, token_cap = plan.shape
                     target = template.new_zeros(row_cap, kv_heads, token_cap, dim)
                     held += target.numel() * target.element_size()
                     most = max(most, held)
                 assert target is not None
                 for row in written:
                     m, at = rows[row], 0
-                    for node in layout_of[id(m)].inlined:
+                    for node in plan.layouts[row].inlined:
                         kv = getattr(node, side)
                         target[row, :, at : at + node.tokens] = kv[layer]
-                        if node in moving_in or node in out:  # its own tensor goes
+                        if node in plan.moving_in or node in plan.moving_out:  # its tensor goes
                             held -= kv[layer].numel() * kv[layer].element_size()
                         kv[layer] = target[row, :, at : at + node.tokens]
                         at += node.tokens
@@ -236,14 +293,4 @@ class BatchKV:
                         buffers[layer] = target
                     else:
                         buffers.append(target)
-        for node in out:
-            node.held_by = None
-        for node in staying:
-            node.held_by = self
-        if not rows:
-            self.keys, self.values = [], []
-        self.members, self.paths = rows, [paths[id(m)] for m in rows]
-        self.layouts = [layout_of[id(m)] for m in rows]
-        for m in rows:
-            m.own_keys, m.own_values = [], []
         return most
