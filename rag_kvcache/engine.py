@@ -41,6 +41,7 @@ from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved
 from rag_kvcache.serving.batch import (
     BatchDecoder,
+    BatchLoad,
     BatchRequest,
     BatchStats,
     Finished,
@@ -496,6 +497,13 @@ class RagKVCache:
                     decoder = BatchDecoder(self.lm, self.prefix_tree, self.store.get)
                 self._loop = EngineLoop(decoder, self._tree_lock)
             return self._loop
+
+    def batch_load(self) -> BatchLoad:
+        """The engine loop's decoder as its last step or abort left it: requests decoding and
+        waiting, KV bytes held (zeros before the loop starts or after close). Never starts the
+        loop or waits for it: for metrics, from any thread."""
+        loop = self._loop
+        return loop.decoder.load if loop is not None else BatchLoad(0, 0, 0)
 
     def close(self) -> None:
         """Stop the engine loop (if started): requests in flight fail with

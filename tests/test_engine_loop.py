@@ -11,8 +11,13 @@ import pytest
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import Answer
-from rag_kvcache.errors import EngineClosedError, UnknownCacheIdError
-from rag_kvcache.serving.batch import BatchDecoder
+from rag_kvcache.errors import (
+    ContextTooLongError,
+    EngineClosedError,
+    StrategyError,
+    UnknownCacheIdError,
+)
+from rag_kvcache.serving.batch import BatchDecoder, BatchRequest
 from rag_kvcache.serving.loop import AsyncTokenStream, EngineLoop
 from rag_kvcache.serving.prefix_tree import PrefixTree
 from rag_kvcache.strategy import Strategy
@@ -417,3 +422,31 @@ def test_questions_over_a_context_in_the_tree_are_asked_in_one_forward(
         assert answer.prompt_tokens == alone.prompt_tokens
     assert done[1].reused_tokens == done[1].context_tokens > 0 == done[1].recomputed_tokens
     assert refs(engine.prefix_tree) == 0
+
+
+def test_a_question_over_a_context_in_the_tree_gets_links_checks(engine, tiny64) -> None:
+    """Skipping the link for a context already in the tree skips none of its checks: a
+    question that takes the prompt past the model's window is a ContextTooLongError, as it is
+    for `generate`, and so is an empty one (a StrategyError)."""
+    words = " ".join(DOCS * 20).split()
+    question = "Who designed the lighthouse and when was it first lit? " * 5
+    asked = len(engine.template.question_ids(tiny64.tokenizer, question))
+    system = engine.store.get([engine.prefix_id])[0].num_tokens
+    text = " ".join(words)
+    while system + len(engine.template.chunk_ids(tiny64.tokenizer, text)) > (
+        tiny64.max_context - asked // 2
+    ):
+        text = " ".join(text.split()[:-10])
+    assert asked // 2 > 20  # a cut of ten words is less: the question takes it past the window
+    [chunk] = engine.generate_context_cache([text])
+    strategy = Strategy.parse("legolink:2")
+    engine.generate_batch([BatchRequest("Who?", (chunk,), 2)], strategy=strategy)  # in the tree
+    with pytest.raises(ContextTooLongError):
+        engine.generate(question, [chunk], strategy=strategy, max_new_tokens=2)
+    with pytest.raises(ContextTooLongError):
+        engine.generate_batch([BatchRequest(question, (chunk,), 2)], strategy=strategy)
+    decoder = BatchDecoder(tiny64, engine.prefix_tree, engine.store.get)
+    r = engine._loop_request("Who?", [chunk], strategy, engine.generation_config(2))
+    decoder.add_request(list(r.path), [], r.config, strategy)
+    [out] = decoder.step()
+    assert isinstance(out.error, StrategyError) and not decoder.has_work

@@ -16,7 +16,7 @@ from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import Answer
 from rag_kvcache.errors import ConfigError, ContextTooLongError, KVBudgetError
 from rag_kvcache.kv import KVStore
-from rag_kvcache.serving.batch import BatchDecoder, BatchRequest
+from rag_kvcache.serving.batch import BatchDecoder, BatchRequest, tree_path
 from rag_kvcache.strategy import Strategy
 
 DOCS = [
@@ -188,3 +188,74 @@ def test_a_negative_budget_is_refused() -> None:
 
 def _request(query: str, cache_ids: list[str]) -> BatchRequest:
     return BatchRequest(query, tuple(cache_ids), NEW)
+
+
+def asked_over(engine: RagKVCache, decoder: BatchDecoder, query: str, cache_ids: list[str]):
+    """Queue a request; returns what admission will count it as (`kv_after`)."""
+    request = engine._loop_request(query, cache_ids, STRATEGY, engine.generation_config(NEW))
+    found = decoder.tree.match(tree_path(STRATEGY, list(request.path)))
+    chunks = engine.store.get(list(request.path))
+    tokens = sum(c.num_tokens for c in chunks[found.chunks :]) + len(request.question) + NEW
+    projected = decoder.kv_after(found.nodes, tokens)
+    decoder.add_request(
+        list(request.path), list(request.question), request.config, request.strategy
+    )
+    return projected
+
+
+def test_admission_counts_exactly_the_layout_that_follows(tiny64) -> None:
+    """What admission counts is the KV held once the request has its row: a request whose
+    chunks are new (linked into the tree, inlined in its row), one over a path in the tree
+    another request uses (both rows leave it shared), and one in a second batch (as
+    `generate_batch` makes beside the engine loop's) over a path the first batch's row holds:
+    its copy and the row's both count."""
+    engine = engine_with(tiny64, None)
+    ids = engine.generate_context_cache(DOCS)
+    tree = engine.prefix_tree
+    first = BatchDecoder(tiny64, tree, engine.store.get)
+    expected = asked_over(engine, first, "Who designed it?", ids[:2])
+    first.step()
+    first.pack(list(first.active.values()))
+    assert tree.in_use() == expected and first.kv.inlined_nbytes > 0
+    second = BatchDecoder(tiny64, tree, engine.store.get)
+    expected = asked_over(engine, second, "When was it lit?", ids[:2])
+    second.step()
+    second.pack(list(second.active.values()))
+    assert second.kv.inlined_nbytes > 0 and first.kv.inlined_nbytes == 0  # moved, not shared
+    assert tree.in_use() == expected
+    expected = asked_over(engine, first, "How deep?", [ids[2]])
+    first.step()
+    first.pack(list(first.active.values()))
+    assert tree.in_use() == expected
+
+
+def test_a_request_that_must_wait_leaves_the_idle_prefixes_cached(tiny64) -> None:
+    """A waiting request that would not fit even with every idle prefix evicted evicts none
+    of them: the cache stays warm for the requests that do fit."""
+    probe = engine_with(tiny64, None)
+    ids = probe.generate_context_cache(DOCS)
+    small = ("Who?", [ids[0]])
+    budget = 3 * row_bytes(probe, *small)
+    engine = engine_with(tiny64, budget, store=probe.store)
+    tree = engine.prefix_tree
+    engine.generate_batch([_request("When is the festival?", [ids[3]])])
+    assert any(ids[3] in n.cache_ids for n in tree.nodes())  # an idle path
+    decoder = BatchDecoder(tiny64, tree, probe.store.get)
+    asked_over(engine, decoder, *small)
+    big = engine._loop_request("How deep?", ids[:3], STRATEGY, engine.generation_config(200))
+    decoder.add_request(list(big.path), list(big.question), big.config, STRATEGY)
+    decoder.step()
+    assert decoder.full and len(decoder.active) == 1
+    assert any(ids[3] in n.cache_ids for n in tree.nodes())  # still cached
+
+
+def test_the_published_load_follows_an_abort(tiny64) -> None:
+    engine = engine_with(tiny64, None)
+    ids = engine.generate_context_cache(DOCS)
+    decoder = BatchDecoder(tiny64, engine.prefix_tree, engine.store.get)
+    asked_over(engine, decoder, "Who?", ids[:1])
+    decoder.step()
+    assert decoder.load.decoding == 1 and decoder.load.kv_bytes > 0
+    decoder.abort(next(iter(decoder.active)))
+    assert not decoder.has_work and decoder.load.decoding == 0
+    assert decoder.load.kv_bytes == engine.prefix_tree.in_use()

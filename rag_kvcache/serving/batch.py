@@ -39,7 +39,7 @@ import torch
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
+from rag_kvcache.link.linker import LinkedPrefix, check_chunks, link, linked_layers
 from rag_kvcache.model.adapter import forward, hook_cache, unpack_cache
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.serving.batch_kv import BatchKV, inlined
@@ -244,6 +244,7 @@ class BatchDecoder:
         request.own_keys = request.own_values = []
         if not self.active:
             self.pack([])  # inlined nodes get their own copies back; the rows go
+        self.publish()
         return True
 
     def step(self, emit: Callable[[StepOutput], None] | None = None) -> list[StepOutput]:
@@ -298,8 +299,12 @@ class BatchDecoder:
         self.answer_questions(asking, out)
         if not self.active:
             self.pack([])
-        self.load = BatchLoad(len(self.active), len(self.waiting_ids), self.tree.in_use())
+        self.publish()
         return outputs
+
+    def publish(self) -> None:
+        """Set `load` for readers on other threads (metrics), after a step or an abort."""
+        self.load = BatchLoad(len(self.active), len(self.waiting_ids), self.tree.in_use())
 
     def run(
         self, requests: list[tuple[list[str], list[int], GenerationConfig, Strategy]]
@@ -342,7 +347,9 @@ class BatchDecoder:
         if not self.make_room(found.nodes, unlinked + room):
             return None
         if found.chunks == len(path) and fit_together([len(question)]):
-            # only its question to compute, with the step's others (a long one is linked)
+            # only its question to compute, with the step's others (a long one is linked);
+            # link's checks (the model's window, an empty question, the KV's model) first
+            check_chunks(self.lm, chunks, strategy, len(question))
             self.tree.acquire(found.nodes[-1])
             return self.active_request(waiting, found.nodes[-1], found.tokens, question)
         prefix = None
@@ -429,32 +436,28 @@ class BatchDecoder:
 
     def make_room(self, nodes: Sequence[TreeNode], tokens: int) -> bool:
         """Whether a request fits the KV budget beside everything held now, once it has its
-        row, evicting idle tree nodes (never `nodes`) if need be. Its path in the tree is
-        `nodes`; `tokens` are the rest of its row: chunks not in the tree yet, its question,
-        room for its answer. False: it waits until a request leaves. Raises KVBudgetError if
-        it cannot fit with nothing else decoding here.
-
-        The count is the layout the next `pack` makes: nodes one active request uses are
-        inlined in its row (counted once, in the rows), the others stay in the tree, and
-        the rows are as wide as the longest (`BatchKV.nbytes_for`). O(batch x path)."""
-        paths = [path_to(r.leaf) for r in self.active.values()] + [list(nodes)]
-        own = inlined(paths)  # what each row will hold of the tree, as `BatchKV.plan` lays out
-        room = [r.capacity for r in self.active.values()] + [tokens]
-        rows = [sum(n.tokens for n in o) + t for o, t in zip(own, room, strict=True)]
-        rows_bytes = self.kv.nbytes_for(len(rows), max(rows), self.lm.kv_bytes_per_token)
-        others = self.tree.rows_nbytes() - (self.kv.nbytes - self.kv.inlined_nbytes)
-        moved = sum(n.nbytes for o in own for n in o)  # nodes that will live in the rows
-        need = rows_bytes + others - moved  # beyond the tree's nodes
+        row (`kv_after`), evicting idle tree nodes (never `nodes`) if that makes it fit. Its
+        path in the tree is `nodes`; `tokens` are the rest of its row: chunks not in the
+        tree yet, its question, room for its answer. False: it waits until a request leaves
+        (the idle nodes stay). Raises KVBudgetError if it cannot fit with nothing else
+        decoding here."""
+        need = self.kv_after(nodes, tokens) - self.tree.nbytes  # beyond the tree's nodes
+        budget = self.tree.budget_bytes
+        if self.tree.nbytes + need <= budget:
+            return True
         if nodes:
             self.tree.acquire(nodes[-1])  # making room must not evict the path it extends
-        self.tree.evict(need)
+        fits = self.tree.nbytes - self.tree.idle_nbytes() + need <= budget
+        if fits:  # evict only what makes it fit: a request that waits keeps the cache warm
+            self.tree.evict(need)
         if nodes:
             self.tree.release(nodes[-1])
-        if self.tree.nbytes + need <= self.tree.budget_bytes:
+        if fits:
             return True
         if self.active:
             return False
         total = sum(n.tokens for n in nodes) + tokens
+        others = self.tree.rows_nbytes() - (self.kv.nbytes - self.kv.inlined_nbytes)
         held = f" beside {others / 2**20:.1f} MiB another batch holds" if others else ""
         raise KVBudgetError(
             f"this request's KV is {total * self.lm.kv_bytes_per_token / 2**20:.1f} MiB "
@@ -463,6 +466,22 @@ class BatchDecoder:
             f"(EngineConfig.kv_cache_bytes, serve --kv-cache-mib) holds{held}: raise the "
             "budget, or shorten the context or max_new_tokens"
         )
+
+    def kv_after(self, nodes: Sequence[TreeNode], tokens: int) -> int:
+        """All the KV under the budget once a request (path `nodes`, `tokens` more in its
+        row) has its row: the layout the next `pack` makes (`BatchKV.plan`: nodes one active
+        request uses inlined in its row, the others in the tree; rows as long as the longest,
+        `BatchKV.nbytes_for`), beside the other batches' rows. O(batch x path)."""
+        paths = [path_to(r.leaf) for r in self.active.values()] + [list(nodes)]
+        own = inlined(paths)
+        room = [r.capacity for r in self.active.values()] + [tokens]
+        rows = [sum(n.tokens for n in o) + t for o, t in zip(own, room, strict=True)]
+        rows_bytes = self.kv.nbytes_for(len(rows), max(rows), self.lm.kv_bytes_per_token)
+        others = self.tree.rows_nbytes() - (self.kv.nbytes - self.kv.inlined_nbytes)
+        moved = [n for o in own for n in o]  # nodes that will live in these rows
+        # counted once, in the rows; but one that another batch's row holds stays there too
+        twice = sum(n.nbytes for n in moved if n.held_by not in (None, self.kv))
+        return self.tree.nbytes - sum(n.nbytes for n in moved) + twice + rows_bytes + others
 
     def prefilled(self, waiting: _Waiting, chunks: list[ChunkKV]) -> _Active:
         """A `prefill` request (a plain prompt: no chunks, the question is the whole prompt):

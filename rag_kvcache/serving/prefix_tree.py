@@ -128,6 +128,12 @@ class PrefixTree:
     def nbytes(self) -> int:
         return self._nbytes
 
+    def idle_nbytes(self) -> int:
+        """Bytes `evict` could free: every node no request holds (a node's references count
+        its whole subtree's, so an unreferenced node heads an unreferenced subtree). A walk:
+        for admission under pressure, not for every step."""
+        return sum(node.nbytes for node in self.nodes() if node.refs == 0)
+
     def rows_nbytes(self) -> int:
         """Bytes of the batches' rows that are not the tree's nodes (inlined nodes count once,
         as nodes)."""

@@ -54,8 +54,8 @@ def prefill_questions(
     width = int(lengths.max())
     pads = width - lengths  # [n]
     ids = torch.zeros(n, width, dtype=torch.long, device=device)
-    for i, question in enumerate(questions):
-        ids[i, int(pads[i]) :] = torch.tensor(question, device=device)
+    for i, (question, pad) in enumerate(zip(questions, pads.tolist(), strict=True)):
+        ids[i, pad:] = torch.tensor(question, device=device)
     columns = torch.arange(width, device=device)
     starts = torch.tensor([path[-1].end for path in paths], device=device)
     positions = (starts[:, None] - pads[:, None] + columns[None, :]).clamp(min=0)  # pads: any
@@ -65,8 +65,8 @@ def prefill_questions(
     aligned = (columns[None, :] + pads[:, None]).clamp(max=width - 1)  # own tokens from column 0
     first = torch.cumsum(lengths, 0) - lengths
     rows_of: dict[TreeNode, list[int]] = {}  # a node: the real tokens that attend to it
-    for i, path in enumerate(paths):
-        rows = list(range(int(first[i]), int(first[i] + lengths[i])))
+    for path, start, length in zip(paths, first.tolist(), lengths.tolist(), strict=True):
+        rows = list(range(start, start + length))
         for node in path:
             rows_of.setdefault(node, []).extend(rows)
     new_keys: dict[int, torch.Tensor] = {}  # by layer: [n, kv_heads, width, head_dim]
@@ -100,11 +100,12 @@ def prefill_questions(
         logits_to_keep=1,
         attention_hook=attend,
     )
+    layers = range(lm.num_layers)
     return [
         QuestionKV(
-            [new_keys[layer][i, :, int(pads[i]) :] for layer in range(lm.num_layers)],
-            [new_values[layer][i, :, int(pads[i]) :] for layer in range(lm.num_layers)],
+            [new_keys[layer][i, :, pad:] for layer in layers],
+            [new_values[layer][i, :, pad:] for layer in layers],
             logits[i, -1],
         )
-        for i in range(n)
+        for i, pad in enumerate(pads.tolist())  # one read of pads, not one per layer
     ]

@@ -421,14 +421,11 @@ def _status_of(e: RagKVCacheError) -> tuple[int, str | None]:
 
 
 def _batch_state(engine: RagKVCache | None) -> tuple[BatchLoad, int]:
-    """The engine loop's decoder as its last step left it, and the KV budget (nothing
-    before the model is loaded or after the engine closed)."""
+    """The engine loop's decoder as it last left it, and the KV budget (nothing before the
+    model is loaded). Never waits on the engine: it is read on the event loop."""
     if engine is None:
         return BatchLoad(0, 0, 0), 0
-    try:
-        return engine.serving_loop().decoder.load, engine.prefix_tree.budget_bytes
-    except EngineClosedError:
-        return BatchLoad(0, 0, 0), 0
+    return engine.batch_load(), engine.prefix_tree.budget_bytes
 
 
 def _store_hits(engine: RagKVCache | None) -> dict[str, int]:
