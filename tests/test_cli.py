@@ -264,6 +264,7 @@ def test_bench_serve_loads_the_server_with_concurrent_and_lone_clients(tmp_path:
         assert row["failed"] == 0 and row["requests"] == 6
         assert row["requests_per_s"] > 0 and row["tokens_per_s"] > 0
         assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"] and row["peak_kv_bytes"] > 0
+        assert 0 <= row["stall_p95_s"] < row["seconds"]
     assert cases["shared", 1]["context_tokens"] == 512
     assert cases["distinct", 1]["context_tokens"] == 256  # a quarter each, its own chunks
     assert (tmp_path / "serve.png").stat().st_size > 10_000

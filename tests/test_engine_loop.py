@@ -450,3 +450,29 @@ def test_a_question_over_a_context_in_the_tree_gets_links_checks(engine, tiny64)
     decoder.add_request(list(r.path), [], r.config, strategy)
     [out] = decoder.step()
     assert isinstance(out.error, StrategyError) and not decoder.has_work
+
+
+def test_a_link_budget_lets_running_requests_decode_between_arrivals(engine, tiny64) -> None:
+    """With a link budget, a step stops linking new requests once it spent that long while
+    others decode (zero here: one link a step), so a burst of arrivals does not hold back the
+    running requests' next tokens; requests whose context is in the tree are not linked and
+    join together. Every answer still equals `generate` alone."""
+    ids = engine.generate_context_cache(DOCS)
+    strategy = Strategy.parse("legolink:2")
+    decoder = BatchDecoder(tiny64, engine.prefix_tree, engine.store.get, link_budget_s=0.0)
+    asked = [(q, [ids[i]]) for i, q in enumerate(QUESTIONS)]  # each links its chunk
+    asked += [(q, [ids[0]]) for q in QUESTIONS[1:]]  # then over a context in the tree
+    for query, chunks in asked:
+        r = engine._loop_request(query, chunks, strategy, engine.generation_config(6))
+        decoder.add_request(list(r.path), list(r.question), r.config, strategy)
+    done, sizes = {}, []
+    while decoder.has_work:
+        for out in decoder.step():
+            if out.done is not None:
+                done[out.request_id] = engine._answer(out.done)
+        sizes.append(len(decoder.active))
+    assert sizes[:3] == [1, 2, 3]  # one link a step while the others decode
+    assert sizes[3] == 5  # the last two only had their questions to compute: together
+    for request_id, (query, chunks) in enumerate(asked):
+        alone = engine.generate(query, chunks, strategy=strategy, max_new_tokens=6)
+        assert isinstance(alone, Answer) and done[request_id].token_ids == alone.token_ids

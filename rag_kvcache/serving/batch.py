@@ -193,8 +193,13 @@ class BatchDecoder:
         tree: PrefixTree,
         fetch: Callable[[list[str]], list[ChunkKV]],
         max_batch: int = 32,
+        link_budget_s: float | None = None,
     ):
         self.lm, self.tree, self.fetch, self.max_batch = lm, tree, fetch, max_batch
+        # a step stops linking new requests once it spent this long linking while requests
+        # decode (None: it links every request that fits): a burst of arrivals then delays
+        # the running requests' next token by about this much, not by the whole burst
+        self.link_budget_s = link_budget_s
         self.kv = BatchKV()  # the active requests' rows: slots, written as requests come and go
         self.peak_bytes = 0  # prefix tree + rows, at the fullest (moves included)
         self.waiting: deque[_Waiting] = deque()
@@ -270,11 +275,16 @@ class BatchDecoder:
             for request in active:
                 out(self.choose(request))
         asking: list[_Active] = []  # whole context in the tree: questions prefilled together
+        linked, linking = 0, 0.0  # requests this step linked, and the seconds it took
         while self.waiting and len(self.active) < self.max_batch and not self.full:
             waiting = self.waiting[0]
             if waiting.request_id not in self.waiting_ids:
                 self.waiting.popleft()
                 continue  # aborted while waiting
+            budget = self.link_budget_s
+            if self.active and linked and budget is not None and linking >= budget:
+                break  # the others decode a token first (at least one link a step)
+            tick = time.perf_counter()
             try:
                 admitted = self.admit(waiting)
             except RagKVCacheError as error:  # this request's fault: the others go on
@@ -288,12 +298,13 @@ class BatchDecoder:
             self.waiting.popleft()
             self.waiting_ids.discard(waiting.request_id)
             self.active[admitted.request_id] = admitted
-            if admitted.question:
+            if admitted.question:  # nothing linked: its question is computed below
                 if not fit_together([len(r.question) for r in (*asking, admitted)]):
                     self.answer_questions(asking, out)
                     asking = []
                 asking.append(admitted)
                 continue
+            linked, linking = linked + 1, linking + time.perf_counter() - tick
             admitted.ttft_s = time.perf_counter() - admitted.arrived
             out(self.choose(admitted))
         self.answer_questions(asking, out)

@@ -13,7 +13,9 @@ streamed chat requests (`rag.cache_ids`) from N concurrent clients and stops by 
 
 Each case runs with 1 client (requests served one after another) and with `--clients` at once.
 Reported per case: requests/s, generated tokens/s, p50 / p95 time to first token as the client
-sees it (first streamed text), and the decoder's peak KV bytes (prefix tree + the batch's rows).
+sees it (first streamed text), p95 of each request's longest pause between two streamed pieces
+(what newly arrived requests' linking costs the streams already running), and the decoder's
+peak KV bytes (prefix tree + the batch's rows).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ServeRow:
     tokens_per_s: float  # generated tokens over the whole run
     ttft_p50_s: float
     ttft_p95_s: float
+    stall_p95_s: float  # each request's longest wait between two streamed pieces, p95
     peak_kv_bytes: int
     failed: int
 
@@ -61,6 +64,7 @@ class Outcome:
     ttft_s: float
     tokens: int
     ok: bool
+    stall_s: float = 0.0  # the longest wait between two pieces of text after the first
 
 
 def free_port() -> int:
@@ -116,7 +120,7 @@ async def one_request(
         "rag": {"cache_ids": ids},
     }
     start = time.perf_counter()
-    ttft, generated = None, 0
+    ttft, generated, last, stall = None, 0, 0.0, 0.0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -127,11 +131,18 @@ async def one_request(
             event = json.loads(line.removeprefix("data: "))
             if "error" in event:
                 return Outcome(0.0, 0, False)
-            if ttft is None and any(c["delta"].get("content") for c in event["choices"]):
-                ttft = time.perf_counter() - start
+            if any(c["delta"].get("content") for c in event["choices"]):
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    stall = max(stall, now - last)
+                last = now
             if event.get("usage"):
                 generated = event["usage"]["completion_tokens"]
-    return Outcome(ttft if ttft is not None else time.perf_counter() - start, generated, True)
+    return Outcome(
+        ttft if ttft is not None else time.perf_counter() - start, generated, True, stall
+    )
 
 
 async def load(
@@ -167,6 +178,7 @@ def run_case(
     seconds = time.perf_counter() - start
     ok = [o for o in outcomes if o.ok]
     ttfts = sorted(o.ttft_s for o in ok) or [0.0]
+    stalls = sorted(o.stall_s for o in ok) or [0.0]
     return ServeRow(
         context=context,
         clients=clients,
@@ -177,6 +189,7 @@ def run_case(
         tokens_per_s=sum(o.tokens for o in ok) / seconds,
         ttft_p50_s=statistics.median(ttfts),
         ttft_p95_s=ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+        stall_p95_s=stalls[min(len(stalls) - 1, round(0.95 * (len(stalls) - 1)))],
         peak_kv_bytes=decoder.peak_bytes,
         failed=len(outcomes) - len(ok),
     )
