@@ -132,9 +132,16 @@ class EngineConfig:
     # all the KV of batched answering (shared linked prefixes and the batch's rows); None:
     # a quarter of the machine's memory on the CPU, half the GPU memory free once loaded
     kv_cache_bytes: int | None = None
+    # the engine loop links newly arrived requests for at most this long a step while others
+    # decode (at least one a step), so running streams pause about this much per step for a
+    # burst of arrivals; None: every arrival is linked before the next step (first tokens
+    # sooner, running streams held for the whole burst)
+    link_budget_s: float | None = 0.25
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))  # StrategyError
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 0:
             raise ConfigError("kv_cache_bytes must be >= 0 (or None for the default)")
+        if self.link_budget_s is not None and self.link_budget_s < 0:
+            raise ConfigError("link_budget_s must be >= 0 (or None: no budget)")

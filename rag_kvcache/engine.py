@@ -106,11 +106,6 @@ def reencoder(lm: LoadedModel) -> Reencode:
     return reencode
 
 
-# The engine loop links newly arrived requests for at most this long a step while others
-# decode (a stream pauses about this much for a burst of arrivals, not for the whole burst).
-LINK_BUDGET_S = 0.25
-
-
 def default_kv_cache_bytes(lm: LoadedModel) -> int:
     """The KV budget of batched answering when the config leaves it out: half the memory
     free on the model's GPU once it is loaded, or a quarter of the machine's memory (4 GiB
@@ -500,7 +495,10 @@ class RagKVCache:
             if self._loop is None:
                 with self._tree_lock:  # it joins the tree's batches, which a step may be reading
                     decoder = BatchDecoder(
-                        self.lm, self.prefix_tree, self.store.get, link_budget_s=LINK_BUDGET_S
+                        self.lm,
+                        self.prefix_tree,
+                        self.store.get,
+                        link_budget_s=self.config.link_budget_s,
                     )
                 self._loop = EngineLoop(decoder, self._tree_lock)
             return self._loop

@@ -140,6 +140,12 @@ def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
     assert engine_config(given).kv_cache_bytes == 64 << 20
     assert engine_config(parser.parse_args(["serve", "--store", "s"])).kv_cache_bytes is None
     assert engine_config(parser.parse_args(["query", "q", "--store", "s"])).kv_cache_bytes is None
+    assert engine_config(given).link_budget_s == 0.25  # the default, in seconds
+    budget = ["serve", "--store", "s", "--link-budget-ms"]
+    assert engine_config(parser.parse_args([*budget, "40"])).link_budget_s == 0.04
+    assert engine_config(parser.parse_args([*budget, "none"])).link_budget_s is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([*budget, "-5"])
 
 
 def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:

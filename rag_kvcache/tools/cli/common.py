@@ -70,6 +70,9 @@ def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConf
     from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
 
     kv_mib = getattr(args, "kv_cache_mib", None)
+    link = EngineConfig.link_budget_s
+    if hasattr(args, "link_budget_ms"):  # serve: milliseconds, or None
+        link = None if args.link_budget_ms is None else args.link_budget_ms / 1000
     return EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
         store=StoreConfig(
@@ -82,6 +85,7 @@ def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConf
         generation=GenerationConfig(max_new_tokens=getattr(args, "max_new_tokens", 64)),
         strategy=getattr(args, "strategy", None) or DEFAULT_STRATEGY,
         kv_cache_bytes=None if kv_mib is None else kv_mib << 20,
+        link_budget_s=link,
     )
 
 

@@ -30,8 +30,26 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="KV of requests decoding and of shared prefixes; more requests wait (default: a "
         "quarter of the machine's memory, half the GPU memory free once the model is loaded)",
     )
+    serve.add_argument(
+        "--link-budget-ms",
+        type=link_budget,
+        default=250,
+        help="while requests stream, link new arrivals for at most this long between two "
+        "decode steps (at least one); 'none': link every arrival first (sooner first tokens, "
+        "streams held for a whole burst)",
+    )
     engine_options(serve)
     serve.set_defaults(run=serve_command)
+
+
+def link_budget(text: str) -> int | None:
+    """--link-budget-ms: milliseconds (>= 0), or 'none'."""
+    if text.strip().lower() == "none":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("a link budget is >= 0 ms, or 'none'")
+    return value
 
 
 def serve_command(args: argparse.Namespace, console: Console) -> int:
