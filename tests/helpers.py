@@ -10,6 +10,15 @@ from rag_kvcache.model.loading import LoadedModel, describe
 from rag_kvcache.serving.batch_kv import BatchKV
 from rag_kvcache.serving.prefix_tree import TreeNode
 
+# five short documents of invented facts: the serving tests' corpus
+SERVING_DOCS = [
+    "The Hallam Point lighthouse was designed by Mara Quell.",
+    "It was first lit in 1788 and burned whale oil until 1861.",
+    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
+    "The kite festival is held every April on Brindle Hill.",
+    "The rowing league has six crews; the oldest was founded in 1901.",
+]
+
 TINY_VOCAB = 49152  # SmolLM2's vocabulary, so the tiny model can share its tokenizer
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import linked_span
+from helpers import SERVING_DOCS, linked_span
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.errors import StrategyError
@@ -12,13 +12,7 @@ from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.strategy import Strategy
 
-DOCS = [
-    "The Hallam Point lighthouse was designed by Mara Quell.",
-    "It was first lit in 1788 and burned whale oil until 1861.",
-    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
-    "The kite festival is held every April on Brindle Hill.",
-    "The rowing league has six crews; the oldest was founded in 1901.",
-]
+DOCS = SERVING_DOCS
 
 
 def mixed_requests(ids: list[str]) -> list[BatchRequest]:

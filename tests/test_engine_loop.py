@@ -8,6 +8,7 @@ import random
 from collections.abc import Iterator
 
 import pytest
+from helpers import SERVING_DOCS
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import Answer
@@ -22,13 +23,7 @@ from rag_kvcache.serving.loop import AsyncTokenStream, EngineLoop
 from rag_kvcache.serving.prefix_tree import PrefixTree
 from rag_kvcache.strategy import Strategy
 
-DOCS = [
-    "The Hallam Point lighthouse was designed by Mara Quell.",
-    "It was first lit in 1788 and burned whale oil until 1861.",
-    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
-    "The kite festival is held every April on Brindle Hill.",
-    "The rowing league has six crews; the oldest was founded in 1901.",
-]
+DOCS = SERVING_DOCS
 QUESTIONS = ["Who designed the lighthouse?", "How deep is the harbor?", "When is it?"]
 STRATEGIES = ["legolink:2", "naive", "full", "legolink:1+top:1"]
 

@@ -11,6 +11,7 @@ import gc
 import os
 
 import pytest
+from helpers import SERVING_DOCS
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import Answer
@@ -19,13 +20,7 @@ from rag_kvcache.kv import KVStore
 from rag_kvcache.serving.batch import BatchDecoder, BatchRequest, tree_path
 from rag_kvcache.strategy import Strategy
 
-DOCS = [
-    "The Hallam Point lighthouse was designed by Mara Quell.",
-    "It was first lit in 1788 and burned whale oil until 1861.",
-    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
-    "The kite festival is held every April on Brindle Hill.",
-    "The rowing league has six crews; the oldest was founded in 1901.",
-]
+DOCS = SERVING_DOCS
 QUESTIONS = [
     "Who designed the lighthouse?",
     "When was it first lit?",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import linked_span
+from helpers import SERVING_DOCS, linked_span
 
 from rag_kvcache import EngineConfig, RagKVCache
 from rag_kvcache.link.linker import link
@@ -13,12 +13,7 @@ from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
 from rag_kvcache.serving.questions import prefill_questions
 from rag_kvcache.strategy import Strategy
 
-DOCS = [
-    "The Hallam Point lighthouse was designed by Mara Quell.",
-    "It was first lit in 1788 and burned whale oil until 1861.",
-    "Velmora's harbor has three basins; the deepest is 14 meters deep.",
-    "The kite festival is held every April on Brindle Hill.",
-]
+DOCS = SERVING_DOCS[:4]
 STRATEGY = Strategy.parse("legolink:2")
 
 
