@@ -254,8 +254,8 @@ class BatchDecoder:
 
     def step(self, emit: Callable[[StepOutput], None] | None = None) -> list[StepOutput]:
         """One batched decode forward for the active requests, then admission of waiting ones
-        in arrival order (each links its context and chooses its first token) while they fit
-        the KV budget (`make_room`): at most one record a request.
+        (`admit_waiting`: each links its context and chooses its first token): at most one
+        record a request.
         `emit` gets each record as soon as it exists, so a request's first token goes out
         when it is linked, not after every request admitted in the same step. `emit` must
         not call back into the decoder (`abort` after the step)."""
@@ -274,6 +274,18 @@ class BatchDecoder:
             self.steps, self.decode_tokens = self.steps + 1, self.decode_tokens + len(active)
             for request in active:
                 out(self.choose(request))
+        self.admit_waiting(out)
+        if not self.active:
+            self.pack([])
+        self.publish()
+        return outputs
+
+    def admit_waiting(self, out: Callable[[StepOutput], None]) -> None:
+        """Admit waiting requests in arrival order while they fit the KV budget
+        (`make_room`) and `max_batch`, and, while others decode, until `link_budget_s` is
+        spent linking. Each linked request's first token goes to `out` at once; requests
+        whose context is all in the tree get theirs after one forward for all their
+        questions (`answer_questions`)."""
         asking: list[_Active] = []  # whole context in the tree: questions prefilled together
         linked, linking = 0, 0.0  # requests this step linked, and the seconds it took
         while self.waiting and len(self.active) < self.max_batch and not self.full:
@@ -308,10 +320,6 @@ class BatchDecoder:
             admitted.ttft_s = time.perf_counter() - admitted.arrived
             out(self.choose(admitted))
         self.answer_questions(asking, out)
-        if not self.active:
-            self.pack([])
-        self.publish()
-        return outputs
 
     def publish(self) -> None:
         """Set `load` for readers on other threads (metrics), after a step or an abort."""
