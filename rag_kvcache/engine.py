@@ -508,7 +508,7 @@ class RagKVCache:
         waiting, KV bytes held (zeros before the loop starts or after close). Never starts the
         loop or waits for it: for metrics, from any thread."""
         loop = self._loop
-        return loop.decoder.load if loop is not None else BatchLoad(0, 0, 0)
+        return loop.decoder.load if loop is not None else BatchLoad()
 
     def close(self) -> None:
         """Stop the engine loop (if started): requests in flight fail with

@@ -71,9 +71,9 @@ class BatchLoad:
     """The decoder after a step: requests decoding, requests waiting, KV bytes held under the
     budget (the tree's nodes and the batches' rows)."""
 
-    decoding: int
-    waiting: int
-    kv_bytes: int
+    decoding: int = 0
+    waiting: int = 0
+    kv_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ class BatchDecoder:
         self.waiting_ids: set[int] = set()  # an aborted waiting request leaves this set only
         self.active: dict[int, _Active] = {}  # by request ID, in row order
         self.full = False  # the first waiting request did not fit the KV budget: until one leaves
-        self.load = BatchLoad(0, 0, 0)  # as the last step left it (read by other threads)
+        self.load = BatchLoad()  # as the last step left it (read by other threads)
         tree.batches.add(self.kv)  # its rows count under the tree's budget
         self.steps = self.decode_tokens = 0  # batched forwards, and tokens they produced
         self.decode_s = 0.0
@@ -476,7 +476,7 @@ class BatchDecoder:
         if self.active:
             return False
         total = sum(n.tokens for n in nodes) + tokens
-        others = self.tree.rows_nbytes() - (self.kv.nbytes - self.kv.inlined_nbytes)
+        others = self.tree.rows_nbytes(besides=self.kv)
         held = f" beside {others / 2**20:.1f} MiB another batch holds" if others else ""
         raise KVBudgetError(
             f"this request's KV is {total * self.lm.kv_bytes_per_token / 2**20:.1f} MiB "
@@ -496,7 +496,7 @@ class BatchDecoder:
         room = [r.capacity for r in self.active.values()] + [tokens]
         rows = [sum(n.tokens for n in o) + t for o, t in zip(own, room, strict=True)]
         rows_bytes = self.kv.nbytes_for(len(rows), max(rows), self.lm.kv_bytes_per_token)
-        others = self.tree.rows_nbytes() - (self.kv.nbytes - self.kv.inlined_nbytes)
+        others = self.tree.rows_nbytes(besides=self.kv)
         moved = [n for o in own for n in o]  # nodes that will live in these rows
         # counted once, in the rows; but one that another batch's row holds stays there too
         twice = sum(n.nbytes for n in moved if n.held_by not in (None, self.kv))

@@ -134,10 +134,10 @@ class PrefixTree:
         for admission under pressure, not for every step."""
         return sum(node.nbytes for node in self.nodes() if node.refs == 0)
 
-    def rows_nbytes(self) -> int:
-        """Bytes of the batches' rows that are not the tree's nodes (inlined nodes count once,
-        as nodes)."""
-        return sum(b.nbytes - b.inlined_nbytes for b in self.batches)
+    def rows_nbytes(self, besides: Rows | None = None) -> int:
+        """Bytes of the batches' rows (all but `besides`) that are not the tree's nodes
+        (inlined nodes count once, as nodes)."""
+        return sum(b.nbytes - b.inlined_nbytes for b in self.batches if b is not besides)
 
     def in_use(self) -> int:
         """All the KV under the budget: the nodes, and the batches' rows beyond them."""

@@ -162,6 +162,12 @@ async def load(
         return list(await asyncio.gather(*(send(q, ids) for q, ids in work)))
 
 
+def p95(values: list[float]) -> float:
+    """The 95th percentile (nearest rank; 0 for no values)."""
+    ordered = sorted(values) or [0.0]
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
 def run_case(
     engine: RagKVCache,
     url: str,
@@ -178,7 +184,6 @@ def run_case(
     seconds = time.perf_counter() - start
     ok = [o for o in outcomes if o.ok]
     ttfts = sorted(o.ttft_s for o in ok) or [0.0]
-    stalls = sorted(o.stall_s for o in ok) or [0.0]
     return ServeRow(
         context=context,
         clients=clients,
@@ -188,8 +193,8 @@ def run_case(
         requests_per_s=len(ok) / seconds,
         tokens_per_s=sum(o.tokens for o in ok) / seconds,
         ttft_p50_s=statistics.median(ttfts),
-        ttft_p95_s=ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
-        stall_p95_s=stalls[min(len(stalls) - 1, round(0.95 * (len(stalls) - 1)))],
+        ttft_p95_s=p95([o.ttft_s for o in ok]),
+        stall_p95_s=p95([o.stall_s for o in ok]),
         peak_kv_bytes=decoder.peak_bytes,
         failed=len(outcomes) - len(ok),
     )

@@ -424,7 +424,7 @@ def _batch_state(engine: RagKVCache | None) -> tuple[BatchLoad, int]:
     """The engine loop's decoder as it last left it, and the KV budget (nothing before the
     model is loaded). Never waits on the engine: it is read on the event loop."""
     if engine is None:
-        return BatchLoad(0, 0, 0), 0
+        return BatchLoad(), 0
     return engine.batch_load(), engine.prefix_tree.budget_bytes
 
 
