@@ -148,6 +148,27 @@ def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
         parser.parse_args([*budget, "-5"])
 
 
+def test_strategy_lists_keep_ape_spellings_whole() -> None:
+    """`+ape:T,S` holds a comma: a list of strategies splits only where a strategy starts."""
+    from rag_kvcache.strategy import Strategy
+    from rag_kvcache.tools.cli.main import build_parser
+
+    parser = build_parser()
+    listed = "prefill, naive+reversed+top:1+ape:1,0.8,legolink:2+ape:0.7,1.25,legolink:16,"
+    spelled = [
+        "prefill",
+        "naive+reversed+top:1+ape:1,0.8",
+        "legolink:2+ape:0.7,1.25",
+        "legolink:16",
+    ]
+    for command in (["eval", "set.jsonl"], ["bench", "ttft"]):
+        given = parser.parse_args([*command, "--strategies", listed]).strategies
+        assert given == spelled
+        assert [str(Strategy.parse(s)) for s in given] == spelled
+    assert Strategy.parse(spelled[1]).scale == 0.8
+    assert parser.parse_args(["eval", "--strategies", "a,,b"]).strategies == ["a", "b"]
+
+
 def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None:
     from helpers import random_chunks
 

@@ -4,6 +4,7 @@ engine or a store from them (heavy imports inside, so `--help` stays light)."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,13 @@ MODEL_HELP = "HF folder, .gguf, or random:llama-3-8b (random weights) (default S
 def csv_list(text: str) -> list[str]:
     """A comma-separated flag value as a list ("a, b," -> ["a", "b"])."""
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def strategy_list(text: str) -> list[str]:
+    """Comma-separated strategies. A strategy starts with a letter, so a comma followed by a
+    number is inside one (`+ape:T,S`): "naive+ape:1,0.8,legolink:2" is two strategies."""
+    pieces = (t.strip(", \t") for t in re.split(r",(?=\s*[A-Za-z])", text))
+    return [t for t in pieces if t]
 
 
 def store_options(parser: argparse.ArgumentParser) -> None:

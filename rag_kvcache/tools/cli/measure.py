@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rag_kvcache.tools.cli.common import MODEL_HELP, csv_list
+from rag_kvcache.tools.cli.common import MODEL_HELP, csv_list, strategy_list
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ttft.add_argument("--contexts", type=csv_list, default=["1024", "2048", "4096"])
     ttft.add_argument(
         "--strategies",
-        type=csv_list,
+        type=strategy_list,
         default=["naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15"],
         help="link strategies, comma-separated",
     )
@@ -95,7 +95,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("dataset", type=Path, nargs="?", help="JSONL QA set")
     evaluate.add_argument("--needle", action="store_true", help="needle-in-a-haystack sweep")
     evaluate.add_argument(
-        "--strategies", type=csv_list, default=None, help="link strategies (default: a set)"
+        "--strategies", type=strategy_list, default=None, help="link strategies (default: a set)"
     )
     evaluate.add_argument(
         "--lengths", type=csv_list, default=["1024", "2048", "4096"], help="needle contexts"
