@@ -27,7 +27,14 @@ from rag_kvcache.errors import StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.linker import link
-from rag_kvcache.model.adapter import Cache, additive_mask, buffered_cache, forward, new_buffers
+from rag_kvcache.model.adapter import (
+    Cache,
+    additive_mask,
+    buffered_cache,
+    forward,
+    new_buffers,
+    release_buffers,
+)
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.rope import rotate_into
 from rag_kvcache.serving.decoding import decode, prefill
@@ -129,16 +136,19 @@ def answer_steps(
     prepared = context()
     tokens: list[int] = []
     text, ttft = "", 0.0
-    for token in decode(lm, prepared.cache, prepared.logits, prepared.position, generation):
-        if not tokens:
-            ttft = time.perf_counter() - start
-        tokens.append(token)
-        if token in lm.eos_ids:
-            break
-        full = tok.decode(tokens, skip_special_tokens=True)
-        if not full.endswith("\ufffd"):  # hold back half a UTF-8 character
-            yield full[len(text) :]
-            text = full
+    try:
+        for token in decode(lm, prepared.cache, prepared.logits, prepared.position, generation):
+            if not tokens:
+                ttft = time.perf_counter() - start
+            tokens.append(token)
+            if token in lm.eos_ids:
+                break
+            full = tok.decode(tokens, skip_special_tokens=True)
+            if not full.endswith("\ufffd"):  # hold back half a UTF-8 character
+                yield full[len(text) :]
+                text = full
+    finally:  # decoded, or the stream was closed: the next answer may reuse the buffers
+        release_buffers(prepared.cache)
     total = time.perf_counter() - start
     final = answer_text(lm, tokens)
     if final != text:
@@ -204,7 +214,8 @@ class AnswerStream:
 
 def forced_logits(lm: LoadedModel, prepared: Prepared, tokens: list[int]) -> torch.Tensor:
     """Next-token logits [len(tokens), vocab] (float32) with `tokens` fed in one at a time
-    after the prepared context: teacher forcing, for comparing strategies' distributions."""
+    after the prepared context: teacher forcing, for comparing strategies' distributions.
+    The prepared cache is extended in place (prepare it anew for another call)."""
     cache, position, steps = prepared.cache, prepared.position, [prepared.logits]
     for token in tokens[:-1]:
         ids = torch.tensor([[token]], device=lm.device)

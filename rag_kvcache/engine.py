@@ -34,6 +34,7 @@ from rag_kvcache.errors import (
 from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
 from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.model.adapter import release_buffers
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.prompt import PromptTemplate
 from rag_kvcache.retrieval.corpus import Corpus
@@ -327,7 +328,10 @@ class RagKVCache:
         prepared = prepare(
             self.lm, chunks, question, strategy, reserve=len(tokens), calibration=calibration
         )
-        return forced_logits(self.lm, prepared, tokens)
+        try:
+            return forced_logits(self.lm, prepared, tokens)
+        finally:
+            release_buffers(prepared.cache)
 
     # ------------------------------------------------------------------ link calibration
 

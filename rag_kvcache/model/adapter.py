@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rag_kvcache.errors import UnsupportedModelError
+from rag_kvcache.model.buffers import POOL
 
 if TYPE_CHECKING:
     from rag_kvcache.model.loading import LoadedModel
@@ -291,12 +292,21 @@ class BufferedLayer(DynamicLayer):
 def new_buffers(
     lm: LoadedModel, capacity: int, batch: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty K and V buffers `[layers, batch, kv_heads, capacity, head_dim]` for one request."""
+    """Empty K and V buffers `[layers, batch, kv_heads, capacity, head_dim]` for one request
+    (on the CPU, in buffers an earlier request released: `release_buffers`)."""
     shape = (lm.num_layers, batch, lm.num_kv_heads, capacity, lm.head_dim)
     return (
-        torch.empty(shape, dtype=lm.dtype, device=lm.device),
-        torch.empty(shape, dtype=lm.dtype, device=lm.device),
+        POOL.take(shape, lm.dtype, lm.device),
+        POOL.take(shape, lm.dtype, lm.device),
     )
+
+
+def release_buffers(cache: Cache) -> None:
+    """Hand a buffered cache's K and V buffers (`new_buffers`) back for the next request to
+    reuse: call it only when nothing will read or write this cache again."""
+    layer = cache.layers[0] if cache.layers else None
+    if isinstance(layer, BufferedLayer):
+        POOL.release(layer.key_buffer, layer.value_buffer)
 
 
 def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, length: int) -> Cache:
