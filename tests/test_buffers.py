@@ -95,3 +95,18 @@ def test_a_closed_stream_releases_its_buffers(engine) -> None:
     assert POOL.free_bytes == 0  # still decoding
     pieces.close()
     assert POOL.free_bytes > 0
+
+
+def test_batched_answers_release_the_buffers_they_link_in(engine) -> None:
+    """The batch links a new context in a request's own buffers, then copies it into the
+    prefix tree and its row: those buffers are released at once, and answers stay those of
+    `generate` alone."""
+    from rag_kvcache.serving.batch import BatchRequest
+
+    ids = engine.generate_context_cache(DOCS)
+    questions = ["How many basins?", "When was the lighthouse built?"]
+    alone = [engine.generate(q, ids[i:]).token_ids for i, q in enumerate(questions)]
+    POOL.clear()
+    batched = engine.generate_batch([BatchRequest(q, ids[i:]) for i, q in enumerate(questions)])
+    assert POOL.free_bytes > 0
+    assert [a.token_ids for a in batched.answers] == alone

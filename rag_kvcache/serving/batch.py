@@ -40,7 +40,7 @@ from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, check_chunks, link, linked_layers
-from rag_kvcache.model.adapter import forward, hook_cache, unpack_cache
+from rag_kvcache.model.adapter import forward, hook_cache, release_buffers, unpack_cache
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.serving.batch_kv import BatchKV, inlined
 from rag_kvcache.serving.cascade import cascade_attention
@@ -392,6 +392,7 @@ class BatchDecoder:
         self.tree.acquire(leaf)
         q = len(question)
         keys, values = linked_layers(linked, linked.context_tokens, linked.length)
+        release_buffers(linked.cache)  # copied out: the next link may reuse its buffers
         return _Active(
             request_id=waiting.request_id,
             strategy=strategy,
