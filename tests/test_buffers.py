@@ -54,6 +54,48 @@ def test_kept_bytes_are_bounded_and_unreleased_buffers_are_freed() -> None:
     assert pool.take((5,), torch.float32, torch.device("meta")).device.type == "meta"  # as is
 
 
+def test_a_release_never_waits_for_the_pool_and_a_cache_is_released_once(tiny64) -> None:
+    """`release` runs in generators' `finally`, which the garbage collector may run while the
+    same thread is inside `take`: it queues what it hands back instead of waiting."""
+    import threading
+
+    from rag_kvcache.model.adapter import buffered_cache, new_buffers, release_buffers
+
+    pool = BufferPool()
+    a = pool.take((1000,), torch.float32, CPU)
+
+    def inside_take() -> None:
+        with pool._lock:  # as `take` holds it
+            pool.release(a)
+
+    thread = threading.Thread(target=inside_take, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()  # a blocking release would wait for itself forever
+    assert pool.take((1000,), torch.float32, CPU).data_ptr() == a.data_ptr()  # sorted in later
+
+    POOL.clear()
+    keys, values = new_buffers(tiny64, 40)
+    cache = buffered_cache(tiny64, keys, values, 0)
+    release_buffers(cache)
+    first = new_buffers(tiny64, 40)  # reuses them
+    release_buffers(cache)  # again: ignored, or `first` would be handed out a second time
+    second = new_buffers(tiny64, 40)
+    taken = {first[0].data_ptr(), first[1].data_ptr()}
+    assert taken == {keys.data_ptr(), values.data_ptr()}
+    assert not taken & {second[0].data_ptr(), second[1].data_ptr()}
+
+
+def test_a_short_request_leaves_a_long_ones_buffer_and_the_device_is_kept() -> None:
+    pool = BufferPool()
+    long = pool.take((10_000,), torch.float32, CPU)
+    pool.release(long)
+    assert pool.take((1_000,), torch.float32, CPU).data_ptr() != long.data_ptr()  # 10x: no
+    assert pool.take((6_000,), torch.float32, CPU).data_ptr() == long.data_ptr()
+    with torch.device("meta"):  # a default device elsewhere does not move the CPU's buffers
+        assert pool.take((10,), torch.float32, CPU).device == CPU
+
+
 @pytest.fixture
 def engine(tiny64):
     return RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=12)), lm=tiny64)

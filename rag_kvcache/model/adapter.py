@@ -258,6 +258,7 @@ class BufferedLayer(DynamicLayer):
         self.write_end = 0  # 1 + the largest of write_at (known up front: no device sync)
         self.before_update: Callable[[], None] | None = None  # once, before the next update
         self.key_bias: torch.Tensor | None = None  # [capacity] added to every attention score
+        self.released = False  # its buffers handed back for reuse (`release_buffers`)
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self.is_initialized = True
@@ -305,7 +306,8 @@ def release_buffers(cache: Cache) -> None:
     """Hand a buffered cache's K and V buffers (`new_buffers`) back for the next request to
     reuse: call it only when nothing will read or write this cache again."""
     layer = cache.layers[0] if cache.layers else None
-    if isinstance(layer, BufferedLayer):
+    if isinstance(layer, BufferedLayer) and not layer.released:  # once: a second release
+        layer.released = True  # would hand back a buffer another request may hold by then
         POOL.release(layer.key_buffer, layer.value_buffer)
 
 

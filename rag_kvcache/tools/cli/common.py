@@ -26,7 +26,7 @@ def csv_list(text: str) -> list[str]:
 def strategy_list(text: str) -> list[str]:
     """Comma-separated strategies. A strategy starts with a letter, so a comma followed by a
     number is inside one (`+ape:T,S`): "naive+ape:1,0.8,legolink:2" is two strategies."""
-    pieces = (t.strip(", \t") for t in re.split(r",(?=\s*[A-Za-z])", text))
+    pieces = (t.strip(", \t\r\n") for t in re.split(r",(?=\s*[A-Za-z])", text))
     return [t for t in pieces if t]
 
 
