@@ -183,7 +183,6 @@ def run_case(
     outcomes = asyncio.run(load(url, work, clients, tokens))
     seconds = time.perf_counter() - start
     ok = [o for o in outcomes if o.ok]
-    ttfts = sorted(o.ttft_s for o in ok) or [0.0]
     return ServeRow(
         context=context,
         clients=clients,
@@ -192,7 +191,7 @@ def run_case(
         seconds=seconds,
         requests_per_s=len(ok) / seconds,
         tokens_per_s=sum(o.tokens for o in ok) / seconds,
-        ttft_p50_s=statistics.median(ttfts),
+        ttft_p50_s=statistics.median([o.ttft_s for o in ok] or [0.0]),
         ttft_p95_s=p95([o.ttft_s for o in ok]),
         stall_p95_s=p95([o.stall_s for o in ok]),
         peak_kv_bytes=decoder.peak_bytes,

@@ -6,7 +6,10 @@ import argparse
 
 from rich.console import Console
 
+from rag_kvcache.config import EngineConfig
 from rag_kvcache.tools.cli.common import engine_options, open_engine
+
+LINK_BUDGET_S = EngineConfig.link_budget_s  # the engine's default, in seconds
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -33,7 +36,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--link-budget-ms",
         type=link_budget,
-        default=250,
+        default=None if LINK_BUDGET_S is None else round(LINK_BUDGET_S * 1000),
         help="while requests stream, link new arrivals for at most this long between two "
         "decode steps (at least one); 'none': link every arrival first (sooner first tokens, "
         "streams held for a whole burst)",
