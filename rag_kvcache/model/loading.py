@@ -287,7 +287,11 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
     if config.threads:
         torch.set_num_threads(config.threads)
     if config.path and config.path.startswith(RANDOM_PREFIX):
+        if config.lora:
+            raise ConfigError("random-weight models take no LoRA adapter; drop lora")
         return random_model(config.path.removeprefix(RANDOM_PREFIX), config)
+    if config.lora and config.quantization:
+        raise ConfigError("a LoRA adapter merges into full-precision weights; drop quantization")
     path = Path(config.path) if config.path else default_model_path()
     if path.suffix == ".gguf":
         path = convert_gguf(path, config.cache_dir)
@@ -319,7 +323,23 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
     model.eval().requires_grad_(False)
     check_supported(hf_config, model)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if config.lora:
+        return describe(
+            model, tokenizer, name=with_lora(model, dtype, Path(config.lora), path.name)
+        )
     return describe(model, tokenizer, name=path.name)
+
+
+def with_lora(model: Any, dtype: torch.dtype, lora_path: Path, name: str) -> str:
+    """Merge the LoRA link calibration at `lora_path` into `model` (checked to have been
+    trained on these very weights); the adapted model's name."""
+    from rag_kvcache.model.lora import LinkLoRA, merge_lora
+
+    data = lora_path.read_bytes() if lora_path.is_file() else None
+    if data is None:
+        raise ConfigError(f"no LoRA adapter file at {lora_path}")
+    merge_lora(model, LinkLoRA.from_bytes(data, str(lora_path)), model_fingerprint(model, dtype))
+    return f"{name}+lora-{hashlib.sha256(data).hexdigest()[:8]}"
 
 
 def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:

@@ -1,6 +1,7 @@
-"""`rag-kvcache calibrate`: train a model's link tokens (`link.calibration`) by distillation.
+"""`rag-kvcache calibrate`: train a model's link calibration by distillation: link tokens
+(`link.calibration`, the model frozen) or a LoRA adapter (`link.lora`, `kind="lora"`).
 
-The model stays frozen; the only parameters are K link-token embeddings. For each training
+For link tokens the only parameters are K link-token embeddings. For each training
 item (the project's own generated documents, split `train`: never the dev or test items),
 the teacher is a plain prefill of the prompt with the strategy's placement: its greedy answer,
 and its next-token distributions along that answer. The student is the same prompt linked
@@ -13,6 +14,10 @@ autograd cannot follow; `trainable_logits` computes the same attention with the 
 K/V appended after the context and the stale copies masked out (a key's place in the buffer
 does not matter, only the RoPE position it carries). A test holds it equal to `link`, so
 what is trained is what the linker computes.
+
+A LoRA adapter's student is `block_logits`: the same naive link as one forward over the
+whole prompt with a block mask, in which the adapter's low-rank layers train (Block-Attention's
+fine-tune); a test holds it equal to `link` as well.
 
 Training is resumable: every `checkpoint_every` steps the vectors and the optimiser's state go
 to OUT/checkpoint.safetensors (no pickle); `resume` continues from there, with the same items
@@ -39,17 +44,22 @@ from rag_kvcache.config import EngineConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import CalibrationError, StrategyError
 from rag_kvcache.kv import ChunkKV
+from rag_kvcache.link.block_attention import block_logits
+from rag_kvcache.link.block_attention import check_trainable as check_lora_trainable
 from rag_kvcache.link.calibration import Calibration, soft_inputs, with_link_slots
 from rag_kvcache.link.linker import check_chunks, place_into
 from rag_kvcache.link.selection import select_positions
 from rag_kvcache.model.adapter import additive_mask, build_cache, embed, forward
 from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.model.lora import TARGETS, LinkLoRA, add_lora, lora_tensors, remove_lora
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.qa_set import make_split
 
 CHECKPOINT = "checkpoint.safetensors"
 RESULT = "calibration.safetensors"
+LORA_RESULT = "lora.safetensors"
+KINDS = ("tokens", "lora")
 TEACHERS = "teachers"  # the teacher's answers, kept for later runs in the same OUT
 CELLS = 18  # items of one context size per repeat of the QA design
 
@@ -59,20 +69,28 @@ class CalibrateConfig:
     """What a calibration run trains and on what (the checkpoint records it: a resumed run
     must ask for the same)."""
 
-    strategy: str = "naive+reversed"  # the strategy whose stale KV the link tokens repair
-    link_tokens: int = 4  # K per document chunk
+    strategy: str = "naive+reversed"  # the strategy whose stale KV the calibration repairs
+    kind: str = "tokens"  # link tokens, or a LoRA adapter ("lora")
+    link_tokens: int = 4  # K per document chunk (kind "tokens")
+    rank: int = 8  # the adapter's rank (kind "lora"; its alpha is twice this)
     items: int = 64  # training items (split `train`)
     held_out: int = 16  # further items, never trained on: the KL before / after
     context: str = "1K"  # the items' context size ("1K", "2K", "4K")
     steps: int = 300
-    lr: float = 5e-3
+    lr: float | None = None  # AdamW's; default 5e-3 for link tokens, 5e-4 for an adapter
     answer_tokens: int = 16  # teacher answer tokens distilled per item
     seed: int = 0
     checkpoint_every: int = 25
 
     def __post_init__(self) -> None:
         strategy = Strategy.parse(self.strategy)
-        if (
+        if self.kind not in KINDS:
+            raise CalibrationError(f"kind {self.kind!r} is not one of {KINDS}")
+        if self.kind == "lora":
+            check_lora_trainable(strategy)
+            if self.rank < 1:
+                raise CalibrationError("the adapter's rank must be >= 1")
+        elif (
             strategy.calibrated
             or strategy.uses_ape
             or strategy.kind
@@ -89,18 +107,28 @@ class CalibrateConfig:
         if min(self.link_tokens, self.items, self.steps, self.answer_tokens) < 1:
             raise CalibrationError("link tokens, items, steps and answer tokens must be >= 1")
 
+    @property
+    def learning_rate(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 5e-4 if self.kind == "lora" else 5e-3
+
 
 @dataclass(frozen=True)
 class CalibrationReport:
     """What a run produced and what it bought in KL to prefill (held-out training items)."""
 
-    calibration: Calibration
+    calibration: Calibration | LinkLoRA
     config: CalibrateConfig
     train_minutes: float
-    kl_before: float  # mean KL(prefill || strategy + initial link tokens)
+    kl_before: float  # mean KL(prefill || strategy + initial link tokens / zero adapter)
     kl_without: float  # mean KL(prefill || strategy alone)
-    kl_after: float  # mean KL(prefill || strategy + trained link tokens)
+    kl_after: float  # mean KL(prefill || strategy + trained link tokens / adapter)
     losses: list[float] = field(default_factory=list)  # training KL per step
+
+    @property
+    def trained(self) -> str:
+        return "adapter" if self.config.kind == "lora" else "link tokens"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -108,8 +136,8 @@ class CalibrationReport:
             "train_minutes": self.train_minutes,
             "kl_held_out": {
                 "strategy alone": self.kl_without,
-                "initial link tokens": self.kl_before,
-                "trained link tokens": self.kl_after,
+                f"initial {self.trained}": self.kl_before,
+                f"trained {self.trained}": self.kl_after,
             },
             "losses": self.losses,
         }
@@ -246,23 +274,30 @@ def _teacher(
     return Example(tuple(arranged), tuple(question_ids + tokens[:-1]), teacher)
 
 
-def example_kl(
-    engine: RagKVCache, example: Example, strategy: Strategy, vectors: torch.Tensor
-) -> torch.Tensor:
-    chunks = engine.store.get([engine.prefix_id, *example.cache_ids])
-    logits = trainable_logits(
-        engine.lm, chunks, list(example.new_ids), strategy, vectors, len(example.teacher)
+Student = Callable[[list[ChunkKV], list[int], int], torch.Tensor]  # chunks, new ids, keep
+
+
+def link_tokens_student(lm: LoadedModel, strategy: Strategy, vectors: torch.Tensor) -> Student:
+    """The link with link tokens `vectors`: `trainable_logits`."""
+    return lambda chunks, new_ids, keep: trainable_logits(
+        lm, chunks, new_ids, strategy, vectors, keep
     )
+
+
+def lora_student(lm: LoadedModel, strategy: Strategy) -> Student:
+    """The naive link by the model as it is (with its adapter's layers in): `block_logits`."""
+    return lambda chunks, new_ids, keep: block_logits(lm, chunks, new_ids, strategy, keep)
+
+
+def example_kl(engine: RagKVCache, example: Example, student: Student) -> torch.Tensor:
+    chunks = engine.store.get([engine.prefix_id, *example.cache_ids])
+    logits = student(chunks, list(example.new_ids), len(example.teacher))
     return distillation_kl(example.teacher, logits)
 
 
-def mean_kl(
-    engine: RagKVCache, examples: list[Example], strategy: Strategy, vectors: torch.Tensor
-) -> float:
+def mean_kl(engine: RagKVCache, examples: list[Example], student: Student) -> float:
     with torch.no_grad():
-        return sum(float(example_kl(engine, e, strategy, vectors)) for e in examples) / max(
-            len(examples), 1
-        )
+        return sum(float(example_kl(engine, e, student)) for e in examples) / max(len(examples), 1)
 
 
 def step_order(seed: int, step: int, count: int) -> int:
@@ -312,42 +347,72 @@ def calibrate(
     teachers = out / TEACHERS
     examples = make_examples(scratch, chosen, strategy, config.answer_tokens, ticked, teachers)
     train, held = examples[: config.items], examples[config.items :]
-    vectors = initial_vectors(lm, config.link_tokens).requires_grad_(True)
-    optimizer = torch.optim.AdamW([vectors], lr=config.lr, weight_decay=0.0)
-    start_step, losses = 0, list[float]()
-    checkpoint = out / CHECKPOINT
-    if resume and checkpoint.exists():
-        start_step, losses = _load_checkpoint(checkpoint, config, vectors, optimizer)
-    kl_without = mean_kl(scratch, held, strategy, vectors[:0])
-    kl_before = mean_kl(scratch, held, strategy, initial_vectors(lm, config.link_tokens))
-    began = time.perf_counter()
-    for step in range(start_step, config.steps):
-        example = train[step_order(config.seed, step, len(train))]
-        loss = example_kl(scratch, example, strategy, vectors)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            _save_checkpoint(checkpoint, config, vectors, optimizer, step + 1, losses)
-        if progress:
-            progress("train", step + 1, config.steps)
-    minutes = (time.perf_counter() - began) / 60
-    kl_after = mean_kl(scratch, held, strategy, vectors.detach())
-    encode = scratch.doc_settings.key()
-    recent = losses[-len(train) :] or [math.nan]
-    calibration = Calibration(
-        vectors.detach().clone(),
-        lm.fingerprint,
-        encode,
-        str(strategy),
-        config.steps,
-        sum(recent) / len(recent),
-    )
-    calibration.save(out / RESULT)
-    report = CalibrationReport(
-        calibration, config, minutes, kl_before, kl_without, kl_after, losses
-    )
+    params: dict[str, torch.Tensor]
+    if config.kind == "lora":
+        with torch.random.fork_rng():  # A's random start, a function of the seed
+            torch.manual_seed(config.seed)
+            params = dict(add_lora(lm.model, config.rank, 2 * config.rank))
+        student = lora_student(lm, strategy)
+        plain = initial = student  # B = 0: the adapter starts as the base model
+    else:
+        params = {"vectors": initial_vectors(lm, config.link_tokens).requires_grad_(True)}
+        student = link_tokens_student(lm, strategy, params["vectors"])
+        plain = link_tokens_student(lm, strategy, params["vectors"][:0])
+        initial = link_tokens_student(lm, strategy, initial_vectors(lm, config.link_tokens))
+    try:
+        optimizer = torch.optim.AdamW(
+            list(params.values()), lr=config.learning_rate, weight_decay=0.0
+        )
+        start_step, losses = 0, list[float]()
+        checkpoint = out / CHECKPOINT
+        if resume and checkpoint.exists():
+            start_step, losses = _load_checkpoint(checkpoint, config, params, optimizer)
+        kl_without = mean_kl(scratch, held, plain)
+        kl_before = kl_without if config.kind == "lora" else mean_kl(scratch, held, initial)
+        began = time.perf_counter()
+        for step in range(start_step, config.steps):
+            example = train[step_order(config.seed, step, len(train))]
+            loss = example_kl(scratch, example, student)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+                _save_checkpoint(checkpoint, config, params, optimizer, step + 1, losses)
+            if progress:
+                progress("train", step + 1, config.steps)
+        minutes = (time.perf_counter() - began) / 60
+        kl_after = mean_kl(scratch, held, student)
+        recent = losses[-len(train) :] or [math.nan]
+        loss_now = sum(recent) / len(recent)
+        result: Calibration | LinkLoRA
+        if config.kind == "lora":
+            tensors = lora_tensors(lm.model)
+            result = LinkLoRA(
+                tensors,
+                config.rank,
+                2 * config.rank,
+                TARGETS,
+                lm.fingerprint,
+                str(strategy),
+                config.steps,
+                loss_now,
+            )
+            result.save(out / LORA_RESULT)
+        else:
+            result = Calibration(
+                params["vectors"].detach().clone(),
+                lm.fingerprint,
+                scratch.doc_settings.key(),
+                str(strategy),
+                config.steps,
+                loss_now,
+            )
+            result.save(out / RESULT)
+    finally:
+        if config.kind == "lora":  # the caller's model is the base model again
+            remove_lora(lm.model, merge=False)
+    report = CalibrationReport(result, config, minutes, kl_before, kl_without, kl_after, losses)
     (out / "calibration.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     plot_training(report, out / "calibration.png")
     return report
@@ -371,14 +436,18 @@ def plot_training(report: CalibrationReport, path: Path) -> None:
     ax.plot(running, color="C0", label=f"training, mean of the last {window} steps")
     for value, label, color in (
         (report.kl_without, f"held out: {report.config.strategy} alone", "C3"),
-        (report.kl_before, "held out: untrained link tokens", "C1"),
-        (report.kl_after, "held out: trained link tokens", "C2"),
+        (report.kl_before, f"held out: untrained {report.trained}", "C1"),
+        (report.kl_after, f"held out: trained {report.trained}", "C2"),
     ):
         ax.axhline(value, color=color, linestyle="--", label=f"{label} ({value:.3f})")
     ax.set_xlabel("step")
     ax.set_ylabel("KL(prefill || linked), nats per answer token")
-    k = report.config.link_tokens
-    ax.set_title(f"link calibration: {k} link tokens, {report.train_minutes:.1f} min")
+    shape = (
+        f"a rank-{report.config.rank} LoRA adapter"
+        if report.config.kind == "lora"
+        else f"{report.config.link_tokens} link tokens"
+    )
+    ax.set_title(f"link calibration: {shape}, {report.train_minutes:.1f} min")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -399,18 +468,19 @@ def _resumable(config: dict[str, object]) -> dict[str, object]:
 def _save_checkpoint(
     path: Path,
     config: CalibrateConfig,
-    vectors: torch.Tensor,
+    params: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
     step: int,
     losses: list[float],
 ) -> None:
-    state = optimizer.state[vectors]
-    tensors = {
-        "vectors": vectors.detach().contiguous(),
-        "exp_avg": state["exp_avg"].contiguous(),
-        "exp_avg_sq": state["exp_avg_sq"].contiguous(),
-        "optimizer_step": torch.as_tensor(state["step"], dtype=torch.float64).reshape(1),
-    }
+    """The parameters and AdamW's moments by name (`NAME`, `NAME/exp_avg`, ...), safetensors."""
+    tensors = {}
+    for name, param in params.items():
+        state = optimizer.state[param]
+        tensors[name] = param.detach().contiguous()
+        tensors[f"{name}/exp_avg"] = state["exp_avg"].contiguous()
+        tensors[f"{name}/exp_avg_sq"] = state["exp_avg_sq"].contiguous()
+        tensors[f"{name}/step"] = torch.as_tensor(state["step"], dtype=torch.float64).reshape(1)
     meta = {"config": json.dumps(asdict(config)), "step": str(step), "losses": json.dumps(losses)}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -418,7 +488,10 @@ def _save_checkpoint(
 
 
 def _load_checkpoint(
-    path: Path, config: CalibrateConfig, vectors: torch.Tensor, optimizer: torch.optim.Optimizer
+    path: Path,
+    config: CalibrateConfig,
+    params: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
 ) -> tuple[int, list[float]]:
     from safetensors import safe_open
 
@@ -430,11 +503,16 @@ def _load_checkpoint(
             "resume with the same ones, or train afresh in another folder"
         )
     tensors = load_file(str(path))
-    with torch.no_grad():
-        vectors.copy_(tensors["vectors"])
-    optimizer.state[vectors] = {
-        "step": tensors["optimizer_step"][0].to(torch.float32),
-        "exp_avg": tensors["exp_avg"],
-        "exp_avg_sq": tensors["exp_avg_sq"],
-    }
+    if set(tensors) != {
+        f"{n}{s}" for n in params for s in ("", "/exp_avg", "/exp_avg_sq", "/step")
+    }:
+        raise CalibrationError(f"{path} does not hold this run's parameters; train afresh")
+    for name, param in params.items():
+        with torch.no_grad():
+            param.copy_(tensors[name])
+        optimizer.state[param] = {
+            "step": tensors[f"{name}/step"][0].to(torch.float32),
+            "exp_avg": tensors[f"{name}/exp_avg"],
+            "exp_avg_sq": tensors[f"{name}/exp_avg_sq"],
+        }
     return int(meta["step"]), json.loads(meta["losses"])

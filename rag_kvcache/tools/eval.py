@@ -286,22 +286,28 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
     return out
 
 
-def kept_against(results: list[ItemResult], report: Path) -> dict[str, Estimate]:
+def kept_against(
+    results: list[ItemResult], report: Path, same_placement: bool = False
+) -> dict[str, Estimate]:
     """Per strategy of this run, "kept" against the `prefill` answers of another run's report
     on the same items: prefill in bfloat16 against prefill in float32 is the noise floor of
-    the dtype (a change of arithmetic no user would call a loss)."""
+    the dtype (a change of arithmetic no user would call a loss). `same_placement`: against
+    the other run's prefill with each strategy's own placement (`baseline`), e.g. a model
+    with a LoRA link calibration against the base model's prefill."""
     try:
         rows = json.loads(Path(report).read_text(encoding="utf-8"))["items"]
-        theirs = {str(r["item"]): bool(r["contains"]) for r in rows if r["strategy"] == "prefill"}
+        answered = [r for r in rows if "contains" in r]
+        theirs = {(str(r["item"]), str(r["strategy"])): bool(r["contains"]) for r in answered}
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
-    missing = sorted({r.item for r in results} - theirs.keys())
-    if missing:
-        raise ConfigError(f"{report} has no prefill answer for items {missing[:5]}")
     out = {}
     for strategy in dict.fromkeys(r.strategy for r in results):
+        against = str(baseline(Strategy.parse(strategy))) if same_placement else "prefill"
         rows_ = [r for r in results if r.strategy == strategy]
-        out[strategy] = kept([theirs[r.item] for r in rows_], [r.contains for r in rows_])
+        missing = sorted({r.item for r in rows_ if (r.item, against) not in theirs})
+        if missing:
+            raise ConfigError(f"{report} has no {against} answer for items {missing[:5]}")
+        out[strategy] = kept([theirs[r.item, against] for r in rows_], [r.contains for r in rows_])
     return out
 
 

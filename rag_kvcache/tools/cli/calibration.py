@@ -23,12 +23,21 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     # defaults are CalibrateConfig's (None here: this module stays light for --help)
     calibrate.add_argument("--strategy", help="the link it repairs (default naive+reversed)")
+    calibrate.add_argument(
+        "--kind",
+        choices=["tokens", "lora"],
+        help="link tokens after every chunk, the model frozen (default), or a LoRA adapter "
+        "trained on block-wise attention (load it with --lora)",
+    )
     calibrate.add_argument("--link-tokens", type=int, help="per document chunk (default 4)")
+    calibrate.add_argument("--rank", type=int, help="the LoRA adapter's rank (default 8)")
     calibrate.add_argument("--items", type=int, help="items trained on (default 64)")
     calibrate.add_argument("--held-out", type=int, help="items measured only (default 16)")
     calibrate.add_argument("--context", choices=["1K", "2K", "4K"], help="(default 1K)")
     calibrate.add_argument("--steps", type=int, help="(default 300)")
-    calibrate.add_argument("--lr", type=float, help="(default 0.005)")
+    calibrate.add_argument(
+        "--lr", type=float, help="(default 0.005 for link tokens, 0.0005 for an adapter)"
+    )
     calibrate.add_argument("--answer-tokens", type=int, help="distilled per item (default 16)")
     calibrate.add_argument("--seed", type=int)
     calibrate.add_argument(
@@ -48,7 +57,8 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
 
     from rich.progress import Progress, TaskID
 
-    from rag_kvcache.tools.calibrate import CalibrateConfig, calibrate
+    from rag_kvcache.model.lora import LinkLoRA
+    from rag_kvcache.tools.calibrate import LORA_RESULT, CalibrateConfig, calibrate
     from rag_kvcache.tools.cli.common import open_engine
     from rag_kvcache.tools.eval import load_dataset
 
@@ -60,6 +70,9 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
             {"question": i.question, "documents": [{"text": t} for t in i.documents]}
             for i in load_dataset(args.items_file)
         ]
+    if config.kind == "lora" and args.lora:
+        console.print("[red]a LoRA adapter trains on the base model: drop --lora")
+        return 2
     engine = open_engine(args, console)
     with Progress(console=console) as progress:
         tasks: dict[str, TaskID] = {}
@@ -75,10 +88,18 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
         result = calibrate(engine.lm, config, args.out, args.resume, report, items)
     console.print(
         f"KL to prefill on {config.held_out} held-out items: {result.kl_without:.4f} with "
-        f"{config.strategy} alone, {result.kl_before:.4f} with untrained link tokens, "
-        f"{result.kl_after:.4f} trained ({result.train_minutes:.1f} min of training)",
+        f"{config.strategy} alone, {result.kl_before:.4f} with the untrained "
+        f"{result.trained}, {result.kl_after:.4f} trained "
+        f"({result.train_minutes:.1f} min of training)",
         highlight=False,
     )
+    if isinstance(result.calibration, LinkLoRA):
+        console.print(
+            f"wrote {args.out}/{LORA_RESULT} and calibration.json; answer with the adapted "
+            f"model: --lora {args.out}/{LORA_RESULT} (its chunks are encoded anew)",
+            highlight=False,
+        )
+        return 0
     console.print(f"wrote {args.out}/calibration.safetensors and calibration.json")
     if not args.no_install:
         checksum = engine.set_calibration(result.calibration)

@@ -53,6 +53,13 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", default=None, choices=["8bit", "4bit"], help="bitsandbytes weights"
     )
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="LORA.safetensors",
+        help="a LoRA link calibration (calibrate --kind lora) merged into the model; its "
+        "chunks are its own, encoded anew",
+    )
 
 
 def open_engine(
@@ -82,7 +89,9 @@ def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConf
     if hasattr(args, "link_budget_ms"):  # serve: milliseconds, or None
         link = None if args.link_budget_ms is None else args.link_budget_ms / 1000
     return EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
+        model=ModelConfig(
+            path=args.model, dtype=args.dtype, quantization=args.quantization, lora=args.lora
+        ),
         store=StoreConfig(
             args.store,
             catalog_url=args.catalog_url,

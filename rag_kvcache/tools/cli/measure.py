@@ -151,6 +151,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     evaluate.add_argument(
+        "--lora",
+        default=None,
+        metavar="LORA.safetensors",
+        help="a LoRA link calibration (calibrate --kind lora) merged into the model: every "
+        "strategy answers with the adapted model (--kept-against a run without it counts "
+        "kept against the base model's prefill)",
+    )
+    evaluate.add_argument(
         "--calibration",
         type=Path,
         default=None,
@@ -199,6 +207,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
 
     from rag_kvcache.config import ModelConfig
     from rag_kvcache.model.loading import load_model
+    from rag_kvcache.strategy import Strategy
     from rag_kvcache.tools import eval as ev
 
     if args.needle == (args.dataset is not None):
@@ -206,7 +215,9 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         return 2
     if args.needle:
         strategies = args.strategies or ["full", "naive", "legolink:2", "legolink0"]
-        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
+        lm = load_model(
+            ModelConfig(path=args.model, dtype=args.dtype, device=args.device, lora=args.lora)
+        )
         items = [
             ev.needle_item(lm, int(n), float(d), args.chunk_tokens)
             for n in args.lengths
@@ -216,7 +227,9 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     else:
         strategies = args.strategies or list(ev.DEFAULT_STRATEGIES)
         items = ev.load_dataset(args.dataset)[: args.limit]
-        lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, device=args.device))
+        lm = load_model(
+            ModelConfig(path=args.model, dtype=args.dtype, device=args.device, lora=args.lora)
+        )
         name = "eval"
     if args.retrieval_order:  # the needle's chunks too: as a retriever would rank them
         from rag_kvcache.retrieval.embedding import Embedder
@@ -252,6 +265,10 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         store = StoreConfig(Path(folder.name), compress=compress)
         facts["store"] = "tiered (disk, a temporary folder)"
         facts["store_compress"] = compress
+    if args.lora is not None:
+        import hashlib
+
+        facts["lora"] = hashlib.sha256(Path(args.lora).read_bytes()).hexdigest()
     if args.calibration is not None:
         import hashlib
 
@@ -301,6 +318,11 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         }
         for strategy, estimate in against.items():
             console.print(f"{strategy}: kept {estimate} against {args.kept_against}'s prefill")
+        placed = ev.kept_against(results, args.kept_against, same_placement=True)
+        facts["kept_against"]["same_placement"] = {s: asdict(e) for s, e in placed.items()}
+        for strategy, estimate in placed.items():
+            other = ev.baseline(Strategy.parse(strategy))
+            console.print(f"{strategy}: kept {estimate} against its {other}", highlight=False)
     report = ev.report_dict(name, results, summary, **facts)
     ev.save_eval(args.out, name, report, summary)
     if args.needle:

@@ -1,0 +1,93 @@
+"""A naive link as one forward over the whole prompt with a block mask: the student a LoRA
+link calibration (`model.lora`) trains.
+
+The linker computes a naive link from KV encoded chunk by chunk, in place, which autograd
+cannot follow through the encoding. Block-wise attention computes the same thing in one
+differentiable forward: each document chunk's tokens attend only within their chunk, at
+their final positions (RoPE is relative: a chunk computed there equals one encoded at its own
+positions and rotated), and the question attends to everything. A test holds it equal to
+`link`, so what an adapter is trained on is what the linker computes with it merged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rag_kvcache.errors import StrategyError
+from rag_kvcache.kv import ChunkKV
+from rag_kvcache.model.adapter import additive_mask, forward
+from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.strategy import Strategy
+
+
+def check_trainable(strategy: Strategy) -> None:
+    """The strategies whose link `block_logits` computes: naive, any placement, `+top:N`
+    and `+window:W` (no boundary tokens, link tokens, APE or sinks to model)."""
+    if strategy.kind != "naive" or strategy.calibrated or strategy.uses_ape:
+        raise StrategyError(
+            f"a LoRA adapter trains for naive linking (any placement, +top:N, +window:W), "
+            f"not {strategy}"
+        )
+
+
+def block_logits(
+    lm: LoadedModel, chunks: list[ChunkKV], new_ids: list[int], strategy: Strategy, keep: int
+) -> torch.Tensor:
+    """What a naive link of `chunks` (chunk 0 the system prefix, the documents placed) computes
+    for the last `keep` of `new_ids`, as ONE forward over the whole prompt with a block mask
+    [keep, vocab], differentiable in whatever of the model trains.
+
+    A document chunk's tokens see only their own chunk (and its sink tokens, given their own
+    copy before it): what encoding it alone computed, rotated to its place. Chunks recomputed
+    whole (`+top:N`) see everything before them (`+window:W`: the system prefix and W tokens
+    before their chunk); the system prefix and the new tokens see everything. RoPE is relative,
+    so a chunk computed at its final positions equals one encoded at its own and rotated."""
+    check_trainable(strategy)
+    full = [False, *strategy.in_full(len(chunks) - 1)]
+    ids: list[int] = []
+    pos: list[int] = []
+    block: list[int] = []
+    sink: list[bool] = []
+    sees_all: list[bool] = []
+    reach: list[int] = []  # first position past the system prefix a token may see
+    system, at = chunks[0].num_tokens, 0
+    for i, c in enumerate(chunks):
+        if i > 0 and not full[i]:  # its sinks, seen by it alone
+            s = len(c.sink_ids)
+            ids += c.sink_ids
+            pos += range(at - s, at)
+            block += [i] * s
+            sink += [True] * s
+            sees_all += [False] * s
+            reach += [0] * s
+        n = c.num_tokens
+        window = strategy.window if i > 0 and full[i] and strategy.window is not None else None
+        ids += c.token_ids
+        pos += range(at, at + n)
+        block += [i] * n
+        sink += [False] * n
+        sees_all += [i == 0 or full[i]] * n
+        reach += [0 if window is None else max(at - window, system)] * n
+        at += n
+    m = len(new_ids)
+    ids += new_ids
+    pos += range(at, at + m)
+    block += [len(chunks)] * m
+    sink += [False] * m
+    sees_all += [True] * m
+    reach += [0] * m
+    device = lm.device
+    p, b, s_, a, r = (torch.tensor(x, device=device) for x in (pos, block, sink, sees_all, reach))
+    causal = p[None, :] <= p[:, None]
+    same = b[None, :] == b[:, None]
+    reached = (p[None, :] < system) | (p[None, :] >= r[:, None])
+    allowed = causal & (same | (a[:, None] & ~s_[None, :] & reached))
+    logits, _ = forward(
+        lm,
+        torch.tensor([ids], device=device),
+        positions=p[None],
+        mask=additive_mask(allowed, lm.dtype),
+        logits_to_keep=keep,
+        grad=torch.is_grad_enabled(),
+    )
+    return logits[0]
