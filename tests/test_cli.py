@@ -251,6 +251,41 @@ def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path)
     assert "naive+calibrated" in rows["strategies"]
 
 
+def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: Path) -> None:
+    """`calibrate --kind lora` writes the adapter (not into the store); `eval --lora` answers
+    with the model it adapts and records which adapter; an adapter is not trained on top of
+    another."""
+    from rag_kvcache.model.lora import LinkLoRA
+
+    folder, out, qa = tmp_path / "tiny", tmp_path / "lora", tmp_path / "qa.jsonl"
+    tiny32.model.save_pretrained(folder)
+    tiny32.tokenizer.save_pretrained(folder)
+    items = [
+        {"id": name, "question": f"Who is {name}?", "answers": [name],
+         "documents": [{"text": f"{name} rows."}, {"text": "Bo sings."}]}
+        for name in ("Ann", "Cy", "Di")
+    ]  # fmt: skip
+    qa.write_text("".join(json.dumps(i) + "\n" for i in items))
+    args = ["calibrate", "--kind", "lora", "--rank", "2", "--model", str(folder), "--items", "2"]
+    args += ["--held-out", "1", "--steps", "2", "--answer-tokens", "2", "--out", str(out)]
+    args += ["--items-file", str(qa)]
+    assert main([*args, "--store", str(tmp_path / "store")]) == 0
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["config"]["kind"] == "lora" and len(report["losses"]) == 2
+    assert set(report["kl_held_out"]) == {"strategy alone", "initial adapter", "trained adapter"}
+    lora = LinkLoRA.load(out / "lora.safetensors")
+    assert lora.rank == 2 and lora.steps == 2
+    assert not (out / "calibration.safetensors").exists()
+    again = [*args, "--store", str(tmp_path / "s2"), "--lora", str(out / "lora.safetensors")]
+    assert main(again) == 2
+
+    evaluate = ["eval", str(qa), "--model", str(folder), "--teacher-tokens", "0"]
+    evaluate += ["--max-new-tokens", "2", "--strategies", "naive", "--out", str(tmp_path / "ev")]
+    assert main([*evaluate, "--lora", str(out / "lora.safetensors")]) == 0
+    rows = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert "+lora-" in rows["model"] and len(rows["lora"]) == 64
+
+
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
 def test_bench_memory_measures_the_ingest_command_and_gathers_runs(tmp_path: Path) -> None:
     """Each size is a real `rag-kvcache ingest` in its own process; a second run (another
