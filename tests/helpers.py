@@ -68,3 +68,21 @@ def inlined_nodes(batch: BatchKV) -> set[TreeNode]:
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are views of one buffer (what the tests check the records by)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# questions over three short documents: what calibration runs train on in the tests
+CALIBRATION_ITEMS = [
+    {
+        "question": f"Who founded {town}?",
+        "documents": [
+            {"text": f"{town} was founded by {founder} in {year}. It sits on a river."},
+            {"text": f"{other} was founded by Mara Quill in 1650. Its mayor is Ivo Stark."},
+            {"text": f"The festival of {town} is held in spring. {founder} built a bridge."},
+        ],
+    }
+    for town, founder, year, other in [
+        ("Ashford", "Tomas Vell", 1712, "Brindle"),
+        ("Corvale", "Anna Pike", 1801, "Dunmore"),
+        ("Elmstead", "Rudi Kahn", 1599, "Fenwick"),
+    ]
+]

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import CALIBRATION_ITEMS as ITEMS
 from helpers import random_chunks
 from sqlalchemy import update
 
@@ -130,23 +131,6 @@ def test_calibrated_links_refuse_what_does_not_fit(tiny32, tiny64) -> None:
     prefix = LinkedPrefix(chunks[0].keys, chunks[0].values, chunks[0].token_ids)
     with pytest.raises(StrategyError, match="prefix"):
         link(tiny32, chunks[1:], QUERY, strategy, prefix=prefix, calibration=fits)
-
-
-ITEMS = [
-    {
-        "question": f"Who founded {town}?",
-        "documents": [
-            {"text": f"{town} was founded by {founder} in {year}. It sits on a river."},
-            {"text": f"{other} was founded by Mara Quill in 1650. Its mayor is Ivo Stark."},
-            {"text": f"The festival of {town} is held in spring. {founder} built a bridge."},
-        ],
-    }
-    for town, founder, year, other in [
-        ("Ashford", "Tomas Vell", 1712, "Brindle"),
-        ("Corvale", "Anna Pike", 1801, "Dunmore"),
-        ("Elmstead", "Rudi Kahn", 1599, "Fenwick"),
-    ]
-]
 
 
 def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path) -> None:

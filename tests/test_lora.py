@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import CALIBRATION_ITEMS as ITEMS
 from helpers import build_tiny, random_chunks
 
 from rag_kvcache.config import ModelConfig
@@ -158,23 +159,6 @@ def test_adapter_files_and_models_that_do_not_fit_are_refused(tiny32, tmp_path) 
         load_model(ModelConfig(path="random:tiny", lora=str(tmp_path / "other.safetensors")))
     with pytest.raises(ConfigError, match="quantization"):
         load_model(ModelConfig(quantization="8bit", lora=str(tmp_path / "other.safetensors")))
-
-
-ITEMS = [
-    {
-        "question": f"Who founded {town}?",
-        "documents": [
-            {"text": f"{town} was founded by {founder} in {year}. It sits on a river."},
-            {"text": f"{other} was founded by Mara Quill in 1650. Its mayor is Ivo Stark."},
-            {"text": f"The festival of {town} is held in spring. {founder} built a bridge."},
-        ],
-    }
-    for town, founder, year, other in [
-        ("Ashford", "Tomas Vell", 1712, "Brindle"),
-        ("Corvale", "Anna Pike", 1801, "Dunmore"),
-        ("Elmstead", "Rudi Kahn", 1599, "Fenwick"),
-    ]
-]
 
 
 def test_lora_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path) -> None:

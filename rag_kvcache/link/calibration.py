@@ -20,8 +20,6 @@ from the calibration's vectors instead of token embeddings.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from safetensors.torch import save as save_safetensors
 from rag_kvcache.errors import CalibrationError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.model.adapter import embed, embedding_width
+from rag_kvcache.model.calibration_file import metadata, read_checked, write_atomically
 from rag_kvcache.model.loading import LoadedModel
 
 LINK_SLOT = "link-slot"  # cache ID of the placeholder chunks (never stored)
@@ -73,7 +72,7 @@ class Calibration:
         """Inverse of to_bytes; a clear CalibrationError for anything else."""
         try:
             tensors = load_safetensors(data)
-            meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__")
+            meta = metadata(data)
             vectors = tensors["vectors"]
             return cls(
                 vectors,
@@ -88,22 +87,12 @@ class Calibration:
 
     def save(self, path: Path) -> str:
         """Write atomically to `path`; returns the sha256 of the bytes written."""
-        data = self.to_bytes()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-        return hashlib.sha256(data).hexdigest()
+        return write_atomically(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: Path, checksum: str | None = None) -> Calibration:
         """Read `path`; with `checksum`, a mismatch is a CalibrationError (a damaged file)."""
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise CalibrationError(f"cannot read calibration {path}: {e}") from None
-        if checksum is not None and hashlib.sha256(data).hexdigest() != checksum:
-            raise CalibrationError(f"calibration {path} is damaged: its checksum does not match")
-        return cls.from_bytes(data, str(path))
+        return cls.from_bytes(read_checked(path, "calibration", checksum), str(path))
 
     def check_compatible(self, lm: LoadedModel, chunks: list[ChunkKV]) -> None:
         """Clear errors for a calibration used with another model or other chunk encoding."""

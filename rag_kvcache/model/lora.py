@@ -16,7 +16,6 @@ and merges the low-rank layers; what is ours is the file: safetensors, never pic
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from rag_kvcache.errors import CalibrationError
+from rag_kvcache.model.calibration_file import metadata, read_checked, write_atomically
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention's projections
 
@@ -65,7 +65,7 @@ class LinkLoRA:
         """Inverse of to_bytes; a clear CalibrationError for anything else."""
         try:
             tensors = load_safetensors(data)
-            meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+            meta = metadata(data)
             if meta.get("kind") != "lora":
                 raise ValueError("not a LoRA adapter (no kind=lora)")
             lora = cls(
@@ -86,19 +86,11 @@ class LinkLoRA:
 
     def save(self, path: Path) -> str:
         """Write atomically to `path`; returns the sha256 of the bytes written."""
-        data = self.to_bytes()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-        return hashlib.sha256(data).hexdigest()
+        return write_atomically(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: Path) -> LinkLoRA:
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise CalibrationError(f"cannot read LoRA adapter {path}: {e}") from None
-        return cls.from_bytes(data, str(path))
+        return cls.from_bytes(read_checked(path, "LoRA adapter"), str(path))
 
 
 def _config(rank: int, alpha: int, targets: tuple[str, ...]) -> Any:
