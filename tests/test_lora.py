@@ -39,13 +39,30 @@ def _saved_tiny(tokenizer, seed: int, folder):
     return load_model(ModelConfig(path=str(folder), dtype="float64"))
 
 
+def _adapter_tensors(lm, rank: int) -> dict:
+    """A fresh adapter's tensors for `lm`, its model left as it was."""
+    add_lora(lm.model, rank, 2 * rank)
+    try:
+        return lora_tensors(lm.model)
+    finally:
+        remove_lora(lm.model, merge=False)
+
+
 def _has_lora(lm) -> bool:
-    return any("lora_" in name for name, _ in lm.model.named_parameters())
+    layers = any("lora_" in name for name, _ in lm.model.named_parameters())
+    return layers or hasattr(lm.model, "peft_config")
 
 
 @pytest.mark.parametrize(
     "spelling",
-    ["naive", "naive+reversed", "naive+reversed+top:1", "naive+top:2+window:8", "naive+rotated"],
+    [
+        "naive",
+        "naive+reversed",
+        "naive+reversed+top:1",
+        "naive+top:2+window:8",
+        "naive+reversed+top:1+window:5",
+        "naive+rotated",
+    ],
 )
 @pytest.mark.parametrize("sinks", [(), (3, 4)])
 def test_block_attention_equals_the_link(tiny64, spelling: str, sinks) -> None:
@@ -153,6 +170,10 @@ def test_adapter_files_and_models_that_do_not_fit_are_refused(tiny32, tmp_path) 
     fitted.save(tmp_path / "misfit.safetensors")
     with pytest.raises(CalibrationError, match="does not fit"):
         load_model(ModelConfig(path=str(folder), lora=str(tmp_path / "misfit.safetensors")))
+    rank4 = LinkLoRA(_adapter_tensors(loaded, rank=4), 4, 8, TARGETS, loaded.fingerprint, "n")
+    replace(rank4, rank=2, alpha=4).save(tmp_path / "rank.safetensors")  # tensors of rank 4
+    with pytest.raises(CalibrationError, match="does not fit"):
+        load_model(ModelConfig(path=str(folder), lora=str(tmp_path / "rank.safetensors")))
     with pytest.raises(ConfigError, match="no LoRA adapter file"):
         load_model(ModelConfig(path=str(folder), lora=str(tmp_path / "missing")))
     with pytest.raises(ConfigError, match="random-weight"):
@@ -161,7 +182,9 @@ def test_adapter_files_and_models_that_do_not_fit_are_refused(tiny32, tmp_path) 
         load_model(ModelConfig(quantization="8bit", lora=str(tmp_path / "other.safetensors")))
 
 
-def test_lora_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path) -> None:
+def test_lora_training_lowers_the_kl_to_prefill_and_resumes_exactly(
+    tiny32, tiny64, tmp_path
+) -> None:
     config = CalibrateConfig(
         strategy="naive+reversed", kind="lora", rank=2, items=2, held_out=1, steps=6, lr=0.02,
         answer_tokens=4, checkpoint_every=1,
@@ -181,6 +204,7 @@ def test_lora_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_
     calibrate(tiny32, replace(config, steps=3), tmp_path / "cut", items=ITEMS)
     resumed = calibrate(tiny32, config, tmp_path / "cut", resume=True, items=ITEMS)
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
+    assert resumed.kl_without == pytest.approx(whole.kl_without)  # the model alone, still
     assert isinstance(resumed.calibration, LinkLoRA)
     for name, tensor in lora.tensors.items():
         torch.testing.assert_close(resumed.calibration.tensors[name], tensor)
@@ -188,3 +212,6 @@ def test_lora_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_
     with pytest.raises(CalibrationError, match="other settings"):
         calibrate(tiny32, tokens, tmp_path / "cut", resume=True, items=ITEMS)
     assert not _has_lora(tiny32)
+    with pytest.raises(CalibrationError, match="trained on model"):  # another model's
+        calibrate(tiny64, config, tmp_path / "cut", resume=True, items=ITEMS)
+    assert not _has_lora(tiny64)

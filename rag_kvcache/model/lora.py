@@ -128,6 +128,8 @@ def remove_lora(model: Any, merge: bool) -> None:
                 module.merge()
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module.get_base_layer())
+    if hasattr(model, "peft_config"):  # what peft set on the model beside the layers
+        del model.peft_config
 
 
 def merge_lora(model: Any, lora: LinkLoRA, fingerprint: str) -> None:
@@ -138,10 +140,15 @@ def merge_lora(model: Any, lora: LinkLoRA, fingerprint: str) -> None:
     if lora.base_fingerprint != fingerprint:
         raise CalibrationError(
             f"the LoRA adapter was trained on model {lora.base_fingerprint}, not on the loaded "
-            f"{fingerprint}; run `rag-kvcache calibrate --kind lora` for it"
+            f"{fingerprint} (a fingerprint covers the weights and their dtype); run "
+            "`rag-kvcache calibrate --kind lora` for it"
         )
     add_lora(model, lora.rank, lora.alpha, lora.targets)
-    result: Any = set_peft_model_state_dict(model, lora.tensors)
+    try:
+        result: Any = set_peft_model_state_dict(model, lora.tensors)
+    except (RuntimeError, ValueError, KeyError) as e:  # e.g. tensors of another rank
+        remove_lora(model, merge=False)
+        raise CalibrationError(f"the LoRA adapter does not fit the model: {e}") from None
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         remove_lora(model, merge=False)

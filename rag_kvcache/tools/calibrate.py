@@ -315,7 +315,9 @@ def calibrate(
     progress: Callable[[str, int, int], None] | None = None,
     items: list[dict[str, object]] | None = None,
 ) -> CalibrationReport:
-    """Train link tokens for `lm` under `config`; OUT gets the checkpoint and the result.
+    """Train link tokens or a LoRA adapter for `lm` under `config`; OUT gets the checkpoint
+    and the result. An adapter's layers sit in `lm.model` while it trains (taken out at the
+    end, whatever happens): nothing else may use `lm` meanwhile.
 
     `items` (the QA sets' JSON form: "documents" [{"text"}], "question") replace the train
     split's, e.g. questions over a user's own documents; the first `config.items` are trained
@@ -363,12 +365,13 @@ def calibrate(
         optimizer = torch.optim.AdamW(
             list(params.values()), lr=config.learning_rate, weight_decay=0.0
         )
+        # before a checkpoint is read: a resumed adapter is no longer the model alone
+        kl_without = mean_kl(scratch, held, plain)
+        kl_before = kl_without if config.kind == "lora" else mean_kl(scratch, held, initial)
         start_step, losses = 0, list[float]()
         checkpoint = out / CHECKPOINT
         if resume and checkpoint.exists():
-            start_step, losses = _load_checkpoint(checkpoint, config, params, optimizer)
-        kl_without = mean_kl(scratch, held, plain)
-        kl_before = kl_without if config.kind == "lora" else mean_kl(scratch, held, initial)
+            start_step, losses = _load_checkpoint(checkpoint, config, lm, params, optimizer)
         began = time.perf_counter()
         for step in range(start_step, config.steps):
             example = train[step_order(config.seed, step, len(train))]
@@ -378,7 +381,7 @@ def calibrate(
             optimizer.step()
             losses.append(float(loss.detach()))
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                _save_checkpoint(checkpoint, config, params, optimizer, step + 1, losses)
+                _save_checkpoint(checkpoint, config, lm, params, optimizer, step + 1, losses)
             if progress:
                 progress("train", step + 1, config.steps)
         minutes = (time.perf_counter() - began) / 60
@@ -468,6 +471,7 @@ def _resumable(config: dict[str, object]) -> dict[str, object]:
 def _save_checkpoint(
     path: Path,
     config: CalibrateConfig,
+    lm: LoadedModel,
     params: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
     step: int,
@@ -481,7 +485,12 @@ def _save_checkpoint(
         tensors[f"{name}/exp_avg"] = state["exp_avg"].contiguous()
         tensors[f"{name}/exp_avg_sq"] = state["exp_avg_sq"].contiguous()
         tensors[f"{name}/step"] = torch.as_tensor(state["step"], dtype=torch.float64).reshape(1)
-    meta = {"config": json.dumps(asdict(config)), "step": str(step), "losses": json.dumps(losses)}
+    meta = {
+        "config": json.dumps(asdict(config)),
+        "fingerprint": lm.fingerprint,
+        "step": str(step),
+        "losses": json.dumps(losses),
+    }
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
@@ -490,6 +499,7 @@ def _save_checkpoint(
 def _load_checkpoint(
     path: Path,
     config: CalibrateConfig,
+    lm: LoadedModel,
     params: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
 ) -> tuple[int, list[float]]:
@@ -501,6 +511,11 @@ def _load_checkpoint(
         raise CalibrationError(
             f"{path} was written by a run with other settings ({meta.get('config')}); "
             "resume with the same ones, or train afresh in another folder"
+        )
+    if meta.get("fingerprint") != lm.fingerprint:
+        raise CalibrationError(
+            f"{path} was trained on model {meta.get('fingerprint')}, not on the loaded "
+            f"{lm.fingerprint}; train afresh in another folder"
         )
     tensors = load_file(str(path))
     if set(tensors) != {

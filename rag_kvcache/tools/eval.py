@@ -302,7 +302,8 @@ def kept_against(
         raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
     out = {}
     for strategy in dict.fromkeys(r.strategy for r in results):
-        against = str(baseline(Strategy.parse(strategy))) if same_placement else "prefill"
+        # same placement: a prefill's too (prefill+reversed against prefill+reversed)
+        against = str(Strategy.parse(strategy).baseline) if same_placement else "prefill"
         rows_ = [r for r in results if r.strategy == strategy]
         missing = sorted({r.item for r in rows_ if (r.item, against) not in theirs})
         if missing:

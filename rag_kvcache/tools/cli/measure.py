@@ -321,7 +321,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         placed = ev.kept_against(results, args.kept_against, same_placement=True)
         facts["kept_against"]["same_placement"] = {s: asdict(e) for s, e in placed.items()}
         for strategy, estimate in placed.items():
-            other = ev.baseline(Strategy.parse(strategy))
+            other = Strategy.parse(strategy).baseline
             console.print(f"{strategy}: kept {estimate} against its {other}", highlight=False)
     report = ev.report_dict(name, results, summary, **facts)
     ev.save_eval(args.out, name, report, summary)
