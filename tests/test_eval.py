@@ -278,7 +278,10 @@ def test_kept_against_another_runs_prefill_in_the_same_placement(tmp_path: Path)
     assert kept_against(ours, other)["naive+reversed"].n == 2  # against prefill: a and b
     placed = kept_against(ours, other, same_placement=True)["naive+reversed"]
     assert (placed.n, placed.value) == (1, 0.0)  # against prefill+reversed: b alone, lost
-    with pytest.raises(ConfigError, match="no prefill\+rotated answer"):
+    mine = [_result("a", "prefill+reversed", True), _result("b", "prefill+reversed", True)]
+    prefills = kept_against(mine, other, same_placement=True)["prefill+reversed"]
+    assert (prefills.n, prefills.value) == (1, 100.0)  # a prefill against its own placement
+    with pytest.raises(ConfigError, match=r"no prefill\+rotated answer"):
         kept_against([_result("a", "naive+rotated", True)], other, same_placement=True)
 
 
