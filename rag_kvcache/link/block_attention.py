@@ -11,6 +11,8 @@ positions and rotated), and the question attends to everything. A test holds it 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rag_kvcache.errors import StrategyError
@@ -50,32 +52,29 @@ def block_logits(
     sink: list[bool] = []
     sees_all: list[bool] = []
     reach: list[int] = []  # first position past the system prefix a token may see
+
+    def span(
+        tokens: Sequence[int], start: int, of: int, is_sink: bool, sees: bool, first: int
+    ) -> None:
+        """Lay out `tokens` from position `start` in block `of`: sinks or not, seeing past
+        their block or not, and from which position past the system prefix."""
+        n = len(tokens)
+        ids.extend(tokens)
+        pos.extend(range(start, start + n))
+        block.extend([of] * n)
+        sink.extend([is_sink] * n)
+        sees_all.extend([sees] * n)
+        reach.extend([first] * n)
+
     system, at = chunks[0].num_tokens, 0
     for i, c in enumerate(chunks):
         if i > 0 and not full[i]:  # its sinks, seen by it alone
-            s = len(c.sink_ids)
-            ids += c.sink_ids
-            pos += range(at - s, at)
-            block += [i] * s
-            sink += [True] * s
-            sees_all += [False] * s
-            reach += [0] * s
-        n = c.num_tokens
+            span(c.sink_ids, at - len(c.sink_ids), i, True, False, 0)
         window = strategy.window if i > 0 and full[i] and strategy.window is not None else None
-        ids += c.token_ids
-        pos += range(at, at + n)
-        block += [i] * n
-        sink += [False] * n
-        sees_all += [i == 0 or full[i]] * n
-        reach += [0 if window is None else max(at - window, system)] * n
-        at += n
-    m = len(new_ids)
-    ids += new_ids
-    pos += range(at, at + m)
-    block += [len(chunks)] * m
-    sink += [False] * m
-    sees_all += [True] * m
-    reach += [0] * m
+        first = 0 if window is None else max(at - window, system)
+        span(c.token_ids, at, i, False, i == 0 or full[i], first)
+        at += c.num_tokens
+    span(new_ids, at, len(chunks), False, True, 0)
     device = lm.device
     p, b, s_, a, r = (torch.tensor(x, device=device) for x in (pos, block, sink, sees_all, reach))
     causal = p[None, :] <= p[:, None]

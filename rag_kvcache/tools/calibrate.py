@@ -1,5 +1,5 @@
 """`rag-kvcache calibrate`: train a model's link calibration by distillation: link tokens
-(`link.calibration`, the model frozen) or a LoRA adapter (`link.lora`, `kind="lora"`).
+(`link.calibration`, the model frozen) or a LoRA adapter (`model.lora`, `kind="lora"`).
 
 For link tokens the only parameters are K link-token embeddings. For each training
 item (the project's own generated documents, split `train`: never the dev or test items),
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 
 from rag_kvcache.answer import Answer
 from rag_kvcache.config import EngineConfig
@@ -50,6 +51,7 @@ from rag_kvcache.link.calibration import Calibration, soft_inputs, with_link_slo
 from rag_kvcache.link.linker import check_chunks, place_into
 from rag_kvcache.link.selection import select_positions
 from rag_kvcache.model.adapter import additive_mask, build_cache, embed, forward
+from rag_kvcache.model.calibration_file import write_atomically
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.lora import TARGETS, LinkLoRA, add_lora, lora_tensors, remove_lora
 from rag_kvcache.storage.memory import MemoryStore
@@ -248,8 +250,7 @@ def make_examples(
                     "teacher": example.teacher.half(),
                     "new_ids": torch.tensor(example.new_ids, dtype=torch.long),
                 }
-                save_file(tensors, str(kept.with_suffix(".tmp")))
-                kept.with_suffix(".tmp").replace(kept)
+                write_atomically(kept, save_safetensors(tensors))
         out.append(example)
         if on_item:
             on_item()
@@ -491,9 +492,7 @@ def _save_checkpoint(
         "step": str(step),
         "losses": json.dumps(losses),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    write_atomically(path, save_safetensors(tensors, metadata=meta))
 
 
 def _load_checkpoint(
