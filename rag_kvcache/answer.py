@@ -108,6 +108,8 @@ def prepare(
         raise StrategyError(
             f"{strategy} places chunks back to back; schema positions need `positions`"
         )
+    if not strategy.uses_cache or placement is not None:  # only `link` reads KV as it arrives
+        chunks = [c.whole() for c in chunks]
     if not strategy.uses_cache:
         ids = prompt_in_position_order(chunks, new_ids, placement)
         cache, logits = prefill(lm, ids, reserve=reserve)

@@ -283,11 +283,18 @@ class RagKVCache:
 
         def context() -> Prepared:
             with record_function(STAGE_FETCH):
-                chunks = self.store.get(ids)
+                fetched = self.store.fetch(ids)  # cold chunks arrive as the forward runs
                 calibration = self.calibration() if strategy.calibrated else None
-            return prepare(
-                self.lm, chunks, question, strategy, gen.max_new_tokens, calibration=calibration
+            reserve = gen.max_new_tokens
+            prepared = prepare(
+                self.lm, fetched.chunks, question, strategy, reserve, calibration=calibration
             )
+            if fetched.settle():
+                return prepared
+            # a blob the forward read failed its checksum: again, from a re-read (repaired)
+            release_buffers(prepared.cache)
+            chunks = self.store.get(ids)
+            return prepare(self.lm, chunks, question, strategy, reserve, calibration=calibration)
 
         steps = answer_steps(self.lm, context, len(question), strategy, gen)
         return self._finish(AnswerStream(steps), stream)

@@ -3,6 +3,9 @@
 Layout (stated once, used everywhere): `keys` and `values` are `[layers, kv_heads, tokens,
 head_dim]`, batch dimension dropped. Keys are stored after RoPE at positions
 `start .. start + tokens - 1` (`start` > 0 only when sink tokens were prepended while encoding).
+
+A chunk read cold from disk may still be arriving, layer by layer, when a request gets it
+(`ChunkKV.arrival`, `KVStore.fetch`): its tensors have their shapes but not all their bytes.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,6 +48,23 @@ def make_cache_id(fingerprint: str, settings: EncodeSettings, token_ids: list[in
     return h.hexdigest()[:32]
 
 
+class Arrival(Protocol):
+    """KV being read into chunks' tensors one layer at a time, in layer order: a reader of
+    layer i waits for it first. Every chunk of one fetch shares one Arrival."""
+
+    def wait(self, layer: int) -> None:
+        """Return once layer `layer` of every chunk has arrived."""
+        ...
+
+    def wait_all(self) -> None:
+        """Return once every layer has arrived."""
+        ...
+
+    def arrived(self) -> int:
+        """How many layers, from the first, have arrived (in every chunk)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ChunkKV:
     """One chunk's token ids and KV, encoded alone (see module docstring for the layout)."""
@@ -56,6 +76,15 @@ class ChunkKV:
     values: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
     start: int = 0
     sink_ids: tuple[int, ...] = ()  # the sinks it was encoded after (start == len(sink_ids))
+    # set while the KV is still being read (only `link`'s layer-by-layer placement waits on
+    # it; anything else reading the tensors calls `whole()` first)
+    arrival: Arrival | None = field(default=None, compare=False, repr=False)
+
+    def whole(self) -> ChunkKV:
+        """This chunk once every layer of its KV has arrived."""
+        if self.arrival is not None:
+            self.arrival.wait_all()
+        return self
 
     @property
     def settings(self) -> EncodeSettings:
@@ -72,6 +101,7 @@ class ChunkKV:
     def to(self, device: torch.device | str) -> ChunkKV:
         if self.keys.device == torch.device(device):
             return self
+        self.whole()
         return ChunkKV(
             self.cache_id,
             self.fingerprint,
@@ -81,6 +111,17 @@ class ChunkKV:
             self.start,
             self.sink_ids,
         )
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Chunks as a store hands them to one request (`KVStore.fetch`): some may still be
+    arriving. `settle()`, once the request has computed with them, waits for every read and
+    checks it: True when all checked out; False when a blob failed its checksum, and the
+    request must be computed again from `get` (which repairs the blob)."""
+
+    chunks: list[ChunkKV]
+    settle: Callable[[], bool] = field(default=lambda: True)
 
 
 class DocumentCatalog(Protocol):
@@ -116,6 +157,7 @@ class KVStore(Protocol):
     ) -> None: ...
     def put(self, kv: ChunkKV, text: str = "") -> None: ...
     def get(self, cache_ids: list[str]) -> list[ChunkKV]: ...
+    def fetch(self, cache_ids: list[str]) -> Fetched: ...
     def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str: ...
     def calibration(self, fingerprint: str, encode_settings: str) -> bytes | None: ...
     def contains(self, cache_id: str) -> bool: ...

@@ -53,19 +53,21 @@ class CorruptBlobError(RagKVCacheError):
     """A blob's bytes do not match its checksum or do not parse as a chunk's KV."""
 
 
-def checksum(data: bytes | bytearray) -> str:
+def checksum(data: bytes | bytearray | memoryview) -> str:
     """'xxh3-128:' and 32 hex digits."""
     return XXH3 + xxhash.xxh3_128_hexdigest(data)
 
 
-def checksum_matches(data: bytes | bytearray, expected: str) -> bool:
+def checksum_matches(data: bytes | bytearray | memoryview, expected: str) -> bool:
     """Check against a checksum from `checksum`, or a bare sha256 hex digest (older blobs)."""
     if expected.startswith(XXH3):
         return checksum(data) == expected
     return hashlib.sha256(data).hexdigest() == expected
 
 
-def parse_safetensors(data: bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def parse_safetensors(
+    data: bytearray | memoryview,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (views of `data`, no copies) and `__metadata__` of a safetensors buffer.
 
     Every header entry is checked against the buffer (known dtype, offsets inside the data,
@@ -76,7 +78,7 @@ def parse_safetensors(data: bytearray) -> tuple[dict[str, torch.Tensor], dict[st
         (length,) = struct.unpack_from("<Q", data)
         if length > len(data) - 8:
             raise ValueError(f"header of {length} bytes in a {len(data)}-byte blob")
-        header: dict[str, Any] = json.loads(data[8 : 8 + length])
+        header: dict[str, Any] = json.loads(bytes(data[8 : 8 + length]))
         start, size = 8 + length, len(data) - 8 - length
         metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
         buffer = memoryview(data)  # while views of it live, the bytearray cannot be resized
@@ -204,6 +206,19 @@ def from_blob(
         tensors, meta = parse_safetensors(data if isinstance(data, bytearray) else bytearray(data))
     except CorruptBlobError as err:
         raise CorruptBlobError(f"blob of chunk {cache_id}: {err}") from err
+    return blob_chunk(tensors, meta, cache_id, fingerprint, token_ids, sink_ids)
+
+
+def blob_chunk(
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    cache_id: str,
+    fingerprint: str,
+    token_ids: tuple[int, ...],
+    sink_ids: tuple[int, ...],
+) -> ChunkKV:
+    """The chunk a parsed blob holds (`parse_safetensors`), checked against its catalog row's
+    token count; a blob of another encoding or shape is a CorruptBlobError."""
     keys, values = _decoded(tensors, meta, cache_id)
     if keys.shape != values.shape:
         raise CorruptBlobError(f"blob of chunk {cache_id} lacks keys/values of one shape")

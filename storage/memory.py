@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rag_kvcache.errors import UnknownCacheIdError
-from rag_kvcache.kv import ChunkKV
+from rag_kvcache.kv import ChunkKV, Fetched
 from rag_kvcache.storage.layout import checked_name, is_name
 from rag_kvcache.storage.records import VerifyReport
 
@@ -42,6 +42,10 @@ class MemoryStore:
         if missing:
             raise UnknownCacheIdError(missing)
         return [self._chunks[c] for c in cache_ids]
+
+    def fetch(self, cache_ids: list[str]) -> Fetched:
+        """`get`: everything is in memory already."""
+        return Fetched(self.get(cache_ids))
 
     def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str:
         self._calibrations[fingerprint, encode_settings] = bytes(data)

@@ -26,7 +26,7 @@ from rag_kvcache.errors import (
     StoreNotFoundError,
     UnknownCacheIdError,
 )
-from rag_kvcache.kv import ChunkKV, EncodeSettings
+from rag_kvcache.kv import ChunkKV, EncodeSettings, Fetched
 from rag_kvcache.storage.blob import (
     XXH3,
     CorruptBlobError,
@@ -52,6 +52,7 @@ from rag_kvcache.storage.layout import (
 )
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
+from rag_kvcache.storage.streaming import LayerReads, open_blob
 
 if TYPE_CHECKING:
     from rag_kvcache.kv import KVStore
@@ -191,6 +192,8 @@ class TieredStore:
         self.compress = compress
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-read")
         self.takeover_s = 30.0  # a claimed chunk still pending after this: its writer died
+        # `fetch` reads cold disk blobs layer by layer behind the forward (off: read whole)
+        self.stream_reads = True
 
     def close(self) -> None:
         self._readers.shutdown()
@@ -267,6 +270,34 @@ class TieredStore:
 
     def get(self, cache_ids: list[str]) -> list[ChunkKV]:
         """The chunks, in order, from the fastest tier holding each (promoted on a miss)."""
+        rows, found, misses = self._look_up(cache_ids)
+        self._read_whole(rows, found, misses)
+        return [found[cid] for cid in cache_ids]
+
+    def fetch(self, cache_ids: list[str]) -> Fetched:
+        """`get` for one request that links the chunks at once: chunks cold on disk arrive
+        layer by layer while it computes (`storage.streaming`); the request calls
+        `settle()` after its forward (see `Fetched`)."""
+        rows, found, misses = self._look_up(cache_ids)
+        blobs = []
+        if self.stream_reads and isinstance(self.durable, DiskTier) and misses:
+            disk = self.durable
+            opened = self._readers.map(lambda c: open_blob(disk.path(c), rows[c]), misses)
+            blobs = [b for b in opened if b is not None]
+        reads = LayerReads(
+            blobs, self._readers, lambda kv: self._keep_hot(kv, rows[kv.cache_id].pinned)
+        )
+        found.update((c.cache_id, c) for c in reads.chunks)
+        self._read_whole(rows, found, [c for c in misses if c not in found])
+        if reads.chunks:
+            self.catalog.count(f"hits:{self.durable.name}", len(reads.chunks))
+        return Fetched([found[cid] for cid in cache_ids], reads.settle)
+
+    def _look_up(
+        self, cache_ids: list[str]
+    ) -> tuple[dict[str, ChunkRow], dict[str, ChunkKV], list[str]]:
+        """The chunks' catalog rows, those found in a hot tier, and the misses (each once);
+        unknown or expired IDs raise, all at once. Counts the hot tiers' hits."""
         malformed = [repr(c) for c in cache_ids if not is_name("cache ID", c)]
         if malformed:  # names no chunk: unknown, before any lookup
             raise UnknownCacheIdError(malformed)
@@ -282,14 +313,24 @@ class TieredStore:
         if unknown:
             raise UnknownCacheIdError(unknown)
         found: dict[str, ChunkKV] = {}
-        hits = {name: 0 for name in [*(t.name for t in self.hot), self.durable.name]}
+        hits = {t.name: 0 for t in self.hot}
         for cid in dict.fromkeys(cache_ids):
             for tier in self.hot:
                 if (kv := tier.get(cid)) is not None:
                     found[cid] = kv
                     hits[tier.name] += 1
                     break
-        misses = [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
+        self.catalog.touch(cache_ids)
+        for tier_name, n in hits.items():
+            if n:
+                self.catalog.count(f"hits:{tier_name}", n)
+        return rows, found, [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
+
+    def _read_whole(
+        self, rows: dict[str, ChunkRow], found: dict[str, ChunkKV], misses: list[str]
+    ) -> None:
+        """Read `misses` from the durable tier into `found` (repaired if missing or corrupt)
+        and keep them hot."""
         # reading and checksumming release the GIL: fetch cold chunks side by side
         for cid, loaded in zip(misses, self._readers.map(lambda c: self._load(rows[c]), misses)):
             # missing or corrupt (a reason): re-encode (needs the model)
@@ -297,12 +338,8 @@ class TieredStore:
             self._keep_hot(read, rows[cid].pinned)
             # the fastest hot copy (on the GPU, or pinned) if it was kept, else the one read
             found[cid] = next((h for t in self.hot if (h := t.get(cid)) is not None), read)
-            hits[self.durable.name] += 1
-        self.catalog.touch(cache_ids)
-        for tier_name, n in hits.items():
-            if n:
-                self.catalog.count(f"hits:{tier_name}", n)
-        return [found[cid] for cid in cache_ids]
+        if misses:
+            self.catalog.count(f"hits:{self.durable.name}", len(misses))
 
     def _load(self, row: ChunkRow) -> ChunkKV | str:
         """The chunk from the durable tier, or why it cannot be used ('missing', 'corrupt')."""

@@ -10,8 +10,9 @@ The staging buffer holds all layers' raw keys at once (a ring of a few layers' b
 would do, at the cost of the copy stream waiting on the compute stream; worth it only if
 the GPU runs show memory, not transfer, is what limits).
 
-Off CUDA there is nothing to overlap; the same per-layer placement runs synchronously, which
-is how the CPU tests check it against `linker.place_into` (the eager reference).
+Off CUDA, the same per-layer placement runs synchronously, which is how the CPU tests check it
+against `linker.place_into` (the eager reference); there, what it overlaps is the reading of
+chunks still arriving from disk (`ChunkKV.arrival`): placing layer i waits only for layer i.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class LayerFeed:
         inv_freq: torch.Tensor,
         offset: int = 0,
     ):
+        if keys.device.type == "cuda":  # copies are queued at once: chunks read whole first
+            chunks = [c.whole() for c in chunks]
         self.keys, self.values, self.chunks, self.inv_freq = keys, values, chunks, inv_freq
         self.spans: list[slice] = []  # where each chunk goes in the buffers
         self.staged_spans: list[slice] = []  # where it is staged (from 0, CUDA only)
@@ -46,6 +49,9 @@ class LayerFeed:
             self.staged_spans.append(slice(at - offset, at - offset + c.num_tokens))
             self.angles.append(delta_angles(at - c.start, inv_freq, keys.dtype, keys.device))
             at += c.num_tokens
+        # reads still filling the chunks' tensors, layer by layer (each waited for once)
+        self.arrivals = list({id(c.arrival): c.arrival for c in chunks if c.arrival}.values())
+        self.placed = 0  # layers placed so far
         self.events: list[torch.cuda.Event] = []
         self.staged: torch.Tensor | None = None  # raw keys on the model's device (CUDA only)
         if keys.device.type == "cuda":
@@ -71,19 +77,30 @@ class LayerFeed:
         self.staged = staged
 
     def place(self, layer: int) -> None:
-        """Layer `layer` of every chunk into the buffers (waits for its copies on CUDA)."""
+        """Layer `layer` of every chunk into the buffers (waits for its copies on CUDA). Off
+        CUDA, chunks arriving from disk have often brought more layers meanwhile: those are
+        placed in the same operations, and their own calls then do nothing."""
+        if layer < self.placed:
+            return
+        for arrival in self.arrivals:
+            arrival.wait(layer)
         if self.events:
             torch.cuda.current_stream(self.keys.device).wait_event(self.events[layer])
+        upto = min((a.arrived() for a in self.arrivals), default=layer + 1)
+        if self.staged is not None:  # CUDA: one layer per call, as its copies land
+            upto = layer + 1
+        layers = slice(layer, upto)
         for c, span, local, angles in zip(
             self.chunks, self.spans, self.staged_spans, self.angles, strict=True
         ):
             if self.staged is not None:
-                raw = self.staged[layer, :, local]
+                raw = self.staged[layers, :, local]
             else:
-                raw = c.keys[layer].to(self.keys.device)
-                self.values[layer, :, span] = c.values[layer]
+                raw = c.keys[layers].to(self.keys.device)
+                self.values[layers, :, span] = c.values[layers]
             delta = span.start - c.start
-            rotate_into(self.keys[layer, :, span], raw, delta, self.inv_freq, angles)
+            rotate_into(self.keys[layers, :, span], raw, delta, self.inv_freq, angles)
+        self.placed = upto
 
     def calls(self) -> list[partial[None]]:
         """One call per layer, for `model.before_layer_update`."""

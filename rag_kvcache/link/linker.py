@@ -107,7 +107,8 @@ def link(
     strategy with `+top:N` then needs `in_full`, the `Strategy.in_full` flags of these chunks
     (their ranks are the whole request's).
     `layerwise` places the chunks one layer at a time as the forward reaches it (`LayerFeed`;
-    by default when their KV is on another device than the model, e.g. CPU-pinned for CUDA).
+    by default when their KV is on another device than the model, e.g. CPU-pinned for CUDA,
+    or still arriving from disk, `ChunkKV.arrival`).
     A `+calibrated` strategy needs the model's `calibration`: its link tokens are laid after
     every document chunk and computed with the query (`link.calibration`).
     """
@@ -134,8 +135,8 @@ def link(
         keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
         if prefix is not None:
             keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
-        if layerwise is None:
-            layerwise = any(c.keys.device != lm.device for c in chunks)
+        if layerwise is None:  # KV on another device, or still arriving from disk
+            layerwise = any(c.keys.device != lm.device or c.arrival for c in chunks)
         feed = LayerFeed(keys[:, 0], values[:, 0], chunks, lm.inv_freq, P) if layerwise else None
         if feed is None:
             place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
@@ -356,7 +357,7 @@ def place_into(
     """Write chunks back to back into keys/values [layers, kv_heads, >= L, head_dim] from
     position `offset` on, each chunk's keys rotated from where it was encoded to its place."""
     for c in chunks:
-        span = slice(offset, offset + c.num_tokens)
+        span = slice(offset, offset + c.whole().num_tokens)
         rotate_into(keys[:, :, span], c.keys.to(keys.device), offset - c.start, inv_freq)
         values[:, :, span] = c.values
         offset += c.num_tokens

@@ -7,7 +7,10 @@ the TTFT of a link strategy's generation (`legolink:2` unless told) with the chu
 each tier, side by side with full prefill of the same prompt. The disk tier is measured with
 blobs as computed ("disk"), as 8-bit codes ("disk-int8") and as bfloat16 ("disk-bf16": float32
 KV halved; a 16-bit model's is stored as it is), each with the next-token KL of its answer
-against the KV as computed. Writes store.json and store.png.
+against the KV as computed. Each durable tier's TTFT is timed round-robin beside the CPU
+tier's (one request of each per repeat, so drift shifts both), and the disk's also with the
+blobs read whole before the forward ("... (read whole)") instead of layer by layer behind it
+(`storage.streaming`). Writes store.json and store.png.
 """
 
 from __future__ import annotations
@@ -88,16 +91,19 @@ def bench_dtype(
     per_token = docs[0].nbytes / docs[0].num_tokens
 
     def ttft(
-        engine: RagKVCache, timed: Strategy = strategy, before: Callable[[], object] = list
+        engine: RagKVCache,
+        timed: Strategy = strategy,
+        before: Callable[[], object] = list,
+        runs: int = repeats,
     ) -> float:
         """Median TTFT of the public call; `before` (untimed) e.g. empties the hot tiers."""
-        runs = []
-        for _ in range(repeats):
+        seconds = []
+        for _ in range(runs):
             before()
             answer = engine.generate(question, ids, strategy=timed, max_new_tokens=1)
             assert isinstance(answer, Answer)
-            runs.append(answer.ttft_s)
-        return statistics.median(runs)
+            seconds.append(answer.ttft_s)
+        return statistics.median(seconds)
 
     def first_logits(engine: RagKVCache) -> torch.Tensor:
         return engine.forced_logits(question, ids, [0], strategy)[0]
@@ -177,23 +183,39 @@ def bench_dtype(
             start = time.perf_counter()
             store.get(ids)
             get_runs.append((time.perf_counter() - start) * 1000 / n)
-        tier_ttft = ttft(engine, before=forget_hot)
+        # round-robin, each repeat one request of each: chunks hot in the CPU tier, cold from
+        # this tier, and (disk) cold read whole before the forward instead of layer by layer
+        ways: dict[str, list[float]] = {"cpu": [], name: [], f"{name} (read whole)": []}
+        for _ in range(repeats):
+            store.get(ids)  # now hot
+            ways["cpu"].append(ttft(engine, runs=1))
+            for way, streamed in ((name, True), (f"{name} (read whole)", False)):
+                if not streamed and not isinstance(store.durable, DiskTier):
+                    continue
+                store.stream_reads = streamed
+                ways[way].append(ttft(engine, before=forget_hot, runs=1))
+            store.stream_reads = True
+        beside = statistics.median(ways["cpu"])
         forget_hot()
         served = first_logits(engine)
         p, log_p, log_q = exact.softmax(-1), exact.log_softmax(-1), served.log_softmax(-1)
+        tier_ttft = statistics.median(ways[name])
         rows.append(
             row(
                 name,
                 tier_ttft,
                 put_ms_per_chunk=put_ms,
                 get_ms_per_chunk=statistics.median(get_runs),
-                ttft_vs_cpu=tier_ttft / cpu_ttft,
+                ttft_vs_cpu=tier_ttft / beside,
                 bytes_per_token=sum(len(store.durable.get(c) or b"") for c in ids)
                 / (n * chunk_tokens),
                 kl_vs_uncompressed=float((p * (log_p - log_q)).sum()),
                 top1_agrees=bool(exact.argmax() == served.argmax()),
             )
         )
+        if whole_runs := ways[f"{name} (read whole)"]:
+            whole = statistics.median(whole_runs)
+            rows.append(row(f"{name} (read whole)", whole, ttft_vs_cpu=whole / beside))
         if name == "redis":
             for cid in list(store.durable.ids()):
                 store.durable.remove(cid)

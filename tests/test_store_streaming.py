@@ -1,0 +1,229 @@
+"""Cold chunks read from disk layer by layer behind the link's forward (`storage.streaming`):
+the answers equal those from memory, token for token, whatever the strategy; a blob that
+fails its checksum after the forward read it is answered again from a repaired copy; buffers
+are reused only once nothing reads them."""
+
+from __future__ import annotations
+
+import gc
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_chunks
+
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.engine import reencoder
+from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.link.layer_feed import LayerFeed
+from rag_kvcache.link.linker import link, place_into
+from rag_kvcache.model.adapter import new_buffers
+from rag_kvcache.storage import streaming
+from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.strategy import Strategy
+
+DOCS = [
+    "The lighthouse at Hallam Point was built in 1788 by the harbor guild.",
+    "Velmora has three harbor basins and a fish market on the north quay.",
+    "The ferry to Orrin leaves at dawn and returns before the evening bell.",
+]
+
+
+@pytest.fixture(params=["direct", "page cache"])
+def direct(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """O_DIRECT reads where the system has them, and the page-cache fallback."""
+    if request.param == "page cache":
+        monkeypatch.setattr(streaming, "DIRECT", 0)
+    return request.param == "direct"
+
+
+def _engine(root: Path, lm, cpu_bytes: int = 2 << 30, compress: str | None = None):
+    store = TieredStore(root, reencode=reencoder(lm), cpu_bytes=cpu_bytes, compress=compress)
+    config = EngineConfig(generation=GenerationConfig(max_new_tokens=6))
+    return RagKVCache(config, lm=lm, store=store), store
+
+
+def _forget_hot(store: TieredStore, ids: list[str]) -> None:
+    for tier in store.hot:
+        for cid in ids:
+            tier.remove(cid)
+
+
+def test_fetch_streams_cold_blobs_and_settles_into_the_hot_tier(tmp_path, tiny32, direct) -> None:
+    kvs = encode_chunks(tiny32, random_chunks([5, 9, 7], seed=3))
+    store = TieredStore(tmp_path / "kv")
+    store.register_model(tiny32.fingerprint, "tiny", "float32", 3, 2, 16)
+    for kv in kvs:
+        store.put(kv, "text")
+    ids = [kv.cache_id for kv in kvs]
+    _forget_hot(store, ids[1:])  # the first stays hot
+    fetched = store.fetch(ids)
+    assert fetched.chunks[0].arrival is None
+    assert all(c.arrival is not None for c in fetched.chunks[1:])
+    for got, kv in zip(fetched.chunks, kvs, strict=True):
+        got.whole()
+        assert torch.equal(got.keys, kv.keys) and torch.equal(got.values, kv.values)
+        assert got.token_ids == kv.token_ids and got.start == kv.start
+    assert fetched.settle()
+    for kv in kvs:
+        held = store.hot[-1].get(kv.cache_id)
+        assert held is not None and held.arrival is None and torch.equal(held.keys, kv.keys)
+    assert store.catalog.counters()["hits:disk"] == 2
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "legolink:2",
+        "full",
+        "naive+reversed+top:1+window:4",
+        "cacheblend:0.5",
+        "legolink:2+ape:0.7,0.8",
+        "prefill",
+    ],
+)
+def test_answers_from_streamed_reads_equal_answers_from_memory(
+    tmp_path, tiny32, strategy: str
+) -> None:
+    engine, store = _engine(tmp_path / "kv", tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    hot = engine.generate("Who built it?", ids, strategy=strategy)
+    for streamed in (True, False):
+        store.stream_reads = streamed
+        _forget_hot(store, [engine.prefix_id, *ids])
+        cold = engine.generate("Who built it?", ids, strategy=strategy)
+        assert cold.token_ids == hot.token_ids, streamed
+    assert store.catalog.counters().get("reencoded:corrupt") is None
+    store.close()
+
+
+def test_a_blob_failing_its_checksum_after_the_forward_is_answered_from_a_repair(
+    tmp_path, tiny32, direct
+) -> None:
+    engine, store = _engine(tmp_path / "kv", tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    before = engine.generate("Who built it?", ids, strategy="legolink:2").token_ids
+    data = bytearray(store.durable.get(ids[1]))
+    data[-3] ^= 0xFF  # the last layer's values: the header parses, the bytes do not check out
+    store.durable.put(ids[1], bytes(data))
+    _forget_hot(store, [engine.prefix_id, *ids])
+    fetched = store.fetch(ids)
+    assert fetched.chunks[1].arrival is not None  # it streams: the damage is found after
+    assert not fetched.settle()
+    assert store.hot[-1].get(ids[1]) is None  # the damaged chunk is not kept
+    _forget_hot(store, [engine.prefix_id, *ids])
+    assert engine.generate("Who built it?", ids, strategy="legolink:2").token_ids == before
+    assert store.catalog.counters()["reencoded:corrupt"] == 1
+    assert store.verify().corrupt == []
+    store.close()
+
+
+def test_a_truncated_or_missing_blob_is_read_whole_and_repaired(tmp_path, tiny32) -> None:
+    engine, store = _engine(tmp_path / "kv", tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    before = engine.generate("Who built it?", ids, strategy="legolink:2").token_ids
+    store.durable.put(ids[0], store.durable.get(ids[0])[:-100])  # header past the end
+    store.durable.remove(ids[1])
+    _forget_hot(store, [engine.prefix_id, *ids])
+    fetched = store.fetch(ids)  # neither streams: read whole, which repairs them at once
+    assert fetched.chunks[0].arrival is None and fetched.chunks[1].arrival is None
+    assert fetched.chunks[2].arrival is not None  # the sound one does
+    assert fetched.settle()
+    _forget_hot(store, [engine.prefix_id, *ids])
+    assert engine.generate("Who built it?", ids, strategy="legolink:2").token_ids == before
+    counters = store.catalog.counters()
+    assert counters["reencoded:corrupt"] == 1 and counters["reencoded:missing"] == 1
+    store.close()
+
+
+def test_compressed_blobs_are_decoded_whole(tmp_path, tiny32) -> None:
+    engine, store = _engine(tmp_path / "kv", tiny32, compress="int8")
+    ids = engine.generate_context_cache(DOCS)
+    hot = engine.generate("Who built it?", ids, strategy="legolink:2").token_ids
+    _forget_hot(store, [engine.prefix_id, *ids])
+    fetched = store.fetch([engine.prefix_id, *ids])
+    assert all(c.arrival is None for c in fetched.chunks)
+    _forget_hot(store, [engine.prefix_id, *ids])
+    assert engine.generate("Who built it?", ids, strategy="legolink:2").token_ids == hot
+    store.close()
+
+
+def test_read_buffers_are_reused_once_nothing_reads_them(tmp_path, tiny32) -> None:
+    streaming.BUFFERS.clear()
+    engine, store = _engine(tmp_path / "kv", tiny32, cpu_bytes=0)  # no hot copies
+    ids = engine.generate_context_cache(DOCS)
+    _forget_hot(store, [engine.prefix_id, *ids])
+    first = engine.generate("Who built it?", ids, strategy="legolink:2")
+    released = {id(b) for b in streaming.BUFFERS.free}
+    assert len(released) == 4  # the system prefix and three chunks, handed back
+    second = engine.generate("Who built it?", ids, strategy="legolink:2")
+    assert {id(b) for b in streaming.BUFFERS.free} == released  # the same ones, reused
+    assert second.token_ids == first.token_ids
+    store.close()
+
+    streaming.BUFFERS.clear()  # a chunk a hot tier keeps holds its buffer until evicted
+    engine, store = _engine(tmp_path / "kv2", tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    _forget_hot(store, [engine.prefix_id, *ids])
+    engine.generate("Who built it?", ids, strategy="legolink:2")
+    assert streaming.BUFFERS.free == []
+    _forget_hot(store, ids[:1])
+    gc.collect()
+    assert len(streaming.BUFFERS.free) == 1
+    store.close()
+
+
+class ScriptedArrival:
+    """Layers arrive as scripted: `arrived()` answers from a list, one value per call."""
+
+    def __init__(self, arrived: list[int]):
+        self.script, self.waited = list(arrived), []
+
+    def wait(self, layer: int) -> None:
+        self.waited.append(layer)
+
+    def wait_all(self) -> None:
+        pass
+
+    def arrived(self) -> int:
+        return self.script.pop(0)
+
+
+def test_layer_feed_places_every_layer_already_arrived_at_once(tiny32) -> None:
+    """Off CUDA, chunks arriving from disk are placed in groups of the layers already there
+    (here layer 0, then layers 1-2); the result equals placing them all first."""
+    chunks = encode_chunks(tiny32, random_chunks([4, 6, 5], seed=9))
+    arrival = ScriptedArrival([1, 3])
+    arriving = [replace(c, arrival=arrival) for c in chunks]
+    keys, values = new_buffers(tiny32, 15)
+    feed = LayerFeed(keys[:, 0], values[:, 0], arriving, tiny32.inv_freq)
+    for call in feed.calls():
+        call()
+    assert arrival.waited == [0, 1] and feed.placed == tiny32.num_layers == 3
+    ref_keys, ref_values = new_buffers(tiny32, 15)
+    place_into(ref_keys[:, 0], ref_values[:, 0], chunks, tiny32.inv_freq)
+    assert torch.equal(keys[:, 0, :, :15], ref_keys[:, 0, :, :15])
+    assert torch.equal(values[:, 0, :, :15], ref_values[:, 0, :, :15])
+    arriving = [replace(c, arrival=ScriptedArrival([1, 3])) for c in chunks]
+    linked = link(tiny32, arriving, [5, 6, 7], Strategy.parse("legolink:1"))  # layerwise
+    eager = link(tiny32, chunks, [5, 6, 7], Strategy.parse("legolink:1"), layerwise=False)
+    assert torch.equal(linked.next_logits, eager.next_logits)
+
+
+def test_a_blob_cut_short_while_read_settles_as_bad_without_hanging(tmp_path, tiny32) -> None:
+    engine, store = _engine(tmp_path / "kv", tiny32)
+    ids = engine.generate_context_cache(DOCS[:1])
+    row = store.catalog.chunk(ids[0])
+    path = store.durable.path(ids[0])
+    blob = streaming.open_blob(path, row)
+    assert blob is not None
+    os.truncate(path, path.stat().st_size // 2)  # after its header was read
+    with ThreadPoolExecutor(2) as pool:
+        reads = streaming.LayerReads([blob], pool, keep=lambda kv: None)
+        reads.wait(tiny32.num_layers - 1)
+        assert not reads.settle()
+    store.close()
