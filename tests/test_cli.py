@@ -85,7 +85,16 @@ def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
     assert report["strategy"] == "naive+reversed+top:1+window:128"  # timed from every tier
     rows = report["rows"]
     tiers = [r["tier"] for r in rows]
-    assert tiers[:5] == ["prefill", "memory", "cpu", "disk", "disk-int8"]  # redis when reachable
+    # redis when reachable; the disk also with its blobs read whole, not layer by layer
+    assert tiers[:7] == [
+        "prefill",
+        "memory",
+        "cpu",
+        "disk",
+        "disk (read whole)",
+        "disk-int8",
+        "disk-bf16",
+    ]
     in_memory = [r for r in rows if r["tier"] in ("prefill", "memory", "cpu")]
     assert all(r["bytes_per_token"] == 46080 for r in in_memory)  # 30 x 3 x 64 x 2 x 4 bytes
     disk = {r["tier"]: r for r in rows}
@@ -93,6 +102,9 @@ def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
     assert disk["disk-int8"]["bytes_per_token"] < disk["disk"]["bytes_per_token"] / 3.5
     assert disk["disk"]["kl_vs_uncompressed"] == pytest.approx(0, abs=1e-6)  # lossless tier
     assert disk["disk-int8"]["kl_vs_uncompressed"] > 0
+    for tier in ("disk", "disk (read whole)", "disk-int8"):  # each timed beside the CPU tier
+        beside = disk[tier]["cpu_ttft_beside_s"]
+        assert disk[tier]["ttft_vs_cpu"] == pytest.approx(disk[tier]["ttft_s"] / beside)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
