@@ -205,20 +205,23 @@ class LayerReads:
         self._ok = True
         self._done = threading.Condition()
         self.chunks = [replace(b.chunk, arrival=self) for b in blobs]
-        for layer in range(self._layers):  # the pool runs them in this order
+        for layers in layer_groups(self._layers):  # the pool runs them in this order
             for blob in blobs:
-                pool.submit(self._read, blob, layer)
+                pool.submit(self._read, blob, layers)
 
-    def _read(self, blob: _Blob, layer: int) -> None:
+    def _read(self, blob: _Blob, layers: range) -> None:
         try:
-            for offset, length in blob.layer_ranges[layer]:
+            for part in range(2):  # keys, values: each a run of consecutive layers in the file
+                offset = blob.layer_ranges[layers[0]][part][0]
+                length = sum(blob.layer_ranges[i][part][1] for i in layers)
                 _read_range(blob, offset, length)
         except Exception:  # noqa: BLE001 - any failure is a bad read, answered again
             blob.ok = False
         with self._done:
-            blob.left -= 1
+            blob.left -= len(layers)
             last = blob.left == 0
-            self._arrived[layer] += 1
+            for layer in layers:
+                self._arrived[layer] += 1
             self._done.notify_all()
         if last:  # the blob is whole: check it (off the caller's thread), then close it
             try:
@@ -255,6 +258,17 @@ class LayerReads:
         # (and their buffers back to BUFFERS) with the request, not with the next GC cycle
         self._blobs, self.chunks = [], []
         return self._ok
+
+
+def layer_groups(layers: int) -> list[range]:
+    """Layers read together: 1, 1, 2, 4, 8, ... The forward needs the first ones first; by the
+    later ones the reads are ahead of it, and fewer, longer reads cost the CPU less."""
+    groups, start, size = [], 0, 1
+    while start < layers:
+        groups.append(range(start, min(start + size, layers)))
+        start += size
+        size = size if len(groups) < 2 else 2 * size
+    return groups
 
 
 def _read_range(blob: _Blob, offset: int, length: int) -> None:
