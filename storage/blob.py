@@ -163,9 +163,10 @@ PARTS = {None: ("",), "bfloat16": (".bf16",), "int8": (".int8", ".scale")}  # te
 
 
 def _decoded(
-    tensors: dict[str, torch.Tensor], meta: dict[str, str], cache_id: str
+    tensors: dict[str, torch.Tensor], meta: dict[str, str], cache_id: str, widen: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values in the dtype they were computed in, whatever the blob's encoding."""
+    """Keys and values in the dtype they were computed in, whatever the blob's encoding
+    (`widen=False`: bfloat16 blobs' as stored, views of the blob; they widen exactly)."""
     how, dtype = meta.get("compression"), FLOATS.get(meta.get("dtype", "float32"))
     if how not in PARTS or dtype is None:
         raise CorruptBlobError(
@@ -182,7 +183,7 @@ def _decoded(
         elif how == "bfloat16":
             if parts[0].dtype != torch.bfloat16:
                 raise CorruptBlobError(f"blob of chunk {cache_id}: {name}.bf16 is not bfloat16")
-            out.append(parts[0].to(dtype))
+            out.append(parts[0].to(dtype) if widen else parts[0])
         else:
             out.append(dequantize(parts[0], parts[1], dtype))
     return out[0], out[1]
@@ -216,10 +217,12 @@ def blob_chunk(
     fingerprint: str,
     token_ids: tuple[int, ...],
     sink_ids: tuple[int, ...],
+    widen: bool = True,
 ) -> ChunkKV:
     """The chunk a parsed blob holds (`parse_safetensors`), checked against its catalog row's
-    token count; a blob of another encoding or shape is a CorruptBlobError."""
-    keys, values = _decoded(tensors, meta, cache_id)
+    token count; a blob of another encoding or shape is a CorruptBlobError. `widen=False`
+    leaves a bfloat16 blob's KV as stored (see `_decoded`)."""
+    keys, values = _decoded(tensors, meta, cache_id, widen)
     if keys.shape != values.shape:
         raise CorruptBlobError(f"blob of chunk {cache_id} lacks keys/values of one shape")
     if keys.shape[2] != len(token_ids):

@@ -15,8 +15,8 @@ Where O_DIRECT is refused (tmpfs, macOS), the same ranges are read through the p
 A blob's checksum can only be checked once it is whole, so the forward computes with KV not
 yet checked: `LayerReads.settle` (after the forward, before the first token is handed out)
 checks every blob and says whether the request must be computed again from a plain `get`,
-which re-reads and repairs. Only blobs kept as computed stream; compressed ones (int8,
-bfloat16) are decoded whole, after reading, as before.
+which re-reads and repairs. Blobs kept as computed and bfloat16 blobs of float32 KV stream (the
+link widens the latter as it places them, exactly); int8 ones are decoded whole after reading.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch
 
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.storage.blob import (
+    FLOATS,
     CorruptBlobError,
     blob_chunk,
     checksum_matches,
@@ -118,7 +119,8 @@ class _Blob:
     size: int  # the file's bytes (the buffer is rounded up to whole blocks)
     buffer: mmap.mmap
     layer_ranges: list[list[tuple[int, int]]]  # per layer: (file offset, bytes) of K and V
-    chunk: ChunkKV  # its tensors: views of buffer
+    chunk: ChunkKV  # its tensors: views of buffer, as stored (bfloat16 blobs: bfloat16)
+    computed: torch.dtype  # what the KV was computed in (the hot tiers keep it widened)
     left: int  # layers still to read
     ok: bool = True  # no read failed; then, once left == 0, the checksum matched
 
@@ -144,10 +146,11 @@ def open_blob(path: Path, row: ChunkRow) -> _Blob | None:
         buffer = BUFFERS.take(size)
         buffer[: 8 + length] = head + header
         tensors, meta = parse_safetensors(memoryview(buffer)[:size])
-        if meta.get("compression") is not None:
-            raise CorruptBlobError("compressed: decoded whole")
+        if meta.get("compression") not in (None, "bfloat16"):
+            raise CorruptBlobError("int8: decoded whole")
         sinks = EncodeSettings.from_key(row.encode_settings).sink_ids
-        chunk = blob_chunk(tensors, meta, row.cache_id, row.fingerprint, row.token_ids, sinks)
+        ids = row.token_ids
+        chunk = blob_chunk(tensors, meta, row.cache_id, row.fingerprint, ids, sinks, widen=False)
         ranges = [_layer_ranges(buffer, chunk.keys), _layer_ranges(buffer, chunk.values)]
         covered = sorted([(0, 8 + length), *ranges[0], *ranges[1]])
         if (
@@ -164,7 +167,8 @@ def open_blob(path: Path, row: ChunkRow) -> _Blob | None:
     direct = _reopen_direct(path, fd)
     fd = direct if direct is not None else fd
     layers = [[ranges[0][i], ranges[1][i]] for i in range(chunk.keys.shape[0])]
-    return _Blob(row, fd, direct is not None, size, buffer, layers, chunk, len(layers))
+    computed = FLOATS[meta.get("dtype", "float32")]  # (checked by blob_chunk)
+    return _Blob(row, fd, direct is not None, size, buffer, layers, chunk, computed, len(layers))
 
 
 def _layer_ranges(buffer: mmap.mmap, x: torch.Tensor) -> list[tuple[int, int]]:
@@ -198,7 +202,7 @@ class LayerReads:
 
     def __init__(self, blobs: list[_Blob], pool: Executor, keep: Callable[[ChunkKV], None]):
         self._blobs, self._count = blobs, len(blobs)
-        self._keep = keep
+        self._keep, self._pool = keep, pool
         self._layers = len(blobs[0].layer_ranges) if blobs else 0
         self._arrived = [0] * self._layers  # blobs whose layer i is in
         self._checked = 0
@@ -234,6 +238,9 @@ class LayerReads:
                 self._checked += 1
                 self._done.notify_all()
 
+    def _keep_widened(self, chunk: ChunkKV, dtype: torch.dtype) -> None:
+        self._keep(replace(chunk, keys=chunk.keys.to(dtype), values=chunk.values.to(dtype)))
+
     def wait(self, layer: int) -> None:
         with self._done:
             self._done.wait_for(lambda: self._arrived[layer] == self._count)
@@ -251,8 +258,13 @@ class LayerReads:
         """True when every blob read whole and matched its checksum (each good one kept)."""
         self.wait_all()
         for blob, chunk in zip(self._blobs, self.chunks, strict=True):
-            if blob.ok:
-                self._keep(replace(chunk, arrival=None))
+            if not blob.ok:
+                continue
+            read = replace(chunk, arrival=None)
+            if read.keys.dtype == blob.computed:
+                self._keep(read)
+            else:  # bfloat16 blobs are kept widened, as `get` reads them: off the first token
+                self._pool.submit(self._keep_widened, read, blob.computed)
         self._ok = self._ok and all(b.ok for b in self._blobs)
         # the chunks refer to this object (their arrival): let go of them, so that they go
         # (and their buffers back to BUFFERS) with the request, not with the next GC cycle

@@ -140,7 +140,35 @@ def test_a_truncated_or_missing_blob_is_read_whole_and_repaired(tmp_path, tiny32
     store.close()
 
 
-def test_compressed_blobs_are_decoded_whole(tmp_path, tiny32) -> None:
+def test_bfloat16_blobs_stream_as_stored_and_widen_exactly(tmp_path, tiny32) -> None:
+    """A float32 model's bfloat16 blobs arrive as stored (half the bytes) and are widened as
+    they are placed: the answers equal those from the same blobs read whole (widened first),
+    and the hot tier then keeps them widened, as a whole read does."""
+    engine, store = _engine(tmp_path / "kv", tiny32, compress="bfloat16")
+    ids = engine.generate_context_cache(DOCS)
+    everything = [engine.prefix_id, *ids]
+    _forget_hot(store, everything)
+    whole = [c.keys for c in store.get(everything)]
+    for strategy in ("legolink:2", "naive+reversed+top:1+window:4", "cacheblend:0.5"):
+        store.stream_reads = False
+        _forget_hot(store, everything)
+        expected = engine.generate("Who built it?", ids, strategy=strategy).token_ids
+        store.stream_reads = True
+        _forget_hot(store, everything)
+        fetched = store.fetch(everything)
+        assert all(c.arrival is not None for c in fetched.chunks)
+        assert all(c.keys.dtype == torch.bfloat16 for c in fetched.chunks)
+        assert fetched.settle()
+        _forget_hot(store, everything)
+        assert engine.generate("Who built it?", ids, strategy=strategy).token_ids == expected
+    store.close()  # waits for the widened copies to be kept
+    for cid, keys in zip(everything, whole, strict=True):
+        held = store.hot[-1].get(cid)
+        assert held is not None and held.keys.dtype == torch.float32
+        assert torch.equal(held.keys, keys)
+
+
+def test_int8_blobs_are_decoded_whole(tmp_path, tiny32) -> None:
     engine, store = _engine(tmp_path / "kv", tiny32, compress="int8")
     ids = engine.generate_context_cache(DOCS)
     hot = engine.generate("Who built it?", ids, strategy="legolink:2").token_ids

@@ -363,6 +363,13 @@ def place_into(
         offset += c.num_tokens
 
 
+def widens(stored: torch.dtype, model: torch.dtype) -> bool:
+    """Whether KV stored in `stored` is linked into a `model`-dtype context exactly: its own
+    dtype, or bfloat16 into float32 (a bfloat16 blob of float32 KV, read as stored and widened
+    as it is placed)."""
+    return stored == model or (stored == torch.bfloat16 and model == torch.float32)
+
+
 def check_calibration(
     lm: LoadedModel,
     chunks: list[ChunkKV],
@@ -418,7 +425,7 @@ def check_chunks(
                 f"chunk {c.cache_id} was encoded by model {c.fingerprint}, not by the loaded "
                 f"model {lm.fingerprint} ({lm.name}, {lm.dtype}); re-encode it with this model"
             )
-        if c.keys.dtype != lm.dtype or c.values.dtype != lm.dtype:
+        if not (widens(c.keys.dtype, lm.dtype) and widens(c.values.dtype, lm.dtype)):
             raise DtypeMismatchError(
                 f"chunk {c.cache_id} holds {c.keys.dtype} KV; the model computes in {lm.dtype}"
             )

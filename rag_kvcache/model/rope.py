@@ -64,7 +64,8 @@ def rotate_into(
     `delta_angles(...)` when the caller rotates by the same delta many times.
     """
     half = inv_freq.shape[-1]
-    c, s = angles if angles is not None else delta_angles(delta, inv_freq, x.dtype, x.device)
+    # angles in out's dtype: x may be narrower (bfloat16 KV placed into a float32 buffer)
+    c, s = angles if angles is not None else delta_angles(delta, inv_freq, out.dtype, x.device)
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     o1, o2 = out[..., :half], out[..., half : 2 * half]
     torch.mul(x1, c, out=o1)
