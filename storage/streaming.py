@@ -167,7 +167,9 @@ def open_blob(path: Path, row: ChunkRow) -> _Blob | None:
     direct = _reopen_direct(path, fd)
     fd = direct if direct is not None else fd
     layers = [[ranges[0][i], ranges[1][i]] for i in range(chunk.keys.shape[0])]
-    computed = FLOATS[meta.get("dtype", "float32")]  # (checked by blob_chunk)
+    # what the KV was computed in: a compressed blob says (checked by blob_chunk); another
+    # holds it as computed
+    computed = FLOATS[meta["dtype"]] if meta.get("compression") else chunk.keys.dtype
     return _Blob(row, fd, direct is not None, size, buffer, layers, chunk, computed, len(layers))
 
 

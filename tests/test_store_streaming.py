@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_chunks
+from helpers import build_tiny, random_chunks
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.engine import reencoder
@@ -166,6 +166,20 @@ def test_bfloat16_blobs_stream_as_stored_and_widen_exactly(tmp_path, tiny32) -> 
         held = store.hot[-1].get(cid)
         assert held is not None and held.keys.dtype == torch.float32
         assert torch.equal(held.keys, keys)
+
+
+def test_a_bfloat16_model_s_blobs_stream_and_stay_bfloat16(tmp_path, tiny_tokenizer) -> None:
+    """A 16-bit model's KV is stored as computed whatever `compress` says: it streams, and the
+    hot tier keeps it in the model's dtype."""
+    lm = build_tiny(torch.bfloat16, tokenizer=tiny_tokenizer)
+    engine, store = _engine(tmp_path / "kv", lm, compress="bfloat16")
+    ids = engine.generate_context_cache(DOCS)
+    hot = engine.generate("Who built it?", ids, strategy="legolink:2").token_ids
+    _forget_hot(store, [engine.prefix_id, *ids])
+    assert engine.generate("Who built it?", ids, strategy="legolink:2").token_ids == hot
+    store.close()
+    held = store.hot[-1].get(ids[0])
+    assert held is not None and held.keys.dtype == torch.bfloat16
 
 
 def test_int8_blobs_are_decoded_whole(tmp_path, tiny32) -> None:
