@@ -30,7 +30,7 @@ class MemoryTier:
         self._chunks: dict[str, ChunkKV] = {}
         self._pinned: set[str] = set()
         self._bytes = 0
-        self._pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
+        self.pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
         self._lock = threading.RLock()
 
     def get(self, cache_id: str) -> ChunkKV | None:
@@ -55,7 +55,7 @@ class MemoryTier:
         if evicted is None:
             return []  # cannot fit beside the pinned chunks
         local = kv.to(self.device)
-        if self._pin_memory:
+        if self.pin_memory:
             local = replace(local, keys=local.keys.pin_memory(), values=local.values.pin_memory())
         self._chunks[kv.cache_id] = local
         self._bytes += kv.nbytes

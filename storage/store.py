@@ -11,10 +11,12 @@ A blob that is missing or fails its checksum is re-encoded from the token ids in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -284,14 +286,23 @@ class TieredStore:
             disk = self.durable
             opened = self._readers.map(lambda c: open_blob(disk.path(c), rows[c]), misses)
             blobs = [b for b in opened if b is not None]
-        reads = LayerReads(
-            blobs, self._readers, lambda kv: self._keep_hot(kv, rows[kv.cache_id].pinned)
-        )
-        found.update((c.cache_id, c) for c in reads.chunks)
-        self._read_whole(rows, found, [c for c in misses if c not in found])
-        if reads.chunks:
-            self.catalog.count(f"hits:{self.durable.name}", len(reads.chunks))
+        streamed = {b.row.cache_id for b in blobs}
+        # the others first: queued behind the layer reads, they would hold up the forward
+        self._read_whole(rows, found, [c for c in misses if c not in streamed])
+        reads = LayerReads(blobs, self._readers, lambda kv: self._keep_read(kv, rows))
+        found.update((b.row.cache_id, replace(b.chunk, arrival=reads)) for b in blobs)
+        if blobs:
+            self.catalog.count(f"hits:{self.durable.name}", len(blobs))
         return Fetched([found[cid] for cid in cache_ids], reads.settle)
+
+    def _keep_read(self, kv: ChunkKV, rows: dict[str, ChunkRow]) -> None:
+        """Keep a chunk `fetch` read hot: at once where the hot tiers hold it as it is (CPU);
+        a copy to the GPU tier, or into pinned memory, off the first token's path."""
+        if all(t.device.type == "cpu" and not t.pin_memory for t in self.hot):
+            self._keep_hot(kv, rows[kv.cache_id].pinned)
+            return
+        with contextlib.suppress(RuntimeError):  # the store was closed meanwhile
+            self._readers.submit(self._keep_hot, kv, rows[kv.cache_id].pinned)
 
     def _look_up(
         self, cache_ids: list[str]

@@ -21,6 +21,7 @@ link widens the latter as it places them, exactly); int8 ones are decoded whole 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -28,11 +29,13 @@ import os
 import struct
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy
 import torch
 
 from rag_kvcache.kv import ChunkKV, EncodeSettings
@@ -57,56 +60,52 @@ class ReadBuffers:
     cost lands on the CPU while the forward runs: reading a 4K context's blobs into new
     buffers made the overlapped forward as slow as reading first (measured at 4K tokens on a
     2-core machine, legolink:2: 0.46-0.65 s streamed against 0.31-0.40 s from memory; into
-    reused buffers, 0.39 s). A buffer is handed back (`release`) only when nothing reads it
-    any more: when the chunk's keys and values tensors are gone (`recycle_when_gone`), i.e.
-    once its request has placed it if no hot tier kept it, else when the tier evicts it."""
+    reused buffers, 0.39 s). A buffer comes back only once nothing can read it: when the last
+    tensor viewing it is gone (`open_blob` ties the release to the array every view holds),
+    i.e. after its request if no hot tier kept the chunk, else when the tier evicts it.
+    `release` takes no lock: the garbage collector may run it in the middle of `take`."""
 
     def __init__(self, keep_bytes: int = KEEP_BYTES):
         self.keep_bytes = keep_bytes
         self._free: list[mmap.mmap] = []  # most recently released last
+        self._returned: deque[mmap.mmap] = deque()  # released, not sorted in yet
         self._lock = threading.Lock()
 
     def take(self, size: int) -> mmap.mmap:
         """A buffer of `size` bytes or more, in whole blocks (a released one if one fits)."""
         length = -(-size // BLOCK) * BLOCK
         with self._lock:
+            self._sort_in()
             for i in range(len(self._free) - 1, -1, -1):
                 if len(self._free[i]) == length:
                     return self._free.pop(i)
         return mmap.mmap(-1, length)
 
     def release(self, buffer: mmap.mmap) -> None:
-        with self._lock:
-            self._free.append(buffer)
-            while sum(len(b) for b in self._free) > self.keep_bytes:
-                self._free.pop(0)
+        self._returned.append(buffer)
+
+    def _sort_in(self) -> None:
+        """Move released buffers to the free list, keeping at most keep_bytes (lock held)."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        while sum(len(b) for b in self._free) > self.keep_bytes:
+            self._free.pop(0)
 
     def clear(self) -> None:
         """Drop every released buffer (the memory goes back to the OS)."""
         with self._lock:
+            self._returned.clear()
             self._free = []
 
     @property
     def free(self) -> list[mmap.mmap]:
         """The released buffers, ready for reuse (oldest first)."""
         with self._lock:
+            self._sort_in()
             return list(self._free)
 
 
 BUFFERS = ReadBuffers()
-
-
-def recycle_when_gone(buffer: mmap.mmap, *tensors: torch.Tensor) -> None:
-    """Hand `buffer` back to BUFFERS once every one of `tensors` (its views) is gone."""
-    left = [len(tensors)]
-
-    def gone() -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            BUFFERS.release(buffer)
-
-    for t in tensors:
-        weakref.finalize(t, gone)
 
 
 @dataclass
@@ -127,25 +126,28 @@ class _Blob:
 
 def open_blob(path: Path, row: ChunkRow) -> _Blob | None:
     """Open a blob for layer-by-layer reading: its header read and parsed, its tensors views
-    of a buffer still to be filled. None when it cannot stream (missing, compressed, odd
-    layout): the caller reads it whole, which also tells missing from corrupt."""
+    of a buffer still to be filled. None when it cannot stream (missing, unreadable, int8,
+    odd layout): the caller reads it whole, which also tells missing from corrupt."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except (FileNotFoundError, IsADirectoryError):
+    except OSError:
         return None
-    buffer = None
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
         if len(head) < 8 or row.checksum is None:
             raise CorruptBlobError("short")
         (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
+        header = os.pread(fd, length, 8) if 0 < length <= size - 8 else b""
+        if len(header) != length or length == 0:
             raise CorruptBlobError("header past the end")
-        header = os.pread(fd, length, 8)
         buffer = BUFFERS.take(size)
-        buffer[: 8 + length] = head + header
-        tensors, meta = parse_safetensors(memoryview(buffer)[:size])
+        # every view of the buffer holds this array: it goes back for reuse when they are gone
+        array = numpy.frombuffer(buffer, dtype=numpy.uint8)
+        weakref.finalize(array, BUFFERS.release, buffer)
+        array[: 8 + length] = numpy.frombuffer(head + header, dtype=numpy.uint8)
+        tensors, meta = parse_safetensors(array.data[:size])
+        del array
         if meta.get("compression") not in (None, "bfloat16"):
             raise CorruptBlobError("int8: decoded whole")
         sinks = EncodeSettings.from_key(row.encode_settings).sink_ids
@@ -158,12 +160,9 @@ def open_blob(path: Path, row: ChunkRow) -> _Blob | None:
             or sum(n for _, n in covered) != size
         ):  # bytes no range reads would stay stale and fail the checksum
             raise ValueError("the blob holds more than its keys and values")
-    except (CorruptBlobError, OSError, ValueError):
+    except (CorruptBlobError, OSError, ValueError, IndexError):
         os.close(fd)
-        if buffer is not None:
-            BUFFERS.release(buffer)
         return None
-    recycle_when_gone(buffer, chunk.keys, chunk.values)
     direct = _reopen_direct(path, fd)
     fd = direct if direct is not None else fd
     layers = [[ranges[0][i], ranges[1][i]] for i in range(chunk.keys.shape[0])]
@@ -196,24 +195,29 @@ def _reopen_direct(path: Path, fd: int) -> int | None:
 
 
 class LayerReads:
-    """The cold chunks of one request, read layer-major on `pool` (the `Arrival` of each).
+    """The cold chunks of one request, read layer-major on `pool`: the `Arrival` the store
+    gives each of them (`blob.chunk` with `arrival=` this).
 
-    `chunks` are usable at once for their shapes and token ids; their bytes arrive layer by
-    layer (`wait`). `settle()` waits for every read and checksum, hands each good chunk to
-    `keep` (the store's hot tiers) and says whether all were good."""
+    Their shapes and token ids are there at once; their bytes arrive layer by layer (`wait`).
+    `settle()` waits for every read and checksum, hands each good chunk to `keep` (the
+    store's hot tiers) and says whether all were good."""
 
     def __init__(self, blobs: list[_Blob], pool: Executor, keep: Callable[[ChunkKV], None]):
-        self._blobs, self._count = blobs, len(blobs)
+        self._blobs = blobs
         self._keep, self._pool = keep, pool
-        self._layers = len(blobs[0].layer_ranges) if blobs else 0
-        self._arrived = [0] * self._layers  # blobs whose layer i is in
+        layers = max((len(b.layer_ranges) for b in blobs), default=0)
+        # blobs holding layer i (chunks of another model may have other counts: each is
+        # waited for only on its own layers; linking them is refused, reading them is not)
+        self._having = [sum(len(b.layer_ranges) > i for b in blobs) for i in range(layers)]
+        self._arrived = [0] * layers  # blobs whose layer i is in
         self._checked = 0
         self._ok = True
         self._done = threading.Condition()
-        self.chunks = [replace(b.chunk, arrival=self) for b in blobs]
-        for layers in layer_groups(self._layers):  # the pool runs them in this order
+        for group in layer_groups(layers):  # the pool runs them in this order
             for blob in blobs:
-                pool.submit(self._read, blob, layers)
+                mine = range(group.start, min(group.stop, len(blob.layer_ranges)))
+                if mine:
+                    pool.submit(self._read, blob, mine)
 
     def _read(self, blob: _Blob, layers: range) -> None:
         try:
@@ -223,12 +227,13 @@ class LayerReads:
                 _read_range(blob, offset, length)
         except Exception:  # noqa: BLE001 - any failure is a bad read, answered again
             blob.ok = False
-        with self._done:
-            blob.left -= len(layers)
-            last = blob.left == 0
-            for layer in layers:
-                self._arrived[layer] += 1
-            self._done.notify_all()
+        finally:
+            with self._done:
+                blob.left -= len(layers)
+                last = blob.left == 0
+                for layer in layers:
+                    self._arrived[layer] += 1
+                self._done.notify_all()
         if last:  # the blob is whole: check it (off the caller's thread), then close it
             try:
                 os.close(blob.fd)
@@ -236,41 +241,42 @@ class LayerReads:
                 blob.ok = blob.ok and checksum_matches(view, blob.row.checksum or "")
             except Exception:  # noqa: BLE001 - never leave `settle` waiting
                 blob.ok = False
-            with self._done:
-                self._checked += 1
-                self._done.notify_all()
+            finally:
+                with self._done:
+                    self._checked += 1
+                    self._done.notify_all()
 
     def _keep_widened(self, chunk: ChunkKV, dtype: torch.dtype) -> None:
         self._keep(replace(chunk, keys=chunk.keys.to(dtype), values=chunk.values.to(dtype)))
 
     def wait(self, layer: int) -> None:
-        with self._done:
-            self._done.wait_for(lambda: self._arrived[layer] == self._count)
+        if layer < len(self._arrived):
+            with self._done:
+                self._done.wait_for(lambda: self._arrived[layer] == self._having[layer])
 
     def arrived(self) -> int:
         with self._done:
-            whole = [n == self._count for n in self._arrived]
+            whole = [n == m for n, m in zip(self._arrived, self._having, strict=True)]
         return whole.index(False) if False in whole else len(whole)
 
     def wait_all(self) -> None:
         with self._done:
-            self._done.wait_for(lambda: self._checked == self._count)
+            self._done.wait_for(lambda: self._checked == len(self._blobs))
 
     def settle(self) -> bool:
         """True when every blob read whole and matched its checksum (each good one kept)."""
         self.wait_all()
-        for blob, chunk in zip(self._blobs, self.chunks, strict=True):
+        for blob in self._blobs:
             if not blob.ok:
                 continue
-            read = replace(chunk, arrival=None)
-            if read.keys.dtype == blob.computed:
-                self._keep(read)
-            else:  # bfloat16 blobs are kept widened, as `get` reads them: off the first token
-                self._pool.submit(self._keep_widened, read, blob.computed)
+            if blob.chunk.keys.dtype == blob.computed:
+                self._keep(blob.chunk)
+                continue
+            # bfloat16 blobs are kept widened, as `get` reads them: off the first token
+            with contextlib.suppress(RuntimeError):  # the store was closed meanwhile
+                self._pool.submit(self._keep_widened, blob.chunk, blob.computed)
         self._ok = self._ok and all(b.ok for b in self._blobs)
-        # the chunks refer to this object (their arrival): let go of them, so that they go
-        # (and their buffers back to BUFFERS) with the request, not with the next GC cycle
-        self._blobs, self.chunks = [], []
+        self._blobs = []  # their buffers go back once the request is done with its chunks
         return self._ok
 
 

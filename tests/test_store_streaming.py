@@ -5,7 +5,9 @@ are reused only once nothing reads them."""
 
 from __future__ import annotations
 
+import errno
 import gc
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -15,8 +17,9 @@ import pytest
 import torch
 from helpers import build_tiny, random_chunks
 
-from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache, StrategyError
 from rag_kvcache.engine import reencoder
+from rag_kvcache.kv import ChunkKV, EncodeSettings, make_cache_id
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.link.layer_feed import LayerFeed
 from rag_kvcache.link.linker import link, place_into
@@ -60,6 +63,9 @@ def test_fetch_streams_cold_blobs_and_settles_into_the_hot_tier(tmp_path, tiny32
         store.put(kv, "text")
     ids = [kv.cache_id for kv in kvs]
     _forget_hot(store, ids[1:])  # the first stays hot
+    blob = _blobs(store, ids[:1])[0]
+    assert blob.direct == (direct and _direct_io_works(tmp_path))
+    os.close(blob.fd)
     fetched = store.fetch(ids)
     assert fetched.chunks[0].arrival is None
     assert all(c.arrival is not None for c in fetched.chunks[1:])
@@ -269,3 +275,160 @@ def test_a_blob_cut_short_while_read_settles_as_bad_without_hanging(tmp_path, ti
         reads.wait(tiny32.num_layers - 1)
         assert not reads.settle()
     store.close()
+
+
+class ManualPool:
+    """An executor that runs what is submitted only when told, in order."""
+
+    def __init__(self) -> None:
+        self.queue: list = []
+
+    def submit(self, fn, *args):
+        self.queue.append((fn, args))
+
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            fn, args = self.queue.pop(0)
+            fn(*args)
+
+
+def _blobs(store: TieredStore, ids: list[str]) -> list:
+    blobs = [streaming.open_blob(store.durable.path(c), store.catalog.chunk(c)) for c in ids]
+    assert all(b is not None for b in blobs)
+    return blobs
+
+
+def test_layers_are_read_in_growing_groups_and_arrive_in_order(tmp_path, tiny32) -> None:
+    assert [list(g) for g in streaming.layer_groups(30)] == [
+        [0],
+        [1],
+        [2, 3],
+        [4, 5, 6, 7],
+        list(range(8, 16)),
+        list(range(16, 30)),
+    ]
+    kvs = encode_chunks(tiny32, random_chunks([5, 9], seed=3))
+    store = TieredStore(tmp_path / "kv")
+    store.register_model(tiny32.fingerprint, "tiny", "float32", 3, 2, 16)
+    for kv in kvs:
+        store.put(kv, "text")
+    pool = ManualPool()
+    reads = streaming.LayerReads(_blobs(store, [k.cache_id for k in kvs]), pool, lambda kv: None)
+    # groups [0], [1], [2] for 3 layers; each group: one read per blob
+    assert [(args[1]) for _, args in pool.queue] == [range(0, 1)] * 2 + [range(1, 2)] * 2 + [
+        range(2, 3)
+    ] * 2
+    arrived = []
+    for _ in range(6):
+        pool.run(1)
+        arrived.append(reads.arrived())
+    assert arrived == [0, 1, 1, 2, 2, 3]  # a layer counts once every blob has it
+    assert reads.settle()
+    store.close()
+
+
+def test_chunks_of_models_with_other_layer_counts_read_without_hanging(tmp_path, tiny32) -> None:
+    kv = encode_chunks(tiny32, random_chunks([5], seed=3))[0]
+    two = ChunkKV(
+        make_cache_id("other-model", EncodeSettings(), [7, 8, 9]),
+        "other-model",
+        (7, 8, 9),
+        torch.randn(2, 2, 3, 16),
+        torch.randn(2, 2, 3, 16),
+    )
+    store = TieredStore(tmp_path / "kv")
+    store.register_model(tiny32.fingerprint, "tiny", "float32", 3, 2, 16)
+    store.register_model("other-model", "other", "float32", 2, 2, 16)
+    store.put(kv, "text")
+    store.put(two, "text")
+    with ThreadPoolExecutor(2) as pool:
+        reads = streaming.LayerReads(_blobs(store, [kv.cache_id, two.cache_id]), pool, print)
+        reads.wait(2)  # only the 3-layer chunk has layer 2
+        assert reads.arrived() == 3
+        assert reads.settle()
+    store.close()
+
+
+def test_direct_reads_fall_back_to_the_page_cache_when_refused_midway(
+    tmp_path, tiny32, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this file system has no direct I/O")
+    engine, store = _engine(tmp_path / "kv", tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    hot = engine.generate("Who built it?", ids, strategy="legolink:2").token_ids
+    refused = []
+    preadv = os.preadv
+
+    def refuse_once(fd, buffers, offset):
+        if not refused:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "refused")
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(streaming.os, "preadv", refuse_once)
+    everything = [engine.prefix_id, *ids]
+    _forget_hot(store, everything)
+    fetched = store.fetch(everything)
+    assert fetched.settle()  # read right after all, not answered again
+    assert refused
+    _forget_hot(store, everything)
+    assert engine.generate("Who built it?", ids, strategy="legolink:2").token_ids == hot
+    store.close()
+
+
+def _direct_io_works(folder: Path) -> bool:
+    if not streaming.DIRECT:
+        return False
+    probe = folder / "probe"
+    probe.write_bytes(b"x" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | streaming.DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+def test_a_view_kept_after_eviction_is_never_overwritten(tmp_path, tiny32, tiny_tokenizer) -> None:
+    streaming.BUFFERS.clear()
+    engine, store = _engine(tmp_path / "kv", tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    _forget_hot(store, [engine.prefix_id, *ids])
+    engine.generate("Who built it?", ids, strategy="legolink:2")  # read from disk, kept hot
+    view = store.hot[-1].get(ids[0]).keys[1]  # a caller's view of a hot chunk
+    before = view.clone()
+    _forget_hot(store, [engine.prefix_id, *ids])  # evicted: its buffer is still viewed
+    gc.collect()
+    # another model's chunks of the same texts: blobs of the same sizes, other bytes
+    other_lm = build_tiny(torch.float32, seed=1, tokenizer=tiny_tokenizer)
+    other, other_store = _engine(tmp_path / "kv2", other_lm, cpu_bytes=0)
+    more = other.generate_context_cache(DOCS)
+    for _ in range(2):  # cold reads that would reuse any buffer handed back
+        _forget_hot(other_store, [other.prefix_id, *more])
+        other.generate("Who built it?", more, strategy="legolink:2")
+    assert torch.equal(view, before)
+    store.close()
+    other_store.close()
+
+
+def test_an_answer_refused_after_the_fetch_leaves_nothing_waiting(tmp_path, tiny32) -> None:
+    streaming.BUFFERS.clear()
+    engine, store = _engine(tmp_path / "kv", tiny32, cpu_bytes=0)
+    ids = engine.generate_context_cache(DOCS)
+    _forget_hot(store, [engine.prefix_id, *ids])
+    with pytest.raises(StrategyError, match="sink"):  # refused by the linker, after fetch
+        engine.generate("Who built it?", ids, strategy="legolink0")
+    answer = engine.generate("Who built it?", ids, strategy="legolink:2")
+    assert answer.token_ids
+    gc.collect()
+    assert len(streaming.BUFFERS.free) == 4  # the refused request's buffers came back too
+    store.close()
+
+
+def test_releasing_a_buffer_never_waits_for_the_pool_s_lock() -> None:
+    """The garbage collector may release a buffer while `take` holds the lock, on the same
+    thread: release must not wait for it."""
+    buffers = streaming.ReadBuffers()
+    with buffers._lock:
+        buffers.release(mmap.mmap(-1, streaming.BLOCK))
+    assert len(buffers.free) == 1
