@@ -43,6 +43,15 @@ def direct(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
     return request.param == "direct"
 
 
+@pytest.fixture
+def buffers(monkeypatch: pytest.MonkeyPatch) -> streaming.ReadBuffers:
+    """A fresh pool of read buffers for this test alone (buffers of earlier tests' chunks
+    may be collected at any time, and would go back to the shared one)."""
+    fresh = streaming.ReadBuffers()
+    monkeypatch.setattr(streaming, "BUFFERS", fresh)
+    return fresh
+
+
 def _engine(root: Path, lm, cpu_bytes: int = 2 << 30, compress: str | None = None):
     store = TieredStore(root, reencode=reencoder(lm), cpu_bytes=cpu_bytes, compress=compress)
     config = EngineConfig(generation=GenerationConfig(max_new_tokens=6))
@@ -200,28 +209,27 @@ def test_int8_blobs_are_decoded_whole(tmp_path, tiny32) -> None:
     store.close()
 
 
-def test_read_buffers_are_reused_once_nothing_reads_them(tmp_path, tiny32) -> None:
-    streaming.BUFFERS.clear()
+def test_read_buffers_are_reused_once_nothing_reads_them(tmp_path, tiny32, buffers) -> None:
     engine, store = _engine(tmp_path / "kv", tiny32, cpu_bytes=0)  # no hot copies
     ids = engine.generate_context_cache(DOCS)
     _forget_hot(store, [engine.prefix_id, *ids])
     first = engine.generate("Who built it?", ids, strategy="legolink:2")
-    released = {id(b) for b in streaming.BUFFERS.free}
+    released = {id(b) for b in buffers.free}
     assert len(released) == 4  # the system prefix and three chunks, handed back
     second = engine.generate("Who built it?", ids, strategy="legolink:2")
-    assert {id(b) for b in streaming.BUFFERS.free} == released  # the same ones, reused
+    assert {id(b) for b in buffers.free} == released  # the same ones, reused
     assert second.token_ids == first.token_ids
     store.close()
 
-    streaming.BUFFERS.clear()  # a chunk a hot tier keeps holds its buffer until evicted
+    buffers.clear()  # a chunk a hot tier keeps holds its buffer until evicted
     engine, store = _engine(tmp_path / "kv2", tiny32)
     ids = engine.generate_context_cache(DOCS)
     _forget_hot(store, [engine.prefix_id, *ids])
     engine.generate("Who built it?", ids, strategy="legolink:2")
-    assert streaming.BUFFERS.free == []
+    assert buffers.free == []
     _forget_hot(store, ids[:1])
     gc.collect()
-    assert len(streaming.BUFFERS.free) == 1
+    assert len(buffers.free) == 1
     store.close()
 
 
@@ -343,7 +351,8 @@ def test_chunks_of_models_with_other_layer_counts_read_without_hanging(tmp_path,
     store.put(two, "text")
     with ThreadPoolExecutor(2) as pool:
         reads = streaming.LayerReads(_blobs(store, [kv.cache_id, two.cache_id]), pool, print)
-        reads.wait(2)  # only the 3-layer chunk has layer 2
+        for layer in range(3):  # as the link waits: in order; only one chunk has layer 2
+            reads.wait(layer)
         assert reads.arrived() == 3
         assert reads.settle()
     store.close()
@@ -389,8 +398,9 @@ def _direct_io_works(folder: Path) -> bool:
     return True
 
 
-def test_a_view_kept_after_eviction_is_never_overwritten(tmp_path, tiny32, tiny_tokenizer) -> None:
-    streaming.BUFFERS.clear()
+def test_a_view_kept_after_eviction_is_never_overwritten(
+    tmp_path, tiny32, tiny_tokenizer, buffers
+) -> None:
     engine, store = _engine(tmp_path / "kv", tiny32)
     ids = engine.generate_context_cache(DOCS)
     _forget_hot(store, [engine.prefix_id, *ids])
@@ -411,17 +421,23 @@ def test_a_view_kept_after_eviction_is_never_overwritten(tmp_path, tiny32, tiny_
     other_store.close()
 
 
-def test_an_answer_refused_after_the_fetch_leaves_nothing_waiting(tmp_path, tiny32) -> None:
-    streaming.BUFFERS.clear()
+def test_an_answer_refused_after_the_fetch_leaves_nothing_waiting(
+    tmp_path, tiny32, buffers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken = []
+    take = buffers.take
+    monkeypatch.setattr(buffers, "take", lambda size: taken.append(take(size)) or taken[-1])
     engine, store = _engine(tmp_path / "kv", tiny32, cpu_bytes=0)
     ids = engine.generate_context_cache(DOCS)
     _forget_hot(store, [engine.prefix_id, *ids])
     with pytest.raises(StrategyError, match="sink"):  # refused by the linker, after fetch
         engine.generate("Who built it?", ids, strategy="legolink0")
+    assert len(taken) == 4  # the system prefix and three chunks, being read
     answer = engine.generate("Who built it?", ids, strategy="legolink:2")
     assert answer.token_ids
     gc.collect()
-    assert len(streaming.BUFFERS.free) == 4  # the refused request's buffers came back too
+    # every buffer taken came back: the refused request's too, once its traceback is gone
+    assert {id(b) for b in taken} == {id(b) for b in buffers.free}
     store.close()
 
 
