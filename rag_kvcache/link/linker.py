@@ -357,7 +357,8 @@ def place_into(
     """Write chunks back to back into keys/values [layers, kv_heads, >= L, head_dim] from
     position `offset` on, each chunk's keys rotated from where it was encoded to its place."""
     for c in chunks:
-        span = slice(offset, offset + c.whole().num_tokens)
+        c.whole()  # still arriving from disk: placed whole, so read whole first
+        span = slice(offset, offset + c.num_tokens)
         rotate_into(keys[:, :, span], c.keys.to(keys.device), offset - c.start, inv_freq)
         values[:, :, span] = c.values
         offset += c.num_tokens
