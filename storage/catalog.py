@@ -38,6 +38,7 @@ from rag_kvcache.storage.tables import (
     Counter,
     Document,
     DocumentChunk,
+    LinkAdapter,
     LinkCalibration,
     Model,
     Placement,
@@ -135,6 +136,36 @@ class Catalog(CatalogDatabase):
                 select(LinkCalibration.data, LinkCalibration.checksum).where(
                     LinkCalibration.fingerprint == fingerprint,
                     LinkCalibration.encode_settings == encode_settings,
+                )
+            ).first()
+        return None if row is None else (bytes(row[0]), str(row[1]))
+
+    def put_adapter(self, fingerprint: str, data: bytes) -> str:
+        """Keep `data` as the LoRA link calibration of the base model `fingerprint`
+        (replacing any before it); returns its sha256. The model must be registered."""
+        _check_key("fingerprint", fingerprint)
+        checksum = hashlib.sha256(data).hexdigest()
+        values = dict(data=data, checksum=checksum, created_at=utc_now())
+        stmt = (
+            self._insert(LinkAdapter)
+            .values(fingerprint=fingerprint, **values)
+            .on_conflict_do_update(index_elements=["fingerprint"], set_=values)
+        )
+        try:
+            with self._write() as conn:
+                conn.execute(stmt)
+        except IntegrityError:
+            raise CatalogError(
+                f"model {fingerprint} is not registered in this catalog; open an engine with it"
+            ) from None
+        return checksum
+
+    def adapter(self, fingerprint: str) -> tuple[bytes, str] | None:
+        """(bytes, sha256 recorded when kept) of the base model's LoRA adapter, or None."""
+        with self._read() as conn:
+            row = conn.execute(
+                select(LinkAdapter.data, LinkAdapter.checksum).where(
+                    LinkAdapter.fingerprint == fingerprint
                 )
             ).first()
         return None if row is None else (bytes(row[0]), str(row[1]))

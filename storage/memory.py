@@ -26,6 +26,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self._chunks: dict[str, ChunkKV] = {}
         self._calibrations: dict[tuple[str, str], bytes] = {}
+        self._adapters: dict[str, bytes] = {}
 
     def register_model(
         self, fingerprint: str, name: str, dtype: str, layers: int, kv_heads: int, head_dim: int
@@ -53,6 +54,13 @@ class MemoryStore:
 
     def calibration(self, fingerprint: str, encode_settings: str) -> bytes | None:
         return self._calibrations.get((fingerprint, encode_settings))
+
+    def put_adapter(self, fingerprint: str, data: bytes) -> str:
+        self._adapters[fingerprint] = bytes(data)
+        return hashlib.sha256(data).hexdigest()
+
+    def adapter(self, fingerprint: str) -> bytes | None:
+        return self._adapters.get(fingerprint)
 
     def contains(self, cache_id: str) -> bool:
         return checked_name("cache ID", cache_id) in self._chunks

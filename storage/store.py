@@ -386,6 +386,23 @@ class TieredStore:
             )
         return data
 
+    def put_adapter(self, fingerprint: str, data: bytes) -> str:
+        """Keep the LoRA link calibration of base model `fingerprint` in the catalog."""
+        return self.catalog.put_adapter(fingerprint, data)
+
+    def adapter(self, fingerprint: str) -> bytes | None:
+        """The base model's LoRA adapter bytes, or None; damaged bytes are a StoreDamagedError."""
+        found = self.catalog.adapter(fingerprint)
+        if found is None:
+            return None
+        data, checksum = found
+        if hashlib.sha256(data).hexdigest() != checksum:
+            raise StoreDamagedError(
+                f"the LoRA adapter of model {fingerprint} in {self.catalog.url} is damaged "
+                "(checksum mismatch); run `rag-kvcache calibrate --kind lora` again"
+            )
+        return data
+
     def contains(self, cache_id: str) -> bool:
         row = self.catalog.chunk(checked_name("cache ID", cache_id))
         if row is None or row.state != "stored":

@@ -218,6 +218,21 @@ class LinkCalibration(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class LinkAdapter(Base):
+    """A model's LoRA link calibration (`rag-kvcache calibrate --kind lora`), keyed by the
+    fingerprint of the base model it adapts: its safetensors bytes (a few MiB) and their
+    sha256, kept in the catalog so every worker on it can load the same adapted model."""
+
+    __tablename__ = "adapters"
+
+    fingerprint: Mapped[str] = mapped_column(
+        String(64), ForeignKey("models.fingerprint", ondelete="CASCADE"), primary_key=True
+    )
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    checksum: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
 class Counter(Base):
     """A named event counter ('re-encoded', 'checksum-failures', 'hits:<tier>', ...)."""
 

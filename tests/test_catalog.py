@@ -35,6 +35,7 @@ from rag_kvcache.storage.tables import Base
 TABLES = {
     "models",
     "calibrations",
+    "adapters",
     "documents",
     "document_chunks",
     "chunks",

@@ -264,9 +264,13 @@ def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path)
 
 
 def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: Path) -> None:
-    """`calibrate --kind lora` writes the adapter (not into the store); `eval --lora` answers
-    with the model it adapts and records which adapter; an adapter is not trained on top of
-    another."""
+    """`calibrate --kind lora` writes the adapter and keeps it in the store, where
+    `--lora store` finds it (`--no-install`: the file only); `eval --lora` answers with the
+    model it adapts and records which adapter; an adapter is not trained on top of another."""
+    from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
+    from rag_kvcache.engine import RagKVCache
+    from rag_kvcache.errors import CalibrationError
+    from rag_kvcache.model.loading import load_model
     from rag_kvcache.model.lora import LinkLoRA
 
     folder, out, qa = tmp_path / "tiny", tmp_path / "lora", tmp_path / "qa.jsonl"
@@ -288,6 +292,13 @@ def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: P
     lora = LinkLoRA.load(out / "lora.safetensors")
     assert lora.rank == 2 and lora.steps == 2
     assert not (out / "calibration.safetensors").exists()
+    from_file = load_model(ModelConfig(path=str(folder), lora=str(out / "lora.safetensors")))
+    stored = ModelConfig(path=str(folder), lora="store")
+    engine = RagKVCache(EngineConfig(model=stored, store=StoreConfig(tmp_path / "store")))
+    assert (engine.lm.name, engine.lm.fingerprint) == (from_file.name, from_file.fingerprint)
+    assert main([*args, "--store", str(tmp_path / "file-only"), "--no-install"]) == 0
+    with pytest.raises(CalibrationError, match="calibrate --kind lora"):
+        RagKVCache(EngineConfig(model=stored, store=StoreConfig(tmp_path / "file-only")))
     again = [*args, "--store", str(tmp_path / "s2"), "--lora", str(out / "lora.safetensors")]
     assert main(again) == 2
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 from helpers import CALIBRATION_ITEMS as ITEMS
 from helpers import build_tiny, random_chunks
+from sqlalchemy import update
 
-from rag_kvcache.config import ModelConfig
-from rag_kvcache.errors import CalibrationError, ConfigError, StrategyError
+from rag_kvcache.config import STORED_LORA, EngineConfig, GenerationConfig, ModelConfig
+from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import CalibrationError, ConfigError, StoreDamagedError, StrategyError
 from rag_kvcache.kv import EncodeSettings
 from rag_kvcache.link.block_attention import block_logits
 from rag_kvcache.link.calibration import Calibration
@@ -19,6 +21,8 @@ from rag_kvcache.link.linker import link
 from rag_kvcache.model.adapter import forward
 from rag_kvcache.model.loading import load_model
 from rag_kvcache.model.lora import TARGETS, LinkLoRA, add_lora, lora_tensors, remove_lora
+from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.storage.tables import LinkAdapter
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.calibrate import CHECKPOINT, LORA_RESULT, CalibrateConfig, calibrate
 
@@ -180,6 +184,60 @@ def test_adapter_files_and_models_that_do_not_fit_are_refused(tiny32, tmp_path) 
         load_model(ModelConfig(path="random:tiny", lora=str(tmp_path / "other.safetensors")))
     with pytest.raises(ConfigError, match="quantization"):
         load_model(ModelConfig(quantization="8bit", lora=str(tmp_path / "other.safetensors")))
+
+
+def test_an_adapter_kept_in_the_catalog_loads_as_its_file_does(
+    tiny_tokenizer, target, tmp_path
+) -> None:
+    """Kept under the base model's fingerprint in the catalog (SQLite, PostgreSQL),
+    `lora="store"` merges the adapter into every engine opened on it: the model its file
+    gives, weight for weight, answering from its own chunks. None kept, or a damaged row:
+    a clear error, the base model never used in its place."""
+    folder, file = tmp_path / "tiny", tmp_path / "lora.safetensors"
+    lm = _saved_tiny(tiny_tokenizer, 4, folder)
+    tensors = _adapter_tensors(lm, rank=4)
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        k: 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype) if "lora_B" in k else v
+        for k, v in tensors.items()
+    }
+    lora = LinkLoRA(tensors, 4, 8, TARGETS, lm.fingerprint, "naive")
+    lora.save(file)
+    from_file = load_model(ModelConfig(path=str(folder), dtype="float64", lora=str(file)))
+    assert from_file.fingerprint != lm.fingerprint
+    stored = EngineConfig(
+        model=ModelConfig(path=str(folder), dtype="float64", lora=STORED_LORA),
+        generation=GenerationConfig(max_new_tokens=3),
+    )
+
+    def store() -> TieredStore:
+        return TieredStore(tmp_path / "kv", catalog=target.open())
+
+    base = RagKVCache(EngineConfig(), lm=lm, store=store())  # registers the base model
+    with pytest.raises(CalibrationError, match="calibrate --kind lora"):
+        RagKVCache(stored, store=store())
+    base.store.put_adapter(lm.fingerprint, lora.to_bytes())
+    adapted = RagKVCache(stored, store=store())
+    assert (adapted.lm.name, adapted.lm.fingerprint) == (from_file.name, from_file.fingerprint)
+    weights = from_file.model.state_dict()
+    for name, weight in adapted.lm.model.state_dict().items():
+        torch.testing.assert_close(weight, weights[name], rtol=0, atol=0)
+    ids = adapted.generate_context_cache(["The river is the Vell.", "Its mayor is Ivo Stark."])
+    chunks = adapted.store.get(ids)
+    assert {c.fingerprint for c in chunks} == {from_file.fingerprint}
+    answer = adapted.generate("Who is the mayor?", ids, strategy="prefill")
+    question = adapted.template.question_ids(from_file.tokenizer, "Who is the mayor?")
+    prefix = adapted.store.get([adapted.prefix_id])
+    full = link(from_file, prefix + chunks, question, Strategy.parse("full"))
+    assert answer.token_ids[0] == int(full.next_logits.argmax())
+    with pytest.raises(ConfigError, match="through RagKVCache"):  # no store to read it from
+        load_model(ModelConfig(path=str(folder), dtype="float64", lora=STORED_LORA))
+    catalog = adapted.store.catalog
+    data, _ = catalog.adapter(lm.fingerprint)
+    with catalog._write() as conn:  # damage the row behind the catalog's back
+        conn.execute(update(LinkAdapter).values(data=data[:-1] + b"\x00"))
+    with pytest.raises(StoreDamagedError, match="calibrate --kind lora"):
+        RagKVCache(stored, store=store())
 
 
 def test_lora_training_lowers_the_kl_to_prefill_and_resumes_exactly(

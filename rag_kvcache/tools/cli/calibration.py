@@ -18,7 +18,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             "Distil a plain prefill's next-token distributions into a few link tokens placed "
             "after every document chunk (the model stays frozen), on the project's own "
             "training documents or on --items-file; keep the result in the store, where "
-            "every `+calibrated` strategy uses it. Resumable (--resume)."
+            "every `+calibrated` strategy uses it (a LoRA adapter, --kind lora: where "
+            "`--lora store` loads it). Resumable (--resume)."
         ),
     )
     # defaults are CalibrateConfig's (None here: this module stays light for --help)
@@ -27,7 +28,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--kind",
         choices=["tokens", "lora"],
         help="link tokens after every chunk, the model frozen (default), or a LoRA adapter "
-        "trained on block-wise attention (load it with --lora)",
+        "trained on block-wise attention (answer with it: --lora store)",
     )
     calibrate.add_argument("--link-tokens", type=int, help="per document chunk (default 4)")
     calibrate.add_argument("--rank", type=int, help="the LoRA adapter's rank (default 8)")
@@ -94,9 +95,18 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
         highlight=False,
     )
     if isinstance(result.calibration, LinkLoRA):
+        console.print(f"wrote {args.out}/{LORA_RESULT} and calibration.json", highlight=False)
+        use = f"--lora {args.out}/{LORA_RESULT}"
+        if not args.no_install:
+            adapter = result.calibration.to_bytes()
+            checksum = engine.store.put_adapter(engine.lm.fingerprint, adapter)
+            console.print(
+                f"kept in the store {args.store} for {engine.lm.name} (sha256 {checksum[:12]})",
+                highlight=False,
+            )
+            use = f"--lora store (or {use})"
         console.print(
-            f"wrote {args.out}/{LORA_RESULT} and calibration.json; answer with the adapted "
-            f"model: --lora {args.out}/{LORA_RESULT} (its chunks are encoded anew)",
+            f"answer with the adapted model: {use}; its chunks are its own, encoded anew",
             highlight=False,
         )
         return 0

@@ -56,9 +56,10 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora",
         default=None,
-        metavar="LORA.safetensors",
-        help="a LoRA link calibration (calibrate --kind lora) merged into the model; its "
-        "chunks are its own, encoded anew",
+        metavar="LORA.safetensors|store",
+        help="a LoRA link calibration (calibrate --kind lora), its file or `store` for the one "
+        "the store keeps for the model, merged into the model; its chunks are its own, "
+        "encoded anew",
     )
 
 
