@@ -19,6 +19,7 @@ from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.eval import (
     NEEDLE,
+    NEEDLES,
     EvalItem,
     Evaluator,
     ItemResult,
@@ -473,6 +474,14 @@ def test_needle_item_places_the_needle_at_the_depth(smol) -> None:
     for item in (start, end, middle):
         sizes = [count(d) for d in item.documents]
         assert max(sizes) <= 256 + 8 and 900 < sum(sizes) <= 1024 + 8  # joins add a few
+    others = [needle_item(smol, 1024, 0.5, 256, k) for k in range(1, len(NEEDLES))]
+    assert len({i.id for i in [middle, *others]}) == len(NEEDLES)  # `--reuse` keys
+    for k, item in enumerate(others, start=1):
+        fact = NEEDLES[k]
+        assert (item.question, item.answers) == (fact.question, fact.answers)
+        holding = [i for i, d in enumerate(item.documents) if fact.sentence in d]
+        assert len(holding) == 1 and not any(NEEDLE in d for d in item.documents)
+        assert all(a in fact.sentence for a in fact.answers)
 
 
 @pytest.mark.slow
@@ -523,3 +532,19 @@ def test_eval_command_writes_report_table_and_plots(tmp_path: Path, smol) -> Non
     right = [r["contains"] for r in report["items"] if r["strategy"] == "prefill"]
     assert (floor["prefill"]["n"], floor["prefill"]["value"]) == (2, 50.0 * sum(right))
     assert main(["eval", "--out", str(out)]) == 2  # neither a dataset nor --needle
+
+
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+def test_eval_needle_mode_tries_several_needles_per_length_and_depth(tmp_path: Path) -> None:
+    """`--needles N`: N different needles at each length and depth, each an item of its own
+    (the first keeps its earlier ID); the heatmap counts them per cell."""
+    out = tmp_path / "needle"
+    args = ["eval", "--needle", "--model", "random:tiny", "--lengths", "128", "--depths", "0,1"]
+    args += ["--teacher-tokens", "0", "--max-new-tokens", "2", "--strategies", "naive"]
+    assert main([*args, "--needles", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "needle.json").read_text())
+    tried = sorted({(r["item"], r["strategy"]) for r in report["items"]})
+    ids = ["needle-128-0", "needle-128-0-1", "needle-128-1", "needle-128-1-1"]
+    assert tried == sorted((i, s) for i in ids for s in ("prefill", "naive"))
+    assert (out / "needle_heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*args, "--needles", str(len(NEEDLES) + 1), "--out", str(out)]) == 2

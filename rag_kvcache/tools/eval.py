@@ -591,9 +591,45 @@ def plot_kl(summary: list[StrategySummary], path: Path) -> None:
 
 # ----------------------------------------------------------------------------- needle in a haystack
 
-NEEDLE = "The secret ingredient in the Velmora harbor stew is smoked juniper bark."
-NEEDLE_QUESTION = "What is the secret ingredient in the Velmora harbor stew?"
-NEEDLE_ANSWERS = ("smoked juniper bark", "juniper bark", "juniper")
+
+@dataclass(frozen=True)
+class Needle:
+    """An invented fact hidden in the essays, the question that asks for it, its answers."""
+
+    sentence: str
+    question: str
+    answers: tuple[str, ...]
+
+
+# one needle per (length, depth) says found or not; several say how often (`--needles N`)
+NEEDLES = (
+    Needle(
+        "The secret ingredient in the Velmora harbor stew is smoked juniper bark.",
+        "What is the secret ingredient in the Velmora harbor stew?",
+        ("smoked juniper bark", "juniper bark", "juniper"),
+    ),
+    Needle(
+        "The lighthouse keeper of Ostravik keeps a tame grey heron named Bellamy.",
+        "What is the name of the heron that the lighthouse keeper of Ostravik keeps?",
+        ("Bellamy",),
+    ),
+    Needle(
+        "The password to the old Tarnwick observatory is copper lantern.",
+        "What is the password to the old Tarnwick observatory?",
+        ("copper lantern",),
+    ),
+    Needle(
+        "The bell tower of Quenmoor was built from blue slate quarried at Harrowdeep.",
+        "From what stone was the bell tower of Quenmoor built?",
+        ("blue slate",),
+    ),
+    Needle(
+        "The first ship launched from the Saltmere yard was named the Morning Wren.",
+        "What was the name of the first ship launched from the Saltmere yard?",
+        ("Morning Wren",),
+    ),
+)
+NEEDLE = NEEDLES[0].sentence
 
 
 def haystack_text() -> str:
@@ -606,18 +642,22 @@ def haystack_text() -> str:
     return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
 
 
-def needle_item(lm: LoadedModel, length: int, depth: float, chunk_tokens: int) -> EvalItem:
-    """`length` tokens of essays with the needle sentence at `depth` (0 = start, 1 = end),
-    on a sentence boundary, cut into chunks of at most `chunk_tokens` tokens at sentences."""
+def needle_item(
+    lm: LoadedModel, length: int, depth: float, chunk_tokens: int, needle: int = 0
+) -> EvalItem:
+    """`length` tokens of essays with needle sentence `NEEDLES[needle]` at `depth` (0 =
+    start, 1 = end), on a sentence boundary, cut into chunks of at most `chunk_tokens` tokens
+    at sentences. IDs `needle-LENGTH-DEPTH`, then `-N` for needles past the first."""
+    fact = NEEDLES[needle]
     sentences = [s.strip() + "." for s in haystack_text().replace("\n", " ").split(". ")]
     count = lambda s: len(lm.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
-    filler, total = [], count(NEEDLE)
+    filler, total = [], count(fact.sentence)
     for sentence in sentences:
         if total + count(sentence) > length:
             break
         filler.append(sentence)
         total += count(sentence)
-    filler.insert(round(depth * len(filler)), NEEDLE)
+    filler.insert(round(depth * len(filler)), fact.sentence)
     chunks: list[str] = []
     current: list[str] = []
     size = 0
@@ -629,34 +669,42 @@ def needle_item(lm: LoadedModel, length: int, depth: float, chunk_tokens: int) -
         current.append(sentence)
         size += n
     chunks.append(" ".join(current))
-    return EvalItem(f"needle-{length}-{depth:g}", tuple(chunks), NEEDLE_QUESTION, NEEDLE_ANSWERS)
+    name = f"needle-{length}-{depth:g}" + (f"-{needle}" if needle else "")
+    return EvalItem(name, tuple(chunks), fact.question, fact.answers)
 
 
 def plot_needle(results: list[ItemResult], strategies: list[Strategy], path: Path) -> None:
-    """One heatmap per strategy: answer found (1) or not (0) per context length and depth."""
+    """One heatmap per strategy: the share of needles found per context length and depth,
+    each cell labelled found / tried."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({tuple(map(float, r.item.split("-")[1:])) for r in results})
-    lengths = sorted({int(k[0]) for k in keys})
-    depths = sorted({k[1] for k in keys})
+    cell = lambda r: (int(r.item.split("-")[1]), float(r.item.split("-")[2]))  # noqa: E731
+    lengths = sorted({cell(r)[0] for r in results})
+    depths = sorted({cell(r)[1] for r in results})
     fig, axes = plt.subplots(1, len(strategies), figsize=(3.2 * len(strategies), 3.4))
     axes = axes if len(strategies) > 1 else [axes]
     for ax, strategy in zip(axes, strategies):
-        grid = torch.zeros(len(lengths), len(depths))
+        found = torch.zeros(len(lengths), len(depths))
+        tried = torch.zeros(len(lengths), len(depths))
         for r in results:
             if r.strategy == str(strategy):
-                _, length, depth = r.item.split("-")
-                grid[lengths.index(int(length)), depths.index(float(depth))] = float(r.contains)
-        ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+                length, depth = cell(r)
+                at = lengths.index(length), depths.index(depth)
+                found[at] += float(r.contains)
+                tried[at] += 1
+        share = (found / tried.clamp(min=1)).numpy()
+        ax.imshow(share, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, j in tried.nonzero().tolist():
+            ax.text(j, i, f"{found[i, j]:.0f}/{tried[i, j]:.0f}", ha="center", va="center")
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_xlabel("needle depth")
         ax.set_title(str(strategy))
     axes[0].set_ylabel("context tokens")
-    fig.suptitle("needle found in the answer (green) or not (red)")
+    fig.suptitle("needles found in the answer, per length and depth")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -107,6 +107,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="needle depths (0 = start, 1 = end)",
     )
     evaluate.add_argument("--chunk-tokens", type=int, default=256, help="needle mode chunks")
+    evaluate.add_argument(
+        "--needles",
+        type=int,
+        default=1,
+        help="needle mode: how many different needles at each length and depth (1-5)",
+    )
     evaluate.add_argument("--limit", type=int, default=None, help="first N items only")
     evaluate.add_argument("--max-new-tokens", type=int, default=32)
     evaluate.add_argument(
@@ -218,10 +224,14 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         lm = load_model(
             ModelConfig(path=args.model, dtype=args.dtype, device=args.device, lora=args.lora)
         )
+        if not 1 <= args.needles <= len(ev.NEEDLES):
+            console.print(f"[red]--needles takes 1 to {len(ev.NEEDLES)}")
+            return 2
         items = [
-            ev.needle_item(lm, int(n), float(d), args.chunk_tokens)
+            ev.needle_item(lm, int(n), float(d), args.chunk_tokens, k)
             for n in args.lengths
             for d in args.depths
+            for k in range(args.needles)
         ]
         name = "needle"
     else:
