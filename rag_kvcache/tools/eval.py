@@ -702,7 +702,7 @@ def plot_needle(results: list[ItemResult], strategies: list[Strategy], path: Pat
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_xlabel("needle depth")
-        ax.set_title(str(strategy))
+        ax.set_title(str(strategy).replace("+", "\n+", 3), fontsize=9)  # long spellings wrap
     axes[0].set_ylabel("context tokens")
     fig.suptitle("needles found in the answer, per length and depth")
     fig.tight_layout()
