@@ -112,22 +112,8 @@ class Catalog(CatalogDatabase):
         """Keep `data` as the model's link calibration for chunks encoded with
         `encode_settings` (replacing any before it); returns its sha256. The model must be
         registered."""
-        _check_key("fingerprint", fingerprint)
-        checksum = hashlib.sha256(data).hexdigest()
-        values = dict(data=data, checksum=checksum, created_at=utc_now())
-        stmt = (
-            self._insert(LinkCalibration)
-            .values(fingerprint=fingerprint, encode_settings=encode_settings, **values)
-            .on_conflict_do_update(index_elements=["fingerprint", "encode_settings"], set_=values)
-        )
-        try:
-            with self._write() as conn:
-                conn.execute(stmt)
-        except IntegrityError:
-            raise CatalogError(
-                f"model {fingerprint} is not registered in this catalog; open an engine with it"
-            ) from None
-        return checksum
+        key = dict(fingerprint=fingerprint, encode_settings=encode_settings)
+        return self._put_model_file(LinkCalibration, key, data)
 
     def calibration(self, fingerprint: str, encode_settings: str) -> tuple[bytes, str] | None:
         """(bytes, sha256 recorded when kept) of the model's calibration, or None."""
@@ -143,20 +129,28 @@ class Catalog(CatalogDatabase):
     def put_adapter(self, fingerprint: str, data: bytes) -> str:
         """Keep `data` as the LoRA link calibration of the base model `fingerprint`
         (replacing any before it); returns its sha256. The model must be registered."""
-        _check_key("fingerprint", fingerprint)
+        return self._put_model_file(LinkAdapter, dict(fingerprint=fingerprint), data)
+
+    def _put_model_file(
+        self, table: type[LinkCalibration] | type[LinkAdapter], key: dict[str, str], data: bytes
+    ) -> str:
+        """Upsert a model's file (`data` and its sha256) into `table` under `key` (its primary
+        key, a registered model's fingerprint first); returns the sha256."""
+        _check_key("fingerprint", key["fingerprint"])
         checksum = hashlib.sha256(data).hexdigest()
         values = dict(data=data, checksum=checksum, created_at=utc_now())
         stmt = (
-            self._insert(LinkAdapter)
-            .values(fingerprint=fingerprint, **values)
-            .on_conflict_do_update(index_elements=["fingerprint"], set_=values)
+            self._insert(table)
+            .values(**key, **values)
+            .on_conflict_do_update(index_elements=list(key), set_=values)
         )
         try:
             with self._write() as conn:
                 conn.execute(stmt)
         except IntegrityError:
             raise CatalogError(
-                f"model {fingerprint} is not registered in this catalog; open an engine with it"
+                f"model {key['fingerprint']} is not registered in this catalog; open an engine "
+                "with it"
             ) from None
         return checksum
 

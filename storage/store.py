@@ -376,15 +376,7 @@ class TieredStore:
     def calibration(self, fingerprint: str, encode_settings: str) -> bytes | None:
         """The model's link calibration bytes, or None; damaged bytes are a StoreDamagedError."""
         found = self.catalog.calibration(fingerprint, encode_settings)
-        if found is None:
-            return None
-        data, checksum = found
-        if hashlib.sha256(data).hexdigest() != checksum:
-            raise StoreDamagedError(
-                f"the link calibration of model {fingerprint} in {self.catalog.url} is damaged "
-                "(checksum mismatch); run `rag-kvcache calibrate` again"
-            )
-        return data
+        return self._checked(found, f"the link calibration of model {fingerprint}", "")
 
     def put_adapter(self, fingerprint: str, data: bytes) -> str:
         """Keep the LoRA link calibration of base model `fingerprint` in the catalog."""
@@ -393,13 +385,17 @@ class TieredStore:
     def adapter(self, fingerprint: str) -> bytes | None:
         """The base model's LoRA adapter bytes, or None; damaged bytes are a StoreDamagedError."""
         found = self.catalog.adapter(fingerprint)
+        return self._checked(found, f"the LoRA adapter of model {fingerprint}", " --kind lora")
+
+    def _checked(self, found: tuple[bytes, str] | None, what: str, kind: str) -> bytes | None:
+        """A catalog file's bytes if they match their sha256; None if there are none."""
         if found is None:
             return None
         data, checksum = found
         if hashlib.sha256(data).hexdigest() != checksum:
             raise StoreDamagedError(
-                f"the LoRA adapter of model {fingerprint} in {self.catalog.url} is damaged "
-                "(checksum mismatch); run `rag-kvcache calibrate --kind lora` again"
+                f"{what} in {self.catalog.url} is damaged (checksum mismatch); run "
+                f"`rag-kvcache calibrate{kind}` again"
             )
         return data
 
