@@ -117,14 +117,8 @@ class Catalog(CatalogDatabase):
 
     def calibration(self, fingerprint: str, encode_settings: str) -> tuple[bytes, str] | None:
         """(bytes, sha256 recorded when kept) of the model's calibration, or None."""
-        with self._read() as conn:
-            row = conn.execute(
-                select(LinkCalibration.data, LinkCalibration.checksum).where(
-                    LinkCalibration.fingerprint == fingerprint,
-                    LinkCalibration.encode_settings == encode_settings,
-                )
-            ).first()
-        return None if row is None else (bytes(row[0]), str(row[1]))
+        key = dict(fingerprint=fingerprint, encode_settings=encode_settings)
+        return self._model_file(LinkCalibration, key)
 
     def put_adapter(self, fingerprint: str, data: bytes) -> str:
         """Keep `data` as the LoRA link calibration of the base model `fingerprint`
@@ -156,12 +150,14 @@ class Catalog(CatalogDatabase):
 
     def adapter(self, fingerprint: str) -> tuple[bytes, str] | None:
         """(bytes, sha256 recorded when kept) of the base model's LoRA adapter, or None."""
+        return self._model_file(LinkAdapter, dict(fingerprint=fingerprint))
+
+    def _model_file(
+        self, table: type[LinkCalibration] | type[LinkAdapter], key: dict[str, str]
+    ) -> tuple[bytes, str] | None:
+        """(bytes, sha256) of the row of `table` under `key` (its primary key), or None."""
         with self._read() as conn:
-            row = conn.execute(
-                select(LinkAdapter.data, LinkAdapter.checksum).where(
-                    LinkAdapter.fingerprint == fingerprint
-                )
-            ).first()
+            row = conn.execute(select(table.data, table.checksum).filter_by(**key)).first()
         return None if row is None else (bytes(row[0]), str(row[1]))
 
     # -- documents
