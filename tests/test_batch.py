@@ -9,6 +9,7 @@ from helpers import SERVING_DOCS, linked_span
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.link.linker import LinkedPrefix, link
+from rag_kvcache.model.adapter import key_bias
 from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.strategy import Strategy
 
@@ -30,9 +31,20 @@ def mixed_requests(ids: list[str]) -> list[BatchRequest]:
 
 
 @pytest.mark.parametrize(
-    "strategy", ["legolink:2", "full", "naive", "naive+top:2", "legolink:1+top:2+window:3"]
+    "strategy",
+    [
+        "legolink:2",
+        "full",
+        "naive",
+        "naive+top:2",
+        "legolink:1+top:2+window:3",
+        "legolink:2+ape:0.7,0.5",
+        "naive+top:1+window:3+ape:1,0.5",
+    ],
 )
 def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strategy) -> None:
+    """The prefix carries what linking it left behind, APE's score bias on its stale tokens
+    included (its keys are tempered already)."""
     engine = RagKVCache(EngineConfig(), lm=tiny64)
     ids = engine.generate_context_cache(DOCS[:3])
     chunks = engine.store.get([engine.prefix_id, *ids])
@@ -43,12 +55,20 @@ def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strate
     keys, values = linked_span(first, 0, P)
     tokens = tuple(t for c in chunks[:2] for t in c.token_ids)
     in_full = Strategy.parse(strategy).in_full(len(chunks) - 1)  # the whole request's ranks
+    bias = key_bias(first.cache)
+    assert (bias is not None) == (Strategy.parse(strategy).scale != 1)
     rest = link(
         tiny64,
         chunks[2:],
         question,
         Strategy.parse(strategy),
-        prefix=LinkedPrefix(keys, values, tokens, system_tokens=chunks[0].num_tokens),
+        prefix=LinkedPrefix(
+            keys,
+            values,
+            tokens,
+            system_tokens=chunks[0].num_tokens,
+            key_bias=None if bias is None else bias[:P],
+        ),
         in_full=in_full[1:],
     )
     torch.testing.assert_close(rest.next_logits, whole.next_logits, rtol=1e-10, atol=1e-10)
@@ -96,6 +116,8 @@ def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None
         ("legolink:1+top:1", True),
         ("naive+reversed+top:1", False),
         ("naive+reversed+top:1+window:8", False),
+        ("legolink:1+top:1+ape:0.7,0.5", True),
+        ("naive+reversed+top:1+window:8+ape:1,0.5", False),
     ],
 )
 def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, shared) -> None:
@@ -134,11 +156,10 @@ def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, share
         )
 
 
-@pytest.mark.parametrize("strategy", ["legolink:2+ape:0.7,0.8", "cacheblend:0.5"])
+@pytest.mark.parametrize("strategy", ["cacheblend:0.5"])
 def test_batches_refuse_what_the_tree_cannot_share_with_a_clear_error(tiny64, strategy) -> None:
-    """APE's scale and cacheblend's whole-context selection cannot ride on a shared prefix:
-    refused up front (cacheblend would fail only at the second request sharing the system
-    prompt's node)."""
+    """cacheblend's whole-context selection cannot ride on a shared prefix: refused up front
+    (it would fail only at the second request sharing the system prompt's node)."""
     engine = RagKVCache(EngineConfig(), lm=tiny64)
     ids = tuple(engine.generate_context_cache(DOCS[:2]))
     twice = [BatchRequest("Who?", ids), BatchRequest("When?", ids)]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
 from rag_kvcache.serving.cascade import (
+    PrivateKV,
+    SharedKV,
     attention_with_lse,
     cascade_attention,
     fused_attention_with_lse,
@@ -88,19 +91,32 @@ def test_cascade_attention_over_random_trees_equals_attention_per_request(seed) 
     suffixes = [kv(rng.randint(1, 5)) for _ in range(requests)]
     q = torch.randn(requests, heads, dim, generator=g, dtype=torch.float64)
 
+    # APE's scale on some nodes: log S on a random run of their tokens (their stale ones)
+    biases: list[torch.Tensor | None] = []
+    for k, _ in nodes:
+        bias = None
+        if rng.random() < 0.5:
+            bias = torch.zeros(len(k), dtype=torch.float64)
+            bias[rng.randint(0, len(k)) :] = -0.7
+        biases.append(bias)
+
     parts = []
     for node, (k, v) in enumerate(nodes):  # shared phase: each node once, for all its rows
         rows = [r for r, path in enumerate(paths) if node in path]
         if rows:
-            parts.append((k, v, rows))
+            parts.append(SharedKV(k, v, rows, biases[node]))
     for r, (k, v) in enumerate(suffixes):  # private phase
-        parts.append((k, v, [r]))
+        parts.append(SharedKV(k, v, [r]))
     out = cascade_attention(q, parts, dim**-0.5)
 
     for r, path in enumerate(paths):
         keys = torch.cat([nodes[n][0] for n in path] + [suffixes[r][0]])
         values = torch.cat([nodes[n][1] for n in path] + [suffixes[r][1]])
-        expected = reference_attention(q[r : r + 1], keys, values, dim**-0.5)
+        bias = torch.cat(
+            [torch.zeros(len(nodes[n][0])) if biases[n] is None else biases[n] for n in path]
+            + [torch.zeros(len(suffixes[r][0]))]
+        )
+        expected = reference_attention(q[r : r + 1], keys, values, dim**-0.5, bias)
         torch.testing.assert_close(out[r : r + 1], expected, atol=1e-12, rtol=1e-12)
 
 
@@ -128,10 +144,29 @@ def test_the_fused_kernel_equals_the_reference(dtype, tol, rows, tokens) -> None
     q = torch.randn(rows, 9, 64, generator=g).to(dtype)
     k = torch.randn(tokens, 3, 64, generator=g).to(dtype)
     v = torch.randn(tokens, 3, 64, generator=g).to(dtype)
-    out, lse = fused_attention_with_lse(q, k, v, 0.125)
-    want_out, want_lse = attention_with_lse(q.double(), k.double(), v.double(), 0.125)
-    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+    bias = torch.where(torch.arange(tokens) % 3 == 0, 0.0, -0.69)  # APE's log S, stale keys
+    for b in (None, bias):
+        out, lse = fused_attention_with_lse(q, k, v, 0.125, b)
+        want_out, want_lse = attention_with_lse(q.double(), k.double(), v.double(), 0.125, b)
+        torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+
+
+def test_a_bias_on_keys_equals_scaling_their_attention_weights() -> None:
+    """log S added to some keys' scores (APE's scale) multiplies their softmax weight by S
+    before normalising: the reference against weights computed by hand."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(10, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(10, 2, 8, generator=g, dtype=torch.float64)
+    stale = torch.arange(10) >= 4
+    bias = stale.double() * math.log(0.5)
+    out, _ = attention_with_lse(q, k, v, 0.3, bias)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    weights = torch.exp(torch.einsum("nhd,thd->nht", q, kk) * 0.3)
+    weights = weights * torch.where(stale, 0.5, 1.0).double()
+    want = torch.einsum("nht,thd->nhd", weights / weights.sum(-1, keepdim=True), vv)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -140,10 +175,21 @@ def test_the_fused_padded_kernel_equals_the_reference(dtype, tol) -> None:
     q = torch.randn(5, 9, 64, generator=g).to(dtype)
     k = torch.randn(5, 40, 3, 64, generator=g).to(dtype)
     v = torch.randn(5, 40, 3, 64, generator=g).to(dtype)
-    for lengths in (torch.tensor([40, 1, 17, 3, 39]), torch.full((5,), 40)):  # masked, not
-        out, lse = fused_padded_attention_with_lse(q, k, v, lengths, 0.125)
+    bias = torch.zeros(5, 48)  # a row's inlined stale tokens get APE's log S; wider than k
+    bias[0, 3:30] = bias[2, :10] = -0.69
+    full = torch.full((5,), 40)
+    masked = torch.tensor([40, 1, 17, 3, 39])
+    for lengths, b in ((masked, None), (full, None), (full, bias), (masked, bias)):
+        out, lse = fused_padded_attention_with_lse(q, k, v, lengths, 0.125, b)
         want_out, want_lse = padded_attention_with_lse(
-            q.double(), k.double(), v.double(), lengths, 0.125
+            q.double(), k.double(), v.double(), lengths, 0.125, b
         )
         torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+        if b is not None:  # the bias counts: without it the result differs
+            plain, _ = padded_attention_with_lse(q.double(), k.double(), v.double(), lengths, 0.125)
+            assert not torch.allclose(plain, want_out, atol=1e-3)
+    # PrivateKV's bias is the one the private phase adds
+    got = cascade_attention(q.double(), [], 0.125, PrivateKV(k.double(), v.double(), masked, bias))
+    want, _ = padded_attention_with_lse(q.double(), k.double(), v.double(), masked, 0.125, bias)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

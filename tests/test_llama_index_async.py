@@ -180,14 +180,13 @@ def test_async_llm_streams_join_to_the_sync_text(engine, index):
 
 
 def test_strategies_the_batch_refuses_keep_the_sync_answer_off_the_event_loop(engine, index):
-    """APE is not batched yet: its async calls take the sync path in a worker thread, so
-    they answer exactly as before and never reach the loop's decoder."""
-    ape = "legolink:2+ape:2,1"
-    llm = KVCacheLLM(engine, strategy=ape)
+    """cacheblend is not batched (it selects over the whole context): its async calls take
+    the sync path in a worker thread, so they answer exactly as before and never reach the
+    loop's decoder."""
+    blend = "cacheblend:0.3"
+    llm = KVCacheLLM(engine, strategy=blend)
     cache_ids = [n.node.metadata["cache_id"] for n in index.as_retriever().retrieve(QUESTIONS[2])]
     sync = llm.complete(QUESTIONS[2], cache_ids=cache_ids)
-    linked = KVCacheLLM(engine, strategy="legolink:2").complete(QUESTIONS[2], cache_ids=cache_ids)
-    assert sync.raw["token_ids"] != linked.raw["token_ids"]  # APE really changes the answer
 
     async def run() -> tuple[Any, list[Any]]:
         stream = await llm.astream_complete(QUESTIONS[2], cache_ids=cache_ids)
@@ -195,9 +194,32 @@ def test_strategies_the_batch_refuses_keep_the_sync_answer_off_the_event_loop(en
 
     done, responses = asyncio.run(run())
     assert done.text == sync.text and done.raw["token_ids"] == sync.raw["token_ids"]
-    assert done.raw["strategy"] == str(Strategy.parse(ape))
+    assert done.raw["strategy"] == str(Strategy.parse(blend))
     assert "".join(r.delta for r in responses) == sync.text
     assert engine._loop is None  # the engine loop never started
+
+
+def test_ape_is_batched_on_the_event_loop_and_answers_as_its_sync_twin(engine, index):
+    """APE's scale rides in the prefix tree: concurrent async calls share the loop's batch
+    and give exactly the sync answers, which APE really changes."""
+    ape = "legolink:2+ape:2,0.5"
+    llm = KVCacheLLM(engine, strategy=ape)
+    retriever = index.as_retriever()
+    asked = [(q, [n.node.metadata["cache_id"] for n in retriever.retrieve(q)]) for q in QUESTIONS]
+    sync = [llm.complete(q, cache_ids=ids) for q, ids in asked]
+    plain = KVCacheLLM(engine, strategy="legolink:2")
+    linked = [plain.complete(q, cache_ids=ids) for q, ids in asked]
+    assert [s.raw["token_ids"] for s in sync] != [p.raw["token_ids"] for p in linked]
+
+    async def together() -> list[Any]:
+        return list(await asyncio.gather(*(llm.acomplete(q, cache_ids=ids) for q, ids in asked)))
+
+    before = steps(engine)
+    answers = asyncio.run(together())
+    assert [a.raw["token_ids"] for a in answers] == [s.raw["token_ids"] for s in sync]
+    assert all(a.raw["strategy"] == str(Strategy.parse(ape)) for a in answers)
+    assert 0 < steps(engine) - before < len(QUESTIONS) * MAX_NEW  # decoded together
+    assert refs(engine.prefix_tree) == 0
 
 
 def test_concurrent_chat_engines_share_a_batch_and_answer_as_their_sync_twins(engine, index):

@@ -9,21 +9,30 @@ from helpers import SERVING_DOCS, linked_span
 
 from rag_kvcache import EngineConfig, RagKVCache
 from rag_kvcache.link.linker import link
+from rag_kvcache.model.adapter import key_bias
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
 from rag_kvcache.serving.questions import prefill_questions
 from rag_kvcache.strategy import Strategy
 
 DOCS = SERVING_DOCS[:4]
-STRATEGY = Strategy.parse("legolink:2")
 
 
-@pytest.mark.parametrize("model, tolerance", [("tiny64", 1e-10), ("tiny32", 2e-4)])
-def test_questions_together_equal_each_linked_alone(model, tolerance, request) -> None:
+@pytest.mark.parametrize(
+    "model, tolerance, strategy",
+    [
+        ("tiny64", 1e-10, "legolink:2"),
+        ("tiny32", 2e-4, "legolink:2"),
+        ("tiny64", 1e-10, "legolink:2+ape:0.7,0.5"),
+        ("tiny32", 2e-4, "naive+ape:1,0.5"),
+    ],
+)
+def test_questions_together_equal_each_linked_alone(model, tolerance, strategy, request) -> None:
     """Paths that share nodes, a path that is another's prefix, a separate root; questions of
     different lengths, two on one path. Each question's KV and next-token logits equal
     `link` of its whole context and question at once (float64: to rounding; float32: through
-    the fused CPU kernels)."""
+    the fused CPU kernels), APE's scale included (each node keeps its score bias)."""
     lm = request.getfixturevalue(model)
+    STRATEGY = Strategy.parse(strategy)
     engine = RagKVCache(EngineConfig(), lm=lm)
     ids = engine.generate_context_cache(DOCS)
     chunk_of = dict(zip([engine.prefix_id, *ids], engine.store.get([engine.prefix_id, *ids])))
@@ -35,7 +44,11 @@ def test_questions_together_equal_each_linked_alone(model, tolerance, request) -
         start = parent.end if parent is not None else 0
         keys, values = linked_span(linked, start, linked.context_tokens)
         size = [chunk_of[cache_ids[-1]].num_tokens] if parent else [linked.context_tokens]
-        return tree.insert(parent, [key], size, list(keys), list(values))
+        bias = key_bias(linked.cache)
+        assert (bias is not None) == (STRATEGY.scale != 1)
+        if bias is not None:
+            bias = bias[start : linked.context_tokens]
+        return tree.insert(parent, [key], size, list(keys), list(values), bias)
 
     system = extend(None, "a", [engine.prefix_id])
     first = extend(system, ids[0], [engine.prefix_id, ids[0]])

@@ -396,8 +396,9 @@ class KVCacheLLM(CustomLLM):
                 **self._sampling(kwargs),
             )
         else:
-            # The batch decoder refuses this strategy (APE's attention scale, calibrated link
-            # tokens: the prefix tree keeps neither yet). Refusing would break async callers
+            # The batch decoder refuses this strategy (calibrated link tokens: the prefix tree
+            # does not keep them yet; cacheblend's whole-context selection). Refusing would
+            # break async callers
             # whose sync calls work, so it keeps its exact sync answer path, each step in a
             # worker thread: the event loop runs on, but this request shares no batch.
             return _in_thread(self._generate(prompt, formatted, kwargs))

@@ -82,6 +82,9 @@ class LinkedPrefix:
     values: torch.Tensor
     token_ids: tuple[int, ...]
     system_tokens: int | None = None  # the system prefix's, at its start (`+window:W` needs it)
+    # the score bias on its keys [P] (APE's scale on the tokens it left stale; their keys are
+    # tempered already); None: none
+    key_bias: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +157,8 @@ def link(
         cache = buffered_cache(lm, keys, values, L)
         calls: list[Callable[[], None]] = [*feed.calls()] if feed else []
         if stale is not None:  # APE: stale keys tempered as placed, their scores scaled
-            calls = temper(lm, cache, keys[:, 0], stale, strategy, L + q + reserve, calls)
+            bias = prefix.key_bias if prefix else None
+            calls = temper(lm, cache, keys[:, 0], stale, strategy, L + q + reserve, calls, bias)
         write_at(cache, new_positions)
         if blend is not None:
             next_logits = _filtered_forward(
@@ -267,13 +271,17 @@ def temper(
     strategy: Strategy,
     capacity: int,
     layer_calls: list[Callable[[], None]],
+    prefix_bias: torch.Tensor | None = None,
 ) -> list[Callable[[], None]]:
     """APE on the stale context tokens: their keys [layers, kv_heads, cap, d] divided by the
     temperature (every later score on them is divided by it) and log(scale) added to their
-    scores (a key bias kept with the cache, so decoding applies it too). Chunks placed layer
-    by layer (`layer_calls`) are tempered as each layer arrives: the calls to run instead."""
+    scores (a key bias kept with the cache, so decoding applies it too; a linked prefix's
+    own, `prefix_bias`, kept before them). Chunks placed layer by layer (`layer_calls`) are
+    tempered as each layer arrives: the calls to run instead."""
     if strategy.scale != 1:
         bias = torch.zeros(capacity, dtype=lm.dtype, device=lm.device)
+        if prefix_bias is not None:
+            bias[: len(prefix_bias)] = prefix_bias
         bias[stale] = math.log(strategy.scale)
         set_key_bias(cache, bias)
     if strategy.temperature == 1:

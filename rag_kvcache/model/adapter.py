@@ -334,6 +334,11 @@ def set_key_bias(cache: Cache, bias: torch.Tensor | None) -> None:
         layer.key_bias = bias
 
 
+def key_bias(cache: Cache) -> torch.Tensor | None:
+    """The bias `set_key_bias` gave this buffered cache ([capacity]), or None."""
+    return getattr(cache.layers[0], "key_bias", None) if cache.layers else None
+
+
 def write_at(cache: Cache, positions: torch.Tensor | None) -> None:
     """Make the next forward write its K/V at `positions` [T] of a buffered cache (overwriting
     what is there) instead of appending; None goes back to appending."""

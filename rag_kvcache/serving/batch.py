@@ -21,6 +21,10 @@ request whose whole context is already in the tree only needs its question compu
 one step go through the model together (`questions.prefill_questions`), one forward for a
 burst of questions over popular chunks instead of one each.
 
+APE's scale (`+ape:T,S`) rides along with the KV: a node's stale keys are tempered already
+(as linked), and the log S added to their scores is the node's `bias`, which both phases of
+attention add where they read the node (a request's row carries its inlined nodes' bias).
+
 A `prefill` request (a plain prompt, or chunks computed afresh) links nothing: its whole
 prompt is prefilled alone and kept in its row, outside the tree, and it decodes in the same
 batch as the linked ones.
@@ -33,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -40,10 +45,16 @@ from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, check_chunks, link, linked_layers
-from rag_kvcache.model.adapter import forward, hook_cache, release_buffers, unpack_cache
+from rag_kvcache.model.adapter import (
+    forward,
+    hook_cache,
+    key_bias,
+    release_buffers,
+    unpack_cache,
+)
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.serving.batch_kv import BatchKV, inlined
-from rag_kvcache.serving.cascade import cascade_attention
+from rag_kvcache.serving.cascade import PrivateKV, SharedKV, cascade_attention
 from rag_kvcache.serving.decoding import finished, next_token, prefill
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
 from rag_kvcache.serving.questions import fit_together, prefill_questions
@@ -143,16 +154,11 @@ class _Active:
 
 def batchable(strategy: Strategy) -> bool:
     """Whether the batch decoder serves `strategy` (see `check_batchable`)."""
-    return not (strategy.uses_ape or strategy.calibrated or strategy.kind == "cacheblend")
+    return not (strategy.calibrated or strategy.kind == "cacheblend")
 
 
 def check_batchable(strategy: Strategy) -> None:
     """Raise StrategyError for a strategy whose linked KV the prefix tree cannot share yet."""
-    if strategy.uses_ape:
-        raise StrategyError(
-            f"{strategy}: batched decoding attends through the prefix tree, which does not "
-            "carry APE's scale yet; answer these requests one at a time (generate)"
-        )
     if strategy.calibrated:
         raise StrategyError(
             f"{strategy}: batched decoding shares linked prefixes through the prefix tree, "
@@ -165,6 +171,16 @@ def check_batchable(strategy: Strategy) -> None:
             "it cannot extend a prefix shared in the prefix tree; answer these requests one at "
             "a time (generate)"
         )
+
+
+def nodes_bias(nodes: Sequence[TreeNode]) -> torch.Tensor | None:
+    """The score bias on the keys of a path of nodes, end to end (0 where a node has none);
+    None if none has one."""
+    biased = [n.bias for n in nodes if n.bias is not None]
+    if not biased:
+        return None
+    zeros = partial(torch.zeros, dtype=biased[0].dtype, device=biased[0].device)
+    return torch.cat([zeros(n.tokens) if n.bias is None else n.bias for n in nodes])
 
 
 def tree_path(strategy: Strategy, path: list[str] | tuple[str, ...]) -> list[str]:
@@ -379,6 +395,7 @@ class BatchDecoder:
                 torch.stack([torch.cat([n.values[i] for n in found.nodes], dim=1) for i in layers]),
                 tuple(t for c in chunks[: found.chunks] for t in c.token_ids),
                 system_tokens=chunks[0].num_tokens,
+                key_bias=nodes_bias(found.nodes),
             )
         rest = chunks[found.chunks :]
         flags = in_full[found.chunks :] if prefix else in_full[1:]  # link's: after chunk 0
@@ -387,7 +404,10 @@ class BatchDecoder:
         if rest:  # room was made for them: `make_room`
             keys, values = linked_layers(linked, found.tokens, linked.context_tokens)
             sizes = [c.num_tokens for c in rest]
-            leaf = self.tree.insert(leaf, path[found.chunks :], sizes, keys, values)
+            bias = key_bias(linked.cache)  # APE's scale on the stale tokens, kept with them
+            if bias is not None:
+                bias = bias[found.tokens : linked.context_tokens].clone()
+            leaf = self.tree.insert(leaf, path[found.chunks :], sizes, keys, values, bias)
         assert leaf is not None
         self.tree.acquire(leaf)
         q = len(question)
@@ -604,14 +624,22 @@ class BatchDecoder:
         lengths = at + 1  # + the new token
         longest = int(lengths.max())
 
+        bias = None if self.kv.bias is None else self.kv.bias[:n, :longest]
+
         def attend(layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
             shared = [
-                (node.keys[layer].transpose(0, 1), node.values[layer].transpose(0, 1), rows)
+                SharedKV(
+                    node.keys[layer].transpose(0, 1),
+                    node.values[layer].transpose(0, 1),
+                    rows,
+                    node.bias,
+                )
                 for node, rows in rows_of.items()
             ]
             own_k = rows_k[layer][:n, :, :longest].transpose(1, 2)  # [B, tokens, kv, dim]
             own_v = rows_v[layer][:n, :, :longest].transpose(1, 2)
-            out = cascade_attention(query[:, :, 0], shared, scale, (own_k, own_v, lengths))
+            own = PrivateKV(own_k, own_v, lengths, bias)
+            out = cascade_attention(query[:, :, 0], shared, scale, own)
             return out[:, None]  # [B, 1, heads, head_dim]
 
         logits, _ = forward(

@@ -95,6 +95,7 @@ class BatchKV:
         self.layouts: list[Layout] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.bias: torch.Tensor | None = None  # `row_bias`, as the last layout left it
 
     @property
     def nbytes(self) -> int:
@@ -166,9 +167,27 @@ class BatchKV:
         if not plan.rows:
             self.keys, self.values = [], []
         self.members, self.paths, self.layouts = plan.rows, plan.paths, plan.layouts
+        self.bias = self.row_bias()
         for m in plan.rows:
             m.own_keys, m.own_values = [], []
         return most
+
+    def row_bias(self) -> torch.Tensor | None:
+        """The score bias on every row's keys [rows, tokens]: its inlined nodes' (`TreeNode.
+        bias`, APE's scale on stale tokens), 0 on its own tokens and past its end. None when
+        no inlined node has one (no bias to add)."""
+        biased = [n.bias for lay in self.layouts for n in lay.inlined if n.bias is not None]
+        if not biased:
+            return None
+        rows, tokens = self.shape
+        bias = biased[0].new_zeros(rows, tokens)
+        for row, lay in enumerate(self.layouts):
+            at = 0
+            for node in lay.inlined:
+                if node.bias is not None:
+                    bias[row, at : at + node.tokens] = node.bias
+                at += node.tokens
+        return bias
 
     def plan(self, members: Sequence[Member]) -> RowPlan:
         """Where each member goes and what must be written (nothing is moved yet).

@@ -9,6 +9,10 @@ their own tokens separately (second phase), with exactly the result of plain att
 Shapes follow FlashInfer: queries `[n, heads, dim]`, keys / values `[tokens, kv_heads, dim]`,
 outputs `[n, heads, dim]`, LSE `[n, heads]`. A part with no keys has LSE -inf and output 0 and
 leaves the other part unchanged.
+
+Every function takes an optional additive `bias` on the keys' scores: APE's scale on stale
+context tokens (`Strategy.scale`, log S on each stale key), which linked KV in the prefix tree
+carries per token (`TreeNode.bias`), so that batched decoding attends as decoding alone does.
 """
 
 from __future__ import annotations
@@ -16,8 +20,29 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+
+
+class SharedKV(NamedTuple):
+    """Keys / values [tokens, kv_heads, dim] that the queries in `rows` attend to, with an
+    optional additive bias [tokens] on their scores."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: list[int]
+    bias: torch.Tensor | None = None
+
+
+class PrivateKV(NamedTuple):
+    """Each query row's own keys / values [n, tokens, kv_heads, dim], of which row i uses the
+    first lengths[i], with an optional additive bias [n, tokens] on their scores."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: torch.Tensor
+    bias: torch.Tensor | None = None
 
 
 def merge_state(
@@ -53,10 +78,15 @@ def merge_states(
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of every query to every key, with its LSE (no mask: decode queries
-    see their whole path). GQA: kv_heads divides heads; each KV head serves a group."""
+    see their whole path; `bias` [tokens] is added to every query's scores). GQA: kv_heads
+    divides heads; each KV head serves a group."""
     n, heads, dim = q.shape
     tokens, kv_heads, _ = k.shape
     if tokens == 0:
@@ -64,6 +94,8 @@ def attention_with_lse(
     group = heads // kv_heads
     qg = q.reshape(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, n * group, dim)
     scores = (qg @ k.permute(1, 2, 0)).to(accumulator(q.dtype)) * scale  # [kv, n*g, tokens]
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     lse = torch.logsumexp(scores, dim=-1)  # [kv_heads, n*group]
     probs = torch.exp(scores - lse[..., None]).to(v.dtype)
     out = probs @ v.permute(1, 0, 2)  # [kv_heads, n*group, dim]
@@ -75,25 +107,32 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def fused_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_with_lse` (the shared phase) on the fastest kernel where q lives, chosen
     here and nowhere else: our Triton kernel on a CUDA GPU (`cascade_triton.py`; off with
     RAG_KVCACHE_TRITON=0), torch's fused flash-attention kernel on the CPU, which also
     returns the LSE (natural log). Either lays the query's head groups out as extra query
-    rows of their KV head, so grouped KV is read once, never repeated. The reference in
-    float64, with no keys, or without a kernel."""
+    rows of their KV head, so grouped KV is read once, never repeated (`bias`, if any, as the
+    kernel's additive mask). The reference in float64, with no keys, or without a kernel."""
     if q.dtype == torch.float64 or not len(k):
-        return attention_with_lse(q, k, v, scale)
+        return attention_with_lse(q, k, v, scale, bias)
     if q.device.type == "cuda" and (kernel := triton_kernel()) is not None:
-        return kernel(q, k, v, scale)
+        return kernel(q, k, v, scale, bias)
     if q.device.type != "cpu" or _FLASH_CPU is None:
-        return attention_with_lse(q, k, v, scale)
+        return attention_with_lse(q, k, v, scale, bias)
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     qg = q.reshape(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
-    out, lse = _FLASH_CPU(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale)
+    mask = None if bias is None else bias.to(q.dtype)[None, None, None, :]
+    out, lse = _FLASH_CPU(
+        qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale
+    )
     out = out[0].reshape(kv_heads, n, group, -1).transpose(0, 1).reshape(n, heads, -1)
     return out, lse[0].reshape(kv_heads, n, group).transpose(0, 1).reshape(n, heads)
 
@@ -112,16 +151,24 @@ def triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
 
 
 def padded_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row over its own keys: q [n, heads, dim], k / v [n, tokens, kv_heads, dim]
-    of which row i uses the first lengths[i]. One batched product for every row's private
-    part (decode's second phase), instead of one small product per row."""
+    of which row i uses the first lengths[i], `bias` [n, >= tokens] added to row i's scores.
+    One batched product for every row's private part (decode's second phase), instead of one
+    small product per row."""
     n, heads, dim = q.shape
     _, tokens, kv_heads, _ = k.shape
     group = heads // kv_heads
     qg = q.reshape(n, kv_heads, group, dim)  # [n, kv, g, d]
     scores = torch.einsum("nkgd,ntkd->nkgt", qg, k).to(accumulator(q.dtype)) * scale
+    if bias is not None:
+        scores = scores + bias[:, None, None, :tokens].to(scores.dtype)
     unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
     scores = scores.masked_fill(unused[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [n, kv, g]; -inf for a row with no keys
@@ -131,23 +178,30 @@ def padded_attention_with_lse(
 
 
 def fused_padded_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`padded_attention_with_lse` through torch's fused CPU flash-attention kernel (rows as
-    the batch, a key mask for each row's length). Falls back to the reference off the CPU, in
-    float64, without the kernel, or when a row has no keys."""
+    the batch, an additive mask for each row's length and bias). Falls back to the reference
+    off the CPU, in float64, without the kernel, or when a row has no keys."""
     if _FLASH_CPU is None or q.device.type != "cpu" or q.dtype == torch.float64:
-        return padded_attention_with_lse(q, k, v, lengths, scale)
+        return padded_attention_with_lse(q, k, v, lengths, scale, bias)
     shortest = int(lengths.min())
     if shortest < 1:
-        return padded_attention_with_lse(q, k, v, lengths, scale)
+        return padded_attention_with_lse(q, k, v, lengths, scale, bias)
     n, heads, dim = q.shape
     _, tokens, kv_heads, _ = k.shape
     group = heads // kv_heads
-    mask = None  # every row uses every key: no mask to build or read
-    if shortest < tokens:
-        unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
+    mask = None  # every row uses every key, unbiased: no mask to build or read
+    if shortest < tokens or bias is not None:
         mask = torch.zeros(n, 1, 1, tokens, dtype=q.dtype, device=q.device)
+        if bias is not None:
+            mask[:, 0, 0] = bias[:, :tokens]
+        unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
         mask.masked_fill_(unused[:, None, None, :], float("-inf"))
     qg = q.reshape(n, kv_heads, group, dim)
     out, lse = _FLASH_CPU(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
@@ -156,41 +210,45 @@ def fused_padded_attention_with_lse(
 
 def cascade_attention(
     q: torch.Tensor,
-    parts: list[tuple[torch.Tensor, torch.Tensor, list[int]]],
+    parts: list[SharedKV] | list[tuple[torch.Tensor, torch.Tensor, list[int]]],
     scale: float,
-    private: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    private: PrivateKV | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of queries q [n, heads, dim] over shared parts and private KV.
 
-    Each part is (keys, values, rows): KV [tokens, kv_heads, dim] that the queries in `rows`
-    attend to; a part shared by several requests is attended once for all its rows (phase
-    one). `private` = (keys, values, lengths) as in `padded_attention_with_lse`: each row's
-    own tokens, all rows in one product (phase two). Everything is merged by LSE. Equals
-    softmax attention of each row over the concatenation of its parts and private tokens.
+    Each part (`SharedKV`: keys, values, rows, bias) is KV [tokens, kv_heads, dim] that the
+    queries in `rows` attend to; a part shared by several requests is attended once for all
+    its rows (phase one). `private` (`PrivateKV`: keys, values, lengths, bias) as in
+    `padded_attention_with_lse`: each row's own tokens, all rows in one product (phase two).
+    Everything is merged by LSE. Equals softmax attention of each row over the concatenation
+    of its parts and private tokens, each key's bias added to its scores.
     """
     n, heads, _ = q.shape
     acc = accumulator(q.dtype)
     dim_v = parts[0][1].shape[-1] if parts else q.shape[-1]
     if private is not None:
-        out, lse = fused_padded_attention_with_lse(q, *private, scale)
+        mine = PrivateKV(*private)
+        out, lse = fused_padded_attention_with_lse(q, *mine[:3], scale, mine.bias)
         out = out.to(acc)
     else:
         out = q.new_zeros(n, heads, dim_v, dtype=acc)
         lse = q.new_full((n, heads), float("-inf"), dtype=acc)
     solo: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> its own parts
-    for keys, values, rows in parts:
+    for part in parts:
+        keys, values, rows, bias = SharedKV(*part)
         if len(rows) == n:  # the whole batch: no gather / scatter
-            v_part, s_part = fused_attention_with_lse(q, keys, values, scale)
+            v_part, s_part = fused_attention_with_lse(q, keys, values, scale, bias)
             out, lse = merge_state(out, lse, v_part.to(acc), s_part)
             continue
         if len(rows) == 1:  # merged below, all rows' at once
-            v_part, s_part = fused_attention_with_lse(q[rows[0] : rows[0] + 1], keys, values, scale)
+            one = q[rows[0] : rows[0] + 1]
+            v_part, s_part = fused_attention_with_lse(one, keys, values, scale, bias)
             solo.setdefault(rows[0], []).append((v_part.to(acc), s_part))
             continue
         index: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
         if rows != list(range(rows[0], rows[-1] + 1)):
             index = torch.tensor(rows, device=q.device)
-        v_part, s_part = fused_attention_with_lse(q[index], keys, values, scale)
+        v_part, s_part = fused_attention_with_lse(q[index], keys, values, scale, bias)
         merged_v, merged_s = merge_state(out[index], lse[index], v_part.to(acc), s_part)
         out[index], lse[index] = merged_v, merged_s
     if solo:  # parts of one row each (nothing shared): one merge for all of them
@@ -203,10 +261,19 @@ def cascade_attention(
     return out.to(q.dtype)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Plain softmax attention over all keys (the oracle for the functions above)."""
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain softmax attention over all keys, `bias` [tokens] added to every score (the
+    oracle for the functions above)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k = k.repeat_interleave(heads // kv_heads, dim=1)
     v = v.repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("nhd,thd->nht", q, k) * scale
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     return torch.einsum("nht,thd->nhd", torch.softmax(scores, dim=-1), v)

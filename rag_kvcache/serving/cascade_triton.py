@@ -43,6 +43,7 @@ def _shared_phase_kernel(
     q_ptr,  # [n, heads, dim]
     k_ptr,  # [tokens, kv_heads, dim]
     v_ptr,
+    bias_ptr,  # [tokens] float32 added to every score (HAS_BIAS), else unused
     out_ptr,  # [splits, kv_heads, rows, dim] float32, rows = n * group
     lse_ptr,  # [splits, kv_heads, rows] float32
     stride_qn,
@@ -61,6 +62,7 @@ def _shared_phase_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,  # products in float32 (the interpreter's bfloat16 dot is wrong)
+    HAS_BIAS: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     row_block = tl.program_id(1)
@@ -91,6 +93,8 @@ def _shared_phase_kernel(
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = _load_block(k_ptr + kv_head * stride_kh, t, stride_kt, d, kv_mask, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if HAS_BIAS:
+            scores += tl.load(bias_ptr + t, mask=t_ok, other=0.0)[None, :]
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -110,11 +114,15 @@ def _shared_phase_kernel(
 
 
 def triton_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`cascade.attention_with_lse` (queries [n, heads, dim], keys / values [tokens, kv_heads,
-    dim] with any token and head strides, at least one key) on the Triton kernel. Returns the
-    output in q's dtype and the LSE in float32."""
+    dim] with any token and head strides, at least one key, an optional score bias [tokens])
+    on the Triton kernel. Returns the output in q's dtype and the LSE in float32."""
     n, heads, dim = q.shape
     tokens, kv_heads, _ = k.shape
     group = heads // kv_heads
@@ -122,6 +130,8 @@ def triton_attention_with_lse(
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
     row_blocks = triton.cdiv(rows, BLOCK_M)
     # slices of whole key blocks, as many as fill the GPU, none empty
     wanted = max(1, TARGET_PROGRAMS // (kv_heads * row_blocks))
@@ -133,6 +143,7 @@ def triton_attention_with_lse(
         q,
         k,
         v,
+        q if bias is None else bias,  # any pointer when there is no bias: never read
         out,
         lse,
         q.stride(0),
@@ -151,6 +162,7 @@ def triton_attention_with_lse(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        HAS_BIAS=bias is not None,
     )
     # merge the slices by LSE: weights exp(lse_s - lse), which sum to 1 over the slices
     total = torch.logsumexp(lse, dim=0)  # [kv_heads, rows]

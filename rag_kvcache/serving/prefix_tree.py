@@ -44,6 +44,9 @@ class TreeNode:
     refs: int = 0
     last_used: int = 0
     held_by: object | None = None  # the BatchKV whose rows hold this KV; None: its own tensors
+    # added to every score on each of its tokens [tokens] (APE's scale: log S on the tokens
+    # its strategy left stale, 0 on the rest); None: no bias
+    bias: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -152,17 +155,21 @@ class PrefixTree:
         sizes: Sequence[int],
         keys: Sequence[torch.Tensor],
         values: Sequence[torch.Tensor],
+        bias: torch.Tensor | None = None,
     ) -> TreeNode:
         """Add a run of chunks (their linked KV per layer, [kv_heads, tokens, head_dim] each,
-        or one [layers, ...] tensor) under `parent` (None: a root). The node keeps the
-        tensors given, not copies."""
+        or one [layers, ...] tensor; the score bias on its tokens, if any) under `parent`
+        (None: a root). The node keeps the tensors given, not copies."""
         siblings = self.roots if parent is None else parent.children
         if cache_ids[0] in siblings:
             raise ValueError(f"a child starting with {cache_ids[0]} exists: match() first")
         if keys[0].shape[1] != sum(sizes):
             raise ValueError(f"{keys[0].shape[1]} tokens of KV for chunks of {sum(sizes)} tokens")
         start = parent.end if parent is not None else 0
+        if bias is not None and len(bias) != sum(sizes):
+            raise ValueError(f"a bias on {len(bias)} tokens for chunks of {sum(sizes)} tokens")
         node = TreeNode(tuple(cache_ids), tuple(sizes), list(keys), list(values), start, parent)
+        node.bias = bias
         node.last_used = next(self._clock)
         siblings[cache_ids[0]] = node
         self._nbytes += node.nbytes
@@ -182,12 +189,14 @@ class PrefixTree:
             node.parent,
             refs=node.refs,
             last_used=node.last_used,
+            bias=None if node.bias is None else node.bias[:cut].clone(),
         )
         siblings = self.roots if node.parent is None else node.parent.children
         siblings[upper.cache_ids[0]] = upper
         node.cache_ids, node.sizes = node.cache_ids[at:], node.sizes[at:]
         node.keys = [k[:, cut:].clone() for k in node.keys]
         node.values = [v[:, cut:].clone() for v in node.values]
+        node.bias = None if node.bias is None else node.bias[cut:].clone()
         node.start, node.parent = node.start + cut, upper
         node.held_by = None  # both parts are copies of their own now, wherever it lived
         upper.children = {node.cache_ids[0]: node}

@@ -11,7 +11,8 @@ Questions are left-padded to the longest, so every question's last token is the 
 column (one logits row each); a pad is never attended to. A forward takes as many questions
 as `fit_together` allows (short questions: a whole burst; long ones, e.g. with chat history,
 a few at a time). The result equals linking each
-question alone over its prefix (`link(lm, [], question, strategy, prefix=...)`).
+question alone over its prefix (`link(lm, [], question, strategy, prefix=...)`), APE's scale
+included: a node's score bias (`TreeNode.bias`) is added wherever it is attended.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from rag_kvcache.model.adapter import forward, hook_cache
 from rag_kvcache.model.loading import LoadedModel
-from rag_kvcache.serving.cascade import cascade_attention
+from rag_kvcache.serving.cascade import SharedKV, cascade_attention
 from rag_kvcache.serving.prefix_tree import TreeNode
 
 # Each question token reads its own question's keys from a [tokens, longest question] copy, so
@@ -84,7 +85,12 @@ def prefill_questions(
     def attend(layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         tokens = query.transpose(1, 2)[real]  # [rows, heads, head_dim]
         shared = [
-            (node.keys[layer].transpose(0, 1), node.values[layer].transpose(0, 1), rows)
+            SharedKV(
+                node.keys[layer].transpose(0, 1),
+                node.values[layer].transpose(0, 1),
+                rows,
+                node.bias,
+            )
             for node, rows in rows_of.items()
         ]
         private = (own(new_keys[layer]), own(new_values[layer]), seen)
