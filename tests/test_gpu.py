@@ -118,7 +118,11 @@ def test_the_triton_shared_phase_kernel_is_chosen_on_the_gpu_and_equals_the_refe
         q = torch.randn(n, heads, dim, device="cuda", generator=g).to(dtype)
         k, v = torch.randn(2, kv_heads, tokens, dim, device="cuda", generator=g).to(dtype)
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # as tree nodes hold them
-        out, lse = fused_attention_with_lse(q, k, v, dim**-0.5)
-        want_out, want_lse = attention_with_lse(q.double(), k.double(), v.double(), dim**-0.5)
-        torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
-        torch.testing.assert_close(lse.double(), want_lse, atol=1e-3, rtol=1e-3)
+        stale = torch.arange(tokens, device="cuda") >= 2  # APE's log S on stale keys
+        for bias in (None, stale.to(dtype) * -0.69):
+            out, lse = fused_attention_with_lse(q, k, v, dim**-0.5, bias)
+            want_out, want_lse = attention_with_lse(
+                q.double(), k.double(), v.double(), dim**-0.5, bias
+            )
+            torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
+            torch.testing.assert_close(lse.double(), want_lse, atol=1e-3, rtol=1e-3)
