@@ -50,8 +50,11 @@ CHUNK_TOKENS = 256
 PAGES = ("Ingest", "Ask", "Insight")
 # legolink0 is left out: it needs chunks encoded with sink tokens (EncodeConfig(sink_tokens=N)).
 STRATEGIES = {
-    "naive+reversed+top:1+window:1024": "the default: the best chunk nearest the question, "
-    "recomputed reading the 1024 tokens before it; keeps prefill's answers",
+    "legolink:2+reversed+top:1+window:1024+ape:1,0.5": "the default: the best chunk nearest "
+    "the question, recomputed reading the 1024 tokens before it; two tokens of every other "
+    "chunk recomputed and their weight halved: keeps prefill's answers, finds most needles",
+    "naive+reversed+top:1+window:1024": "as the default without the two tokens and the "
+    "halved weight: as fast, loses more of prefill's answers and needles",
     "naive+reversed+top:1": "the best chunk nearest the question, recomputed reading the whole "
     "context: as right as the default, slower at long contexts",
     "legolink:16+reversed": "the best chunk nearest the question, 16 tokens of each chunk "

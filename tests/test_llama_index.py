@@ -253,7 +253,7 @@ def test_streaming_and_async_queries_give_the_same_answer(engine, index) -> None
     assert len(pieces) > 1 and "".join(pieces) == plain.response
     for key in ("token_ids", "prompt_tokens", "context_tokens", "recomputed_tokens", "strategy"):
         assert streamed.metadata["usage"][key] == plain.metadata["usage"][key]
-    # the engine's default strategy (naive+reversed+top:1+window:1024) recomputes some tokens
+    # the engine's default strategy (legolink:2+reversed+top:1+...) recomputes some tokens
     assert (
         0 < plain.metadata["usage"]["recomputed_tokens"] < plain.metadata["usage"]["context_tokens"]
     )

@@ -159,7 +159,9 @@ def test_the_baseline_is_a_prefill_of_the_same_prompt() -> None:
 
 def test_config_parses_a_spelling_once_and_keeps_a_strategy() -> None:
     assert EngineConfig(strategy="legolink:16").strategy == Strategy("legolink", k=16)  # type: ignore[arg-type]
-    assert EngineConfig().strategy == Strategy("naive", order="reversed", top=1, window=1024)
+    assert EngineConfig().strategy == Strategy.parse(
+        "legolink:2+reversed+top:1+window:1024+ape:1,0.5"
+    )
     assert not PREFILL.uses_cache and Strategy("legolink0").needs_sinks
 
 

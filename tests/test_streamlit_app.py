@@ -25,6 +25,7 @@ from streamlit.testing.v1 import AppTest
 from rag_kvcache import RagKVCache
 from rag_kvcache.config import EngineConfig, StoreConfig
 from rag_kvcache.storage.catalog import Catalog
+from rag_kvcache.strategy import DEFAULT
 
 pytestmark = pytest.mark.slow  # every test here loads the real SmolLM2
 
@@ -126,7 +127,7 @@ def test_asking_streams_an_answer_with_sources_and_ttft(sample_store) -> None:
     answer = assistant.markdown[0].value
     assert answer.strip() and not answer.startswith("**Sources")
     (caption,) = [c for c in values(assistant.caption) if "TTFT" in c]
-    assert "strategy naive+reversed+top:1+window:1024" in caption  # the default
+    assert f"strategy {DEFAULT}" in caption  # the default
     assert "tokens/s" in caption
     ttft = float(caption.split("TTFT ")[1].split(" s")[0])
     assert 0 < ttft < 30
