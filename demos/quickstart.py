@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache import Answer, EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig, default_cache_dir
 from rag_kvcache.ingest import plan_ingest, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
+from rag_kvcache.retrieval.index import Retrieved
 
 DATA = Path(__file__).resolve().parent / "data"
 STORE = default_cache_dir() / "demo-store"
@@ -63,10 +64,7 @@ def main() -> None:
 
     strategy = engine.config.strategy
     for question in QUESTIONS:
-        hits = engine.retrieve(question, TOP_K)
-        cache_ids = [h.cache_id for h in hits]
-        cached = engine.generate(question, cache_ids, strategy=strategy)
-        full = engine.generate(question, cache_ids, strategy=strategy.baseline)
+        hits, cached, full = ask(engine, question)
         table = Table(title=f"{question}  ({cached.prompt_tokens} prompt tokens)")
         table.add_column("prompt from")
         table.add_column("TTFT", justify="right")
@@ -80,6 +78,17 @@ def main() -> None:
             f"({cached.recomputed_tokens} of {cached.context_tokens} context tokens "
             f"recomputed); {TOP_K} chunks from {', '.join(sources)}\n"
         )
+
+
+def ask(engine: RagKVCache, question: str) -> tuple[list[Retrieved], Answer, Answer]:
+    """The retrieved chunks, the answer from them linked from the cache (the engine's default
+    strategy) and the answer after a full prefill of the very same prompt."""
+    hits = engine.retrieve(question, TOP_K)
+    cache_ids = [h.cache_id for h in hits]
+    strategy = engine.config.strategy
+    cached = engine.generate(question, cache_ids, strategy=strategy)
+    full = engine.generate(question, cache_ids, strategy=strategy.baseline)
+    return hits, cached, full
 
 
 if __name__ == "__main__":
