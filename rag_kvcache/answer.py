@@ -147,14 +147,15 @@ def answer_steps(
                 break
             full = tok.decode(tokens, skip_special_tokens=True)
             if not full.endswith("\ufffd"):  # hold back half a UTF-8 character
-                yield full[len(text) :]
-                text = full
+                # stripped as the answer's text is: whitespace waits until text follows it
+                yield full.strip()[len(text) :]
+                text = full.strip()
     finally:  # decoded, or the stream was closed: the next answer may reuse the buffers
         release_buffers(prepared.cache)
     total = time.perf_counter() - start
     final = answer_text(lm, tokens)
-    if final != text:
-        yield final[len(text) :]
+    if final.strip() != text:
+        yield final.strip()[len(text) :]
     cached = prepared.context_tokens
     return make_answer(
         lm, tokens, final, strategy, cached + new_tokens, cached, prepared.recomputed, ttft, total

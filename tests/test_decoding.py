@@ -2,6 +2,7 @@ import torch
 
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.serving.decoding import next_token
+from rag_kvcache.serving.text import TextPieces
 
 
 def test_greedy_takes_the_argmax() -> None:
@@ -26,3 +27,18 @@ def test_sampling_is_seeded_and_spreads() -> None:
 
     assert draw(3) == draw(3)
     assert len(set(draw(3))) > 5
+
+
+def test_streamed_pieces_join_to_the_answers_stripped_text(tiny64) -> None:
+    """An answer's text is stripped, so a stream holds back whitespace at its start and end
+    until text follows it: the pieces, joined, are the answer's text (the server's streamed
+    and whole replies agree)."""
+    tok = tiny64.tokenizer
+    tokens = tok.encode("  one two\n\n three \n", add_special_tokens=False)
+    pieces = TextPieces(tiny64)
+    streamed = [pieces.add(t) for t in tokens]
+    streamed.append(pieces.finish())
+    whole = tok.decode(tokens, skip_special_tokens=True)
+    assert whole != whole.strip()  # the case: whitespace at both ends
+    assert "".join(streamed) == whole.strip() == pieces.text
+    assert not "".join(streamed).startswith((" ", "\n"))

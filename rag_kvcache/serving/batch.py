@@ -92,7 +92,7 @@ class Finished:
     """A request's final numbers, what the answer layer turns into an `Answer`."""
 
     tokens: tuple[int, ...]  # as chosen, end-of-sequence included
-    text: str  # the answer's text, end-of-sequence dropped, not stripped
+    text: str  # the answer's text, end-of-sequence dropped, stripped (as streamed)
     strategy: Strategy
     prompt_tokens: int
     context_tokens: int

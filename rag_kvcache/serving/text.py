@@ -3,7 +3,9 @@
 Decoding tokens one by one would split multi-byte characters and lose the tokenizer's spacing
 rules, so the text is decoded whole each time and the new part handed out; a piece ending in
 half a UTF-8 character waits for the next token. End-of-sequence tokens are not text. The
-pieces joined equal `answer.answer_text` of the tokens: the same rules as `answer_steps`.
+answer's text is stripped (`answer.make_answer`), so a stream holds back whitespace at its
+start and at its end until text follows it: the pieces joined equal the `Answer`'s text, the
+same rules as `answer_steps`.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ class TextPieces:
         full = self._decode()
         if full.endswith("\ufffd"):  # hold back half a UTF-8 character
             return ""
-        piece, self.text = full[len(self.text) :], full
-        return piece
+        return self._hand_out(full)
 
     def finish(self) -> str:
         """The rest of the text (what was held back), once no token follows."""
-        full = self._decode()
-        piece, self.text = full[len(self.text) :], full
+        return self._hand_out(self._decode())
+
+    def _hand_out(self, full: str) -> str:
+        """The part of `full`, stripped, not handed out yet."""
+        shown = full.strip()
+        piece, self.text = shown[len(self.text) :], shown
         return piece
 
     def _decode(self) -> str:
