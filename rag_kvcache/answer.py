@@ -38,6 +38,7 @@ from rag_kvcache.model.adapter import (
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.rope import rotate_into
 from rag_kvcache.serving.decoding import decode, prefill
+from rag_kvcache.serving.text import TextPieces
 from rag_kvcache.strategy import Strategy
 
 
@@ -133,11 +134,10 @@ def answer_steps(
     `context()` fetches and prepares the context (timed as part of the first token);
     `new_tokens` is how many prompt tokens came after the cached context.
     """
-    tok = lm.tokenizer
     start = time.perf_counter()
     prepared = context()
     tokens: list[int] = []
-    text, ttft = "", 0.0
+    text, ttft = TextPieces(lm), 0.0  # the pieces the batch decoder streams, by the same rules
     try:
         for token in decode(lm, prepared.cache, prepared.logits, prepared.position, generation):
             if not tokens:
@@ -145,27 +145,24 @@ def answer_steps(
             tokens.append(token)
             if token in lm.eos_ids:
                 break
-            full = tok.decode(tokens, skip_special_tokens=True)
-            if not full.endswith("\ufffd"):  # hold back half a UTF-8 character
-                # stripped as the answer's text is: whitespace waits until text follows it
-                yield full.strip()[len(text) :]
-                text = full.strip()
+            yield text.add(token)
     finally:  # decoded, or the stream was closed: the next answer may reuse the buffers
         release_buffers(prepared.cache)
     total = time.perf_counter() - start
-    final = answer_text(lm, tokens)
-    if final.strip() != text:
-        yield final.strip()[len(text) :]
+    if rest := text.finish():
+        yield rest
     cached = prepared.context_tokens
     return make_answer(
-        lm, tokens, final, strategy, cached + new_tokens, cached, prepared.recomputed, ttft, total
+        lm,
+        tokens,
+        text.text,
+        strategy,
+        cached + new_tokens,
+        cached,
+        prepared.recomputed,
+        ttft,
+        total,
     )
-
-
-def answer_text(lm: LoadedModel, tokens: list[int]) -> str:
-    """The answer's text (not stripped), end-of-sequence tokens dropped."""
-    kept = [t for t in tokens if t not in lm.eos_ids]
-    return str(lm.tokenizer.decode(kept, skip_special_tokens=True))
 
 
 def make_answer(
@@ -181,7 +178,8 @@ def make_answer(
     reused: int = 0,
 ) -> Answer:
     """The `Answer` record of a decoded request (every decode loop ends here): `tokens` as
-    chosen (end-of-sequence included), `text` from `answer_text`, times from request start."""
+    chosen (end-of-sequence included), `text` as streamed (`TextPieces`), times from request
+    start."""
     decode_s = total_s - ttft_s
     return Answer(
         text=text.strip(),

@@ -37,7 +37,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -56,7 +55,7 @@ from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.serving.batch_kv import BatchKV, inlined
 from rag_kvcache.serving.cascade import PrivateKV, SharedKV, cascade_attention
 from rag_kvcache.serving.decoding import finished, next_token, prefill
-from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
+from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, nodes_bias, path_to
 from rag_kvcache.serving.questions import fit_together, prefill_questions
 from rag_kvcache.serving.text import TextPieces
 from rag_kvcache.strategy import Strategy
@@ -171,16 +170,6 @@ def check_batchable(strategy: Strategy) -> None:
             "it cannot extend a prefix shared in the prefix tree; answer these requests one at "
             "a time (generate)"
         )
-
-
-def nodes_bias(nodes: Sequence[TreeNode]) -> torch.Tensor | None:
-    """The score bias on the keys of a path of nodes, end to end (0 where a node has none);
-    None if none has one."""
-    biased = [n.bias for n in nodes if n.bias is not None]
-    if not biased:
-        return None
-    zeros = partial(torch.zeros, dtype=biased[0].dtype, device=biased[0].device)
-    return torch.cat([zeros(n.tokens) if n.bias is None else n.bias for n in nodes])
 
 
 def tree_path(strategy: Strategy, path: list[str] | tuple[str, ...]) -> list[str]:

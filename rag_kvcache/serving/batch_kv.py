@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from rag_kvcache.serving.prefix_tree import TreeNode, path_to
+from rag_kvcache.serving.prefix_tree import TreeNode, nodes_bias, path_to
 
 
 class Member(Protocol):
@@ -176,17 +176,14 @@ class BatchKV:
         """The score bias on every row's keys [rows, tokens]: its inlined nodes' (`TreeNode.
         bias`, APE's scale on stale tokens), 0 on its own tokens and past its end. None when
         no inlined node has one (no bias to add)."""
-        biased = [n.bias for lay in self.layouts for n in lay.inlined if n.bias is not None]
+        inlined = [nodes_bias(lay.inlined) for lay in self.layouts]  # each row's, from 0
+        biased = [b for b in inlined if b is not None]
         if not biased:
             return None
-        rows, tokens = self.shape
-        bias = biased[0].new_zeros(rows, tokens)
-        for row, lay in enumerate(self.layouts):
-            at = 0
-            for node in lay.inlined:
-                if node.bias is not None:
-                    bias[row, at : at + node.tokens] = node.bias
-                at += node.tokens
+        bias = biased[0].new_zeros(self.shape)
+        for row, own in enumerate(inlined):
+            if own is not None:
+                bias[row, : len(own)] = own
         return bias
 
     def plan(self, members: Sequence[Member]) -> RowPlan:

@@ -227,8 +227,10 @@ def cascade_attention(
     acc = accumulator(q.dtype)
     dim_v = parts[0][1].shape[-1] if parts else q.shape[-1]
     if private is not None:
-        mine = PrivateKV(*private)
-        out, lse = fused_padded_attention_with_lse(q, *mine[:3], scale, mine.bias)
+        own = PrivateKV(*private)
+        out, lse = fused_padded_attention_with_lse(
+            q, own.keys, own.values, own.lengths, scale, own.bias
+        )
         out = out.to(acc)
     else:
         out = q.new_zeros(n, heads, dim_v, dtype=acc)
@@ -252,10 +254,13 @@ def cascade_attention(
         merged_v, merged_s = merge_state(out[index], lse[index], v_part.to(acc), s_part)
         out[index], lse[index] = merged_v, merged_s
     if solo:  # parts of one row each (nothing shared): one merge for all of them
-        own = [merge_states([v for v, _ in p], [s for _, s in p]) for p in solo.values()]
+        merged = [merge_states([v for v, _ in p], [s for _, s in p]) for p in solo.values()]
         index = torch.tensor(list(solo), device=q.device)
         merged_v, merged_s = merge_state(
-            out[index], lse[index], torch.cat([v for v, _ in own]), torch.cat([s for _, s in own])
+            out[index],
+            lse[index],
+            torch.cat([v for v, _ in merged]),
+            torch.cat([s for _, s in merged]),
         )
         out[index], lse[index] = merged_v, merged_s
     return out.to(q.dtype)

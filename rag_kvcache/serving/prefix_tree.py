@@ -247,6 +247,15 @@ def _evictable(node: TreeNode) -> bool:
     return not node.children and node.refs == 0
 
 
+def nodes_bias(nodes: Sequence[TreeNode]) -> torch.Tensor | None:
+    """The score bias on the keys of a run of nodes, end to end (0 where a node has none);
+    None if none has one."""
+    biased = [n.bias for n in nodes if n.bias is not None]
+    if not biased:
+        return None
+    return torch.cat([biased[0].new_zeros(n.tokens) if n.bias is None else n.bias for n in nodes])
+
+
 def path_to(leaf: TreeNode | None) -> list[TreeNode]:
     """The nodes from a root down to `leaf`."""
     path = []

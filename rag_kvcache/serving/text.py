@@ -4,8 +4,8 @@ Decoding tokens one by one would split multi-byte characters and lose the tokeni
 rules, so the text is decoded whole each time and the new part handed out; a piece ending in
 half a UTF-8 character waits for the next token. End-of-sequence tokens are not text. The
 answer's text is stripped (`answer.make_answer`), so a stream holds back whitespace at its
-start and at its end until text follows it: the pieces joined equal the `Answer`'s text, the
-same rules as `answer_steps`.
+start and at its end until text follows it: the pieces joined equal the `Answer`'s text.
+Every decode loop streams through it (`answer.answer_steps`, the batch decoder).
 """
 
 from __future__ import annotations
