@@ -35,7 +35,8 @@ Cache = DynamicCache
 ATTENTION = "rag_kvcache_sdpa"
 
 
-QUERY_BLOCK = 32  # masked queries are attended in blocks this tall (see gqa_sdpa_attention)
+QUERY_BLOCK = 32  # masked query rows are attended this many at a time (see query_blocks)
+MIN_RUN = 16  # fewer rows than this sharing a window are not worth calls of their own
 
 
 def gqa_sdpa_attention(
@@ -50,11 +51,11 @@ def gqa_sdpa_attention(
 
     - grouped KV heads are read as they are (`enable_gqa`); HF repeats K/V for every query
       head whenever a mask is given, and the linker always gives one;
-    - a tall masked query is attended in blocks of QUERY_BLOCK rows, each over only the keys
-      any of its rows may see: recomputed tokens early in the context skip the keys after
-      them, and tokens that read a window (`+window:W`) the keys outside it, which a mask
-      alone would still multiply. Exact, since the keys skipped are masked for every row of
-      the block (`forward` works the blocks' keys out once, `query_block_keys`).
+    - a tall masked query is attended in blocks of rows (`query_blocks`, planned once per
+      forward), each over only the keys its rows may see: recomputed tokens early in the
+      context skip the keys after them, and tokens that read a window (`+window:W`) the keys
+      outside it, which a mask alone would still multiply. Exact, since the keys skipped are
+      masked for every row of the block.
     `reference_attention` is the plain version it is tested against.
 
     A forward given `attention_hook` (see `forward`) hands attention to it instead: batched
@@ -68,32 +69,30 @@ def gqa_sdpa_attention(
     if hook is not None:
         return hook(module.layer_idx, query, kwargs.get("scaling")), None
     bias = kwargs.pop("key_bias", None)
-    if bias is not None:
+    if bias is not None and not kwargs.pop("mask_has_key_bias", False):
         attention_mask = with_key_bias(attention_mask, bias, query.shape[2], key.shape[2])
     if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling")
-    seen = kwargs.get("query_block_keys")
-    if seen is None or attention_mask is None:
+    blocks: list[QueryBlock] | None = kwargs.get("query_blocks")
+    if blocks is None or attention_mask is None:
         out = _sdpa(query, key, value, attention_mask, scale)
     else:
-        blocks = []
+        out = query.new_empty(query.shape)
         gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per shared index, once
-        for a, keys in zip(range(0, query.shape[2], QUERY_BLOCK), seen, strict=True):
-            rows = attention_mask[:, :, a : a + QUERY_BLOCK]
-            n = keys.count
-            if keys.index is None:  # a prefix of the keys: views, no copy
-                k, v, mask = key[:, :, :n], value[:, :, :n], rows[..., :n]
+        for block in blocks:
+            n = block.count
+            if block.keys is None:  # a prefix of the keys: views, no copy
+                k, v = key[:, :, :n], value[:, :, :n]
             else:  # scattered (a window): gathered once for the blocks that share it
-                if id(keys.index) not in gathered:
-                    gathered[id(keys.index)] = (
-                        key.index_select(2, keys.index),
-                        value.index_select(2, keys.index),
+                if id(block.keys) not in gathered:
+                    gathered[id(block.keys)] = (
+                        key.index_select(2, block.keys),
+                        value.index_select(2, block.keys),
                     )
-                k, v = (t[:, :, :n] for t in gathered[id(keys.index)])
-                mask = rows.index_select(3, keys.index[:n])
-            blocks.append(_sdpa(query[:, :, a : a + QUERY_BLOCK], k, v, mask, scale))
-        out = torch.cat(blocks, dim=2)
+                k, v = (t[:, :, :n] for t in gathered[id(block.keys)])
+            rows = block.rows
+            out[:, :, rows] = _sdpa(query[:, :, rows], k, v, block.mask, scale)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
 
 
@@ -140,41 +139,79 @@ def with_key_bias(
 
 
 @dataclass(frozen=True)
-class BlockKeys:
-    """The keys one block of queries attends to: `index[:count]` (sorted key positions), or
-    the first `count` keys when `index` is None. Blocks that read nested sets of scattered
-    keys (the rows of one chunk reading a window, each block a little further) share one
-    `index` object, so attention gathers those keys once per layer."""
+class QueryBlock:
+    """Query rows attended together and the keys they read: `keys[:count]` (sorted key
+    positions), or the first `count` keys when `keys` is None. Blocks that read nested sets of
+    scattered keys (the rows of one chunk reading a window, each block a little further) share
+    one `keys` object, so attention gathers those keys once per layer. `mask` is the rows'
+    additive mask over the keys read, cut once per forward and used by every layer."""
 
-    index: torch.Tensor | None
+    rows: slice | torch.Tensor  # query rows: a range, or scattered row indices [r]
+    keys: torch.Tensor | None
     count: int
+    mask: torch.Tensor  # [1, 1, r, count]
 
 
-def query_block_keys(mask: torch.Tensor) -> list[BlockKeys] | None:
-    """For an additive mask [1, 1, Q, K] taller than one block: per block of QUERY_BLOCK
-    rows, the keys any of its rows may see: a prefix of the keys when they nearly are one
-    (gathering would cost more than the few masked keys skipped), else their positions.
-    Worked out once per forward, not per layer."""
+def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
+    """Plan the attention of a tall additive mask [1, 1, Q, K] as blocks of at most
+    QUERY_BLOCK rows, once per forward. Rows that share a window (a recomputed chunk's, with
+    `+window:W`) go in blocks of their own that gather the window's keys; every other row
+    (the question, the scattered chunk boundaries a strategy recomputes, short runs) goes,
+    in order, in blocks that read a prefix of the keys up to their last row's (or gather
+    them when far from a prefix). Rows reading the whole context thus share as few blocks
+    as they fill, instead of each block that a fixed split makes straddle a window's edge
+    reading every key."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[2] <= QUERY_BLOCK:
         return None
     visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2  # [Q, K]
-    seen = []  # per block: None (a prefix) or the positions seen [k]
-    ends = []
-    for a in range(0, visible.shape[0], QUERY_BLOCK):
-        keys = visible[a : a + QUERY_BLOCK].any(dim=0).nonzero().flatten()  # [k], sorted
-        ends.append(int(keys[-1]) + 1 if len(keys) else 0)
-        seen.append(None if len(keys) >= GATHER_BELOW * ends[-1] else keys)
-    shared: list[torch.Tensor | None] = list(seen)  # the widest of each nested run of blocks
-    for i in range(len(seen) - 2, -1, -1):
-        mine, wider = seen[i], shared[i + 1]
-        if mine is None or wider is None:
-            continue
-        if len(mine) <= len(wider) and torch.equal(wider[: len(mine)], mine):
-            shared[i] = wider
-    return [
-        BlockKeys(None, end) if keys is None else BlockKeys(wide, len(keys))
-        for keys, wide, end in zip(seen, shared, ends, strict=True)
-    ]
+    Q, K = visible.shape
+    at = torch.arange(K, device=visible.device)
+    rises = visible & ~F.pad(visible, (1, 0))[:, :-1]  # where each run of visible keys starts
+    reach_of = (rises * at).amax(dim=1).tolist()  # [Q] where each row's last run starts
+    windowed = [r > 0 for r in reach_of]  # rows with a gap: they read a window
+
+    runs: list[range] = []  # windowed rows sharing one window, in order
+    wide: list[int] = []  # every other row
+    i = 0
+    while i < Q:
+        j = i + 1
+        while j < Q and windowed[i] and windowed[j] and reach_of[j] == reach_of[i]:
+            j += 1
+        if windowed[i] and j - i >= MIN_RUN:
+            runs.append(range(i, j))
+        else:
+            wide.extend(range(i, j))
+        i = j
+
+    def seen(rows: slice | torch.Tensor) -> torch.Tensor:
+        return visible[rows].any(dim=0).nonzero().flatten()  # [k] sorted key positions
+
+    def block(
+        rows: slice | torch.Tensor, keys: torch.Tensor, shared: torch.Tensor | None
+    ) -> QueryBlock:
+        cut = mask[:, :, rows]
+        end = int(keys[-1]) + 1 if len(keys) else 0
+        if shared is None and len(keys) >= GATHER_BELOW * end:  # nearly a prefix: views
+            return QueryBlock(rows, None, end, cut[..., :end].contiguous())
+        index = keys if shared is None else shared
+        return QueryBlock(rows, index, len(keys), cut.index_select(3, keys))
+
+    blocks = []
+    for run in runs:  # blocks of one window share the gather of its widest set
+        union = seen(slice(run.start, run.stop))
+        for a in range(run.start, run.stop, QUERY_BLOCK):
+            span = slice(a, min(a + QUERY_BLOCK, run.stop))
+            keys = seen(span)
+            nested = torch.equal(union[: len(keys)], keys)
+            blocks.append(block(span, keys, union if nested else None))
+    for a in range(0, len(wide), QUERY_BLOCK):
+        part = wide[a : a + QUERY_BLOCK]
+        if part[-1] - part[0] == len(part) - 1:  # contiguous: a range of rows
+            rows: slice | torch.Tensor = slice(part[0], part[-1] + 1)
+        else:
+            rows = torch.tensor(part, device=mask.device)
+        blocks.append(block(rows, seen(rows), None))
+    return blocks
 
 
 GATHER_BELOW = 0.75  # a block's keys are gathered when they are under this share of a prefix
@@ -430,10 +467,13 @@ def forward(
         if attention_hook is not None:
             raise UnsupportedModelError("a key bias cannot reach attention handed to a hook")
         extra["key_bias"] = bias
+        if mask is not None and mask.dim() == 4:  # added once here, not in every layer
+            mask = with_key_bias(mask, bias, mask.shape[2], mask.shape[3])
+            extra["mask_has_key_bias"] = True
     if attention_hook is not None:
         extra["kv_attention_hook"] = attention_hook
     elif mask is not None and mask.device.type == "cpu":
-        extra["query_block_keys"] = query_block_keys(mask)
+        extra["query_blocks"] = query_blocks(mask)
     keep: int | torch.Tensor = logits_to_keep
     if logits_to_keep > 0:
         # as positions, not HF's slice: the slice of the last rows is a strided view, and for
@@ -497,6 +537,8 @@ def forward_by_layer(
     last row only. The hooks act in the calling thread only: a forward another thread runs
     on the same model meanwhile (the demo app's sessions) passes through them untouched.
     """
+    if key_bias(cache) is not None:  # the layers' own masks would go without it
+        raise UnsupportedModelError("a forward narrowed by layer takes no key bias")
     state: dict[str, Any] = {"index": None, "mask": mask, "narrowed": {}}
     caller = threading.get_ident()
 
@@ -513,7 +555,7 @@ def forward_by_layer(
                 state["narrowed"] = {}
             state["mask"] = step.mask
             if step.mask.device.type == "cpu":
-                state["narrowed"]["query_block_keys"] = query_block_keys(step.mask)
+                state["narrowed"]["query_blocks"] = query_blocks(step.mask)
         if state["index"] is not None and "position_ids" not in state["narrowed"]:
             state["narrowed"].update(_rows_of(kwargs, state["index"]))
         kwargs.update(state["narrowed"], attention_mask=state["mask"])
