@@ -191,7 +191,7 @@ def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
     ) -> QueryBlock:
         cut = mask[:, :, rows]
         end = int(keys[-1]) + 1 if len(keys) else 0
-        if shared is None and len(keys) >= GATHER_BELOW * end:  # nearly a prefix: views
+        if len(keys) >= GATHER_BELOW * end:  # nearly a prefix: views, no gather
             return QueryBlock(rows, None, end, cut[..., :end].contiguous())
         index = keys if shared is None else shared
         return QueryBlock(rows, index, len(keys), cut.index_select(3, keys))
