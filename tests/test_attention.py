@@ -9,6 +9,7 @@ from rag_kvcache.model.adapter import (
     gqa_sdpa_attention,
     query_blocks,
     reference_attention,
+    with_key_bias,
 )
 
 
@@ -83,3 +84,40 @@ def _boundaries_window_question(queries: int, keys_len: int) -> torch.Tensor:
     positions = torch.cat((boundaries, chunk, question))[:queries]
     reach = torch.cat(((boundaries - 12).clamp(min=8), torch.full_like(chunk, 60), 0 * question))
     return (keys <= positions[:, None]) & ((keys < 8) | (keys >= reach[:queries, None]))
+
+
+@pytest.mark.parametrize(
+    "queries, with_mask, folded",
+    [(1, False, False), (4, False, False), (4, True, False), (4, True, True), (40, True, True)],
+)
+def test_key_bias_adds_to_every_score_on_its_key(
+    queries: int, with_mask: bool, folded: bool
+) -> None:
+    """A cache's key bias (APE's log scale on stale context columns) reaches attention as an
+    addition to the scores: softmax(q k^T * scale + mask + bias) v, written out by hand. Added
+    once: a mask that `forward` already gave it (`mask_has_key_bias`) is used as it is, in
+    planned blocks too."""
+    g = torch.Generator().manual_seed(7)
+    keys_len = max(9, queries + 5)
+    q = torch.randn(1, 6, queries, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
+    bias = torch.zeros(keys_len - 2, dtype=torch.float64)  # shorter: the keys past it unbiased
+    bias[2:5] = torch.tensor([0.7, -1.3, 2.0])
+    causal = torch.arange(keys_len)[None, :] <= torch.arange(keys_len - queries, keys_len)[:, None]
+    mask = None
+    if with_mask:
+        mask = torch.zeros(queries, keys_len, dtype=torch.float64)
+        mask = mask.masked_fill(~causal, torch.finfo(torch.float64).min)[None, None]
+    extra = {}
+    if folded:  # as `forward` passes a 4D mask: the bias in it, the blocks planned from it
+        assert mask is not None
+        mask = with_key_bias(mask, bias, queries, keys_len)
+        extra = {"mask_has_key_bias": True, "query_blocks": query_blocks(mask)}
+        assert (extra["query_blocks"] is not None) == (queries > QUERY_BLOCK)
+    out, _ = gqa_sdpa_attention(Heads(), q, k, v, mask, scaling=0.25, key_bias=bias, **extra)
+    scores = q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.25
+    scores = scores + torch.cat((bias, torch.zeros(2, dtype=torch.float64)))
+    scores = scores.masked_fill(~causal, float("-inf"))
+    expected = scores.softmax(-1) @ v.repeat_interleave(3, dim=1)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-10, atol=1e-10)

@@ -37,6 +37,7 @@ ATTENTION = "rag_kvcache_sdpa"
 
 QUERY_BLOCK = 32  # masked query rows are attended this many at a time (see query_blocks)
 MIN_RUN = 16  # fewer rows than this sharing a window are not worth calls of their own
+GATHER_BELOW = 0.75  # a block's keys are gathered when they are under this share of a prefix
 
 
 def gqa_sdpa_attention(
@@ -78,7 +79,7 @@ def gqa_sdpa_attention(
     if blocks is None or attention_mask is None:
         out = _sdpa(query, key, value, attention_mask, scale)
     else:
-        out = query.new_empty(query.shape)
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])
         gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per shared index, once
         for block in blocks:
             n = block.count
@@ -165,10 +166,10 @@ def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
         return None
     visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2  # [Q, K]
     Q, K = visible.shape
-    at = torch.arange(K, device=visible.device)
+    at = torch.arange(K, dtype=torch.int32, device=visible.device)
     rises = visible & ~F.pad(visible, (1, 0))[:, :-1]  # where each run of visible keys starts
-    reach_of = (rises * at).amax(dim=1).tolist()  # [Q] where each row's last run starts
-    windowed = [r > 0 for r in reach_of]  # rows with a gap: they read a window
+    reach_of = torch.where(rises, at, 0).amax(dim=1).tolist()  # [Q] where a row's last run starts
+    windowed = [r > 0 for r in reach_of]  # rows with a gap (the linker's see key 0): a window
 
     runs: list[range] = []  # windowed rows sharing one window, in order
     wide: list[int] = []  # every other row
@@ -212,9 +213,6 @@ def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
             rows = torch.tensor(part, device=mask.device)
         blocks.append(block(rows, seen(rows), None))
     return blocks
-
-
-GATHER_BELOW = 0.75  # a block's keys are gathered when they are under this share of a prefix
 
 
 def _sdpa(
