@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from rag_kvcache.model.adapter import (
@@ -121,3 +123,43 @@ def test_key_bias_adds_to_every_score_on_its_key(
     scores = scores.masked_fill(~causal, float("-inf"))
     expected = scores.softmax(-1) @ v.repeat_interleave(3, dim=1)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 40)),  # (window kind, rows of that kind)
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_planned_blocks_equal_reference_on_any_run_of_windows(
+    rows: list[tuple[int, int]], seed: int
+) -> None:
+    """Whatever mix of causal rows and windowed runs (long, short, one row) a link forward
+    makes, attention in planned blocks equals transformers' sdpa over the whole mask."""
+    g = torch.Generator().manual_seed(seed)
+    system, keys_len = 4, 240
+    reaches = [0, 30, 90, 150]  # kind 0: causal; others: a window from there
+    kinds = [kind for kind, count in rows for _ in range(count)]
+    queries = len(kinds)
+    positions = torch.randint(system, keys_len, (queries,), generator=g).sort().values
+    reach = torch.tensor([reaches[k] for k in kinds])
+    keys = torch.arange(keys_len)[None, :]
+    allowed = (keys <= positions[:, None]) & ((keys < system) | (keys >= reach[:, None]))
+    mask = torch.zeros(allowed.shape, dtype=torch.float64)
+    mask = mask.masked_fill(~allowed, torch.finfo(torch.float64).min)[None, None]
+    q = torch.randn(1, 6, queries, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
+    blocks = query_blocks(mask)
+    assert (blocks is None) == (queries <= QUERY_BLOCK)
+    if blocks is not None:  # every row in exactly one block
+        planned = torch.cat(
+            [torch.arange(queries)[b.rows] if isinstance(b.rows, slice) else b.rows for b in blocks]
+        )
+        assert sorted(planned.tolist()) == list(range(queries))
+    fast, _ = gqa_sdpa_attention(Heads(), q, k, v, mask, scaling=0.25, query_blocks=blocks)
+    slow, _ = reference_attention(Heads(), q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
