@@ -6,8 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from rag_kvcache.link.linker import link_mask
 from rag_kvcache.model.adapter import (
     QUERY_BLOCK,
+    additive_mask,
     gqa_sdpa_attention,
     query_blocks,
     reference_attention,
@@ -34,14 +36,13 @@ def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) ->
     k = torch.randn(batch, 2, keys_len, 16, generator=g, dtype=dtype)
     v = torch.randn(batch, 2, keys_len, 16, generator=g, dtype=dtype)
     allowed = None
-    keys = torch.arange(keys_len)[None, :]
     if mask_kind == "causal-by-position":  # sorted positions, like the linker's new tokens
         positions = torch.randint(0, keys_len, (queries,), generator=g).sort().values
-        allowed = keys <= positions[:, None]
+        allowed = link_mask(positions, keys_len)
     elif mask_kind == "windowed":  # a chunk's rows read 8 system keys and 40 before it
         positions = torch.arange(keys_len - queries, keys_len)
         reach = torch.where(positions < keys_len - 8, positions[0] - 40, 0)  # the last 8: all
-        allowed = (keys <= positions[:, None]) & ((keys < 8) | (keys >= reach[:, None]))
+        allowed = link_mask(positions, keys_len, (reach, 8))
     elif mask_kind == "boundaries":  # what the default strategy's link forward reads
         allowed = _boundaries_window_question(queries, keys_len)
     elif mask_kind == "batched-padding":
@@ -79,13 +80,12 @@ def _boundaries_window_question(queries: int, keys_len: int) -> torch.Tensor:
     keys and the 12 before it: short runs of a window), the recomputed chunk's rows (each
     reading the system keys and the 8 before the chunk), 8 question rows reading everything;
     the first `queries` of them when fewer than 14."""
-    keys = torch.arange(keys_len)[None, :]
     boundaries = torch.tensor([8, 9, 28, 29, 48, 49])
     chunk = torch.arange(68, 68 + max(queries - 14, 0))
     question = torch.arange(keys_len - 8, keys_len)
     positions = torch.cat((boundaries, chunk, question))[:queries]
     reach = torch.cat(((boundaries - 12).clamp(min=8), torch.full_like(chunk, 60), 0 * question))
-    return (keys <= positions[:, None]) & ((keys < 8) | (keys >= reach[:queries, None]))
+    return link_mask(positions, keys_len, (reach[:queries], 8))
 
 
 @pytest.mark.parametrize(
@@ -146,10 +146,7 @@ def test_planned_blocks_equal_reference_on_any_run_of_windows(
     queries = len(kinds)
     positions = torch.randint(system, keys_len, (queries,), generator=g).sort().values
     reach = torch.tensor([reaches[k] for k in kinds])
-    keys = torch.arange(keys_len)[None, :]
-    allowed = (keys <= positions[:, None]) & ((keys < system) | (keys >= reach[:, None]))
-    mask = torch.zeros(allowed.shape, dtype=torch.float64)
-    mask = mask.masked_fill(~allowed, torch.finfo(torch.float64).min)[None, None]
+    mask = additive_mask(link_mask(positions, keys_len, (reach, system)), torch.float64)
     q = torch.randn(1, 6, queries, 16, generator=g, dtype=torch.float64)
     k = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
     v = torch.randn(1, 2, keys_len, 16, generator=g, dtype=torch.float64)
