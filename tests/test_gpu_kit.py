@@ -27,7 +27,7 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
         "PYTHON": sys.executable,
         "OUT": str(out),
     }
-    stages = ["install", "bench8b", "prefix8b"]
+    stages = ["install", "bench8b", "store8b", "prefix8b"]
     run = subprocess.run(
         ["bash", "demos/gpu/run.sh", *stages],
         cwd=REPO,
@@ -40,7 +40,8 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
     installed = (out / "install" / "installed.txt").read_text()
     assert installed.startswith(str(out / "site")), installed  # the wheel, not ./rag_kvcache
     expected = {
-        "bench8b": {"ttft.json", "ttft.png", "store.json", "store.png"},
+        "bench8b": {"ttft.json", "ttft.png", "ttft_stages.png"},
+        "store8b": {"store.json", "store.png"},
         "prefix8b": {"prefix.json", "prefix.png", "torch-attention/prefix.json"},
     }
     for stage, files in expected.items():
@@ -50,3 +51,4 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
     ttft = json.loads((out / "bench8b" / "ttft.json").read_text())
     strategies = {r["strategy"] for r in ttft["rows"]}
     assert {"prefill", "legolink:2"} <= strategies and all(r["ttft_s"] > 0 for r in ttft["rows"])
+    assert all(r["decode_tokens_per_s"] > 0 for r in ttft["rows"])  # each request decoded too

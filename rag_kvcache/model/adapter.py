@@ -9,6 +9,7 @@ modules see `LoadedModel`, plain tensors and an opaque `Cache`.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rag_kvcache.errors import UnsupportedModelError
 from rag_kvcache.model.buffers import POOL
+from rag_kvcache.model.graphs import Replay, Slab, graphs_of, rows_bucket
 
 if TYPE_CHECKING:
     from rag_kvcache.model.loading import LoadedModel
@@ -72,7 +74,11 @@ def gqa_sdpa_attention(
     bias = kwargs.pop("key_bias", None)
     if bias is not None and not kwargs.pop("mask_has_key_bias", False):
         attention_mask = with_key_bias(attention_mask, bias, query.shape[2], key.shape[2])
-    if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    if query.device.type != "cpu" and grouped and attention_mask is not None:
+        out = grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None
+    if query.device.type != "cpu" or not grouped:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling")
     blocks: list[QueryBlock] | None = kwargs.get("query_blocks")
@@ -95,6 +101,27 @@ def gqa_sdpa_attention(
             rows = block.rows
             out[:, :, rows] = _sdpa(query[:, :, rows], k, v, block.mask, scale)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, heads, d]
+
+
+def grouped_sdpa(
+    query: torch.Tensor,  # [B, heads, Q, d]
+    key: torch.Tensor,  # [B, kv_heads, K, d]
+    value: torch.Tensor,
+    mask: torch.Tensor,  # [B, 1, Q, K] additive or boolean
+    scale: float | None,
+) -> torch.Tensor:
+    """Masked attention with grouped KV heads, [B, heads, Q, d_v], K/V read as they are.
+
+    Each KV head's query heads are stacked as rows of one query (the mask repeated for them),
+    so no kernel needs GQA support: transformers' sdpa copies K/V for every query head
+    whenever a mask is given (4x the KV read for Llama-3-8B, per layer per step), and torch's
+    own `enable_gqa` falls back to the math kernel with a mask on CUDA."""
+    b, heads, q, d = query.shape
+    groups = heads // key.shape[1]
+    rows = query.reshape(b, key.shape[1], groups * q, d)
+    stacked = mask.repeat(1, 1, groups, 1) if groups > 1 else mask
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=stacked, scale=scale)
+    return out.reshape(b, heads, q, value.shape[-1])
 
 
 CapturedQuery = tuple[int, torch.Tensor, float, torch.Tensor | None]
@@ -294,6 +321,8 @@ class BufferedLayer(DynamicLayer):
         self.before_update: Callable[[], None] | None = None  # once, before the next update
         self.key_bias: torch.Tensor | None = None  # [capacity] added to every attention score
         self.released = False  # its buffers handed back for reuse (`release_buffers`)
+        self.slab: Slab | None = None  # layer 0 of a cache in a lent slab: the slab
+        self.slab_owner: Any = None  # ... and the model whose slab it is
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self.is_initialized = True
@@ -328,8 +357,14 @@ class BufferedLayer(DynamicLayer):
 def new_buffers(
     lm: LoadedModel, capacity: int, batch: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty K and V buffers `[layers, batch, kv_heads, capacity, head_dim]` for one request
-    (on the CPU, in buffers an earlier request released: `release_buffers`)."""
+    """Empty K and V buffers `[layers, batch, kv_heads, capacity, head_dim]` for one request:
+    in a slab of the replayed forwards where they are on (`rag_kvcache.model.graphs`; CUDA),
+    else on the CPU in buffers an earlier request released (`release_buffers`)."""
+    graphs = graphs_of(lm.model, lm.device) if batch == 1 else None
+    if graphs is not None:
+        slab = graphs.lend((lm.num_layers, 1, lm.num_kv_heads, lm.head_dim), lm.dtype, capacity)
+        if slab is not None:
+            return slab.keys[:, :, :, :capacity], slab.values[:, :, :, :capacity]
     shape = (lm.num_layers, batch, lm.num_kv_heads, capacity, lm.head_dim)
     return (
         POOL.take(shape, lm.dtype, lm.device),
@@ -343,13 +378,24 @@ def release_buffers(cache: Cache) -> None:
     layer = cache.layers[0] if cache.layers else None
     if isinstance(layer, BufferedLayer) and not layer.released:  # once: a second release
         layer.released = True  # would hand back a buffer another request may hold by then
+        if layer.slab is not None:
+            graphs = graphs_of(layer.slab_owner, layer.device)
+            if graphs is not None:
+                graphs.give_back(layer.slab)
+            return
         POOL.release(layer.key_buffer, layer.value_buffer)
 
 
 def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, length: int) -> Cache:
     """An HF cache whose layer i appends into keys[i], values[i] (filled up to `length`)."""
     cache = DynamicCache(config=lm.model.config)
-    cache.layers = [BufferedLayer(k, v, length) for k, v in zip(keys, values, strict=True)]
+    layers = [BufferedLayer(k, v, length) for k, v in zip(keys, values, strict=True)]
+    cache.layers = list(layers)
+    graphs = graphs_of(lm.model, lm.device)
+    slab = graphs.slab_at(keys) if graphs is not None else None
+    if slab is not None:  # lent by new_buffers: replayable, and given back on release
+        layers[0].slab, layers[0].slab_owner = slab, lm.model
+        slab.holder = weakref.ref(cache)
     return cache
 
 
@@ -444,20 +490,29 @@ def forward(
     positions: torch.Tensor | None = None,
     cache: Cache | None = None,
     mask: torch.Tensor | None = None,
-    logits_to_keep: int = 0,
+    logits_to_keep: int | torch.Tensor = 0,
     attention_hook: Any = None,
     embeds: torch.Tensor | None = None,
     grad: bool = False,
 ) -> tuple[torch.Tensor, Cache]:
     """One forward pass. input_ids, positions: [B, T]. mask: 2D padding mask [B, T] or a 4D
     additive mask [B, 1, T, past + T] (used as-is). Returns (logits [B, T or keep, V], cache).
+    logits_to_keep: the last N rows' logits (0: all), or a tensor of the rows to keep.
 
     attention_hook(layer, query [B, heads, T, head_dim], scale) -> [B, T, heads, head_dim]
     replaces every layer's attention (the query is already RoPE'd).
     embeds [B, T, width]: the input embeddings to use instead of input_ids' (soft tokens).
     grad: build the autograd graph (training a calibration; the model's weights stay frozen
     as the caller set them); otherwise nothing is recorded.
+
+    A short forward (one request, last row's logits) over a cache in a lent slab is replayed
+    as a captured graph where the model's replayed forwards are on (`replayed_forward`).
     """
+    plain = attention_hook is None and embeds is None and not grad
+    if plain and cache is not None and isinstance(logits_to_keep, int) and logits_to_keep == 1:
+        logits = replayed_forward(lm, input_ids, positions, cache, mask)
+        if logits is not None:
+            return logits, cache
     extra: dict[str, Any] = {}
     layers = list(cache.layers) if cache is not None else []
     bias = getattr(layers[0], "key_bias", None) if layers else None
@@ -473,7 +528,7 @@ def forward(
     elif mask is not None and mask.device.type == "cpu":
         extra["query_blocks"] = query_blocks(mask)
     keep: int | torch.Tensor = logits_to_keep
-    if logits_to_keep > 0:
+    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
         # as positions, not HF's slice: the slice of the last rows is a strided view, and for
         # it bfloat16 matmul on CPU copies the whole transposed vocab matrix (~65 ms for
         # SmolLM2's, per call); the gathered rows are compact
@@ -494,6 +549,107 @@ def forward(
             **extra,
         )
     return out.logits, out.past_key_values
+
+
+class SlotLayer(DynamicLayer):
+    """A cache layer for the replayed forward: writes the new K/V at `slots` (a tensor, so a
+    captured graph writes wherever the next replay says) and hands attention the whole slab,
+    which the mask limits to what each row may see."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
+        super().__init__()
+        self.slab_keys, self.slab_values, self.slots = keys, values, slots
+        self.keys, self.values = keys, values
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.slab_keys.index_copy_(2, self.slots, key_states)
+        self.slab_values.index_copy_(2, self.slots, value_states)
+        return self.slab_keys, self.slab_values
+
+
+def replayed_forward(
+    lm: LoadedModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    cache: Cache,
+    mask: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """`forward`'s result (the last row's logits [1, 1, vocab]) from the replayed forward of
+    `rag_kvcache.model.graphs`, or None where it does not apply: the model's replayed forwards
+    are off, the cache is not in a lent slab (or grew out of it), a layer waits for its KV
+    (`before_layer_update`), or there are more new tokens than the largest rows bucket.
+
+    The replay computes what the eager forward does: each row writes its K/V where the cache
+    would (`write_at`, else appended) and attends under the same mask (the causal one when
+    none is given), the cache's key bias added; the cache's length is then set as `update`
+    would have."""
+    first = cache.layers[0] if cache.layers else None
+    if not isinstance(first, BufferedLayer) or first.slab is None or input_ids.shape[0] != 1:
+        return None
+    graphs = graphs_of(lm.model, lm.device)
+    slab, T = first.slab, input_ids.shape[1]
+    bucket = rows_bucket(T)
+    layers: list[Any] = list(cache.layers)
+    if graphs is None or bucket is None or graphs.slab_at(first.key_buffer) is not slab:
+        return None
+    if any(layer.before_update is not None for layer in layers):
+        return None
+    length = first.length
+    if first.write_at is None:
+        slots, end = torch.arange(length, length + T, device=lm.device), length + T
+    else:
+        slots, end = first.write_at, max(length, first.write_end)
+    if end > first.key_buffer.shape[-2] or (mask is not None and mask.shape[-2:] != (T, end)):
+        return None
+    if mask is None:  # appended tokens: causal
+        allowed = torch.arange(end, device=lm.device) <= slots[:, None]
+        mask = additive_mask(allowed, lm.dtype)
+    if first.key_bias is not None:
+        mask = with_key_bias(mask, first.key_bias, T, end)
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=lm.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(lm.dtype).min
+        )
+
+    def fill(replay: Replay) -> None:
+        replay.ids[:, :T] = input_ids
+        replay.ids[:, T:] = 0
+        if positions is None:
+            replay.positions[0, :T] = slots
+        else:
+            replay.positions[:, :T] = positions
+        replay.positions[:, T:] = 0
+        replay.slots[:T] = slots
+        replay.slots[T:] = slab.trash
+        replay.mask.fill_(torch.finfo(lm.dtype).min)
+        replay.mask[:, :, :T, :end] = mask
+        replay.mask[:, :, T:, 0] = 0
+        replay.keep.fill_(T - 1)
+
+    def run(replay: Replay) -> torch.Tensor:
+        slotted = DynamicCache(config=lm.model.config)
+        slotted.layers = [
+            SlotLayer(k, v, replay.slots) for k, v in zip(slab.keys, slab.values, strict=True)
+        ]
+        logits, _ = forward(
+            lm,
+            replay.ids,
+            positions=replay.positions,
+            cache=slotted,
+            mask=replay.mask,
+            logits_to_keep=replay.keep,
+        )
+        return logits
+
+    logits = graphs.replay(slab, bucket, fill, run)
+    if logits is None:
+        return None
+    for layer in layers:
+        layer.set_length(end)
+    return logits
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -246,6 +246,16 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=8,
     ),
     # the same code path at a size any CPU runs (the GPU kit's dry run)
+    "smollm2-135m": dict(  # SmolLM2-135M's architecture, for its speed where its weights are not
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+    ),
     "tiny": dict(
         _LLAMA3_ROPE,
         hidden_size=128,
@@ -265,7 +275,10 @@ def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
         raise ConfigError("random-weight models are not quantized; drop quantization")
     if shapes not in RANDOM_SHAPES:
         raise ConfigError(f"unknown random model shapes {shapes!r}; one of {sorted(RANDOM_SHAPES)}")
-    tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_path(), config.cache_dir))
+    source = default_model_path()  # a GGUF, or (RAG_KVCACHE_MODEL) a folder with its tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(
+        source if source.is_dir() else convert_gguf(source, config.cache_dir)
+    )
     hf_config = LlamaConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,

@@ -1,11 +1,14 @@
 """`rag-kvcache bench ttft`: time to first token, full prefill vs each link strategy, one run.
 
 Contexts are built from 256-token chunks of the sample corpus after the system prefix, with a
-32-token question. Everything is measured side by side in one process, so the speedups are
-ratios on the same machine at the same moment. Writes JSON and a PNG plot, and a breakdown of
-each request's TTFT into its stages (`rag_kvcache.timing`: store fetch, selection, placement
-with RoPE re-rotation, the forward, choosing the token; "other" is the rest: Python between
-them), from one extra request per cell run under the profiler.
+32-token question. On a GPU each link strategy is measured with its short forwards replayed as
+CUDA graphs (`rag_kvcache.model.graphs`), eagerly, or both (`cuda_graphs`); prefill, the
+baseline, is always eager. With `decode_tokens`, each request also decodes that many tokens
+and the rows give the decoding speed. Everything is measured side by side in one process, so
+the speedups are ratios on the same machine at the same moment. Writes JSON and a PNG plot, and
+a breakdown of each request's TTFT into its stages (`rag_kvcache.timing`: store fetch,
+selection, placement with RoPE re-rotation, the forward, choosing the token; "other" is the
+rest: Python between them), from one extra request per cell run under the profiler.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from rich.progress import Progress
 
 from rag_kvcache.answer import Answer
 from rag_kvcache.config import ModelConfig
+from rag_kvcache.model.graphs import paused
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.strategy import PREFILL, Strategy
 from rag_kvcache.timing import stage_seconds
@@ -30,6 +34,7 @@ from rag_kvcache.tools.bench.report import (
 )
 
 DEFAULT_STRATEGIES = ("naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15")
+GRAPH_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ class TTFTRow:
     ttft_runs: list[float]
     recomputed_tokens: int
     speedup: float  # prefill ttft / this ttft, same dtype and context
+    cuda_graphs: bool = False  # short forwards replayed as CUDA graphs (else eager)
+    decode_tokens_per_s: float | None = None  # median, where requests decoded past one token
 
 
 def bench_dtype(
@@ -63,9 +70,12 @@ def bench_dtype(
     repeats: int,
     progress: Progress,
     stage_rows: list[StageRow] | None = None,
+    graph_modes: tuple[bool, ...] = (True,),
+    decode_tokens: int = 1,
 ) -> list[TTFTRow]:
-    """TTFT of `RagKVCache.generate` (the public call users make) per context and strategy,
-    chunks from the in-memory store, prefill beside them."""
+    """TTFT of `RagKVCache.generate` (the public call users make) per context and strategy
+    (each with CUDA graphs on and/or off, `graph_modes`), chunks from the in-memory store,
+    prefill (eager) beside them."""
     engine, sink_engine = bench_engines(lm)
     pool = corpus_tokens(lm, max(contexts) + question_tokens)
     n_chunks = max(contexts) // chunk_tokens
@@ -76,44 +86,55 @@ def bench_dtype(
     rows: list[TTFTRow] = []
     task = progress.add_task(f"{lm.dtype}", total=len(contexts) * repeats)
     dtype = str(lm.dtype).removeprefix("torch.")
+    Run = tuple[Strategy, bool]  # a strategy, with its short forwards replayed or not
 
-    def first_token(strategy: Strategy, n: int) -> Answer:
+    def first_token(run: Run, n: int) -> Answer:
+        strategy, graphs = run
         on, ids = (sink_engine, sinks) if strategy.needs_sinks else (engine, plain)
-        answer = on.generate(question, ids[:n], strategy=strategy, max_new_tokens=1)
+        if graphs:
+            answer = on.generate(question, ids[:n], strategy=strategy, max_new_tokens=decode_tokens)
+        else:
+            with paused(lm.model, lm.device):
+                answer = on.generate(
+                    question, ids[:n], strategy=strategy, max_new_tokens=decode_tokens
+                )
         assert isinstance(answer, Answer)
         return answer
 
     for context in contexts:
         n = context // chunk_tokens
-        runs = [PREFILL, *strategies]
-        warm = {s: first_token(s, n) for s in runs}  # first calls are slower; not timed
+        runs: list[Run] = [(PREFILL, False), *((s, g) for s in strategies for g in graph_modes)]
+        warm = {r: first_token(r, n) for r in runs}  # first calls are slower (and capture)
         # round-robin: each repeat times prefill and every strategy once, so a machine whose
         # speed drifts over minutes (shared 2-core VMs do) shifts all of them alike
-        seconds: dict[Strategy, list[float]] = {s: [] for s in runs}
+        answers: dict[Run, list[Answer]] = {r: [] for r in runs}
         for _ in range(repeats):
-            for strategy in runs:
-                seconds[strategy].append(first_token(strategy, n).ttft_s)
+            for run in runs:
+                answers[run].append(first_token(run, n))
             progress.advance(task)
-        for strategy in runs:
+        for run in runs:
             if stage_rows is None:
                 break
-            answer, stages = stage_seconds(lambda: first_token(strategy, n))  # noqa: B023
+            answer, stages = stage_seconds(lambda: first_token(run, n))  # noqa: B023
             stages["other"] = max(0.0, answer.ttft_s - sum(stages.values()))
-            row = StageRow(dtype, answer.prompt_tokens, str(strategy), answer.ttft_s, stages)
-            stage_rows.append(row)
-        base = statistics.median(seconds[PREFILL])
-        for strategy, times in seconds.items():
+            name = str(run[0]) + ("" if run[1] or len(graph_modes) == 1 else " (eager)")
+            stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
+        base = statistics.median(a.ttft_s for a in answers[(PREFILL, False)])
+        for run, done in answers.items():
+            times = [a.ttft_s for a in done]
             ttft = statistics.median(times)
-            done = warm[strategy]
+            speed = statistics.median(a.decode_tokens_per_s for a in done)
             rows.append(
                 TTFTRow(
                     dtype,
-                    done.prompt_tokens,
-                    str(strategy),
+                    warm[run].prompt_tokens,
+                    str(run[0]),
                     ttft,
                     times,
-                    done.recomputed_tokens,
+                    warm[run].recomputed_tokens,
                     base / ttft,
+                    cuda_graphs=run[1] and lm.device.type == "cuda",
+                    decode_tokens_per_s=speed if decode_tokens > 1 else None,
                 )
             )
     return rows
@@ -129,7 +150,10 @@ def run_ttft_bench(
     repeats: int = 3,
     model_path: str | None = None,
     device: str = "cpu",
+    cuda_graphs: str = "on",
+    decode_tokens: int = 1,
 ) -> dict[str, object]:
+    modes = GRAPH_MODES[cuda_graphs] if device.startswith("cuda") else (False,)
     parsed = [Strategy.parse(s) for s in strategies]  # a bad name fails before any load
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[TTFTRow] = []
@@ -140,7 +164,16 @@ def run_ttft_bench(
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
             lm_rows = bench_dtype(
-                lm, contexts, parsed, chunk_tokens, question_tokens, repeats, progress, stage_rows
+                lm,
+                contexts,
+                parsed,
+                chunk_tokens,
+                question_tokens,
+                repeats,
+                progress,
+                stage_rows,
+                modes,
+                decode_tokens,
             )
             rows.extend(lm_rows)
     plot_stages(stage_rows, out_dir / "ttft_stages.png")
@@ -168,22 +201,30 @@ def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
     for col, dtype in enumerate(dtypes):
         mine = [r for r in rows if r.dtype == dtype]
         ax = axes[0][col]
-        for strategy in dict.fromkeys(r.strategy for r in mine):
-            pts = [(r.context_tokens, r.ttft_s) for r in mine if r.strategy == strategy]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
+        for name in dict.fromkeys(label(r, mine) for r in mine):
+            pts = [(r.context_tokens, r.ttft_s) for r in mine if label(r, mine) == name]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
         ax.set(yscale="log", xlabel="context tokens", ylabel="TTFT (s)", title=f"TTFT, {dtype}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         largest = max(r.context_tokens for r in mine)
         top = [r for r in mine if r.context_tokens == largest and r.strategy != str(PREFILL)]
         ax = axes[1][col]
-        bars = ax.bar([r.strategy for r in top], [r.speedup for r in top], color="tab:green")
+        bars = ax.bar([label(r, mine) for r in top], [r.speedup for r in top], color="tab:green")
         ax.bar_label(bars, fmt="%.1fx", fontsize=8)
         ax.set(ylabel="speedup vs full prefill", title=f"speedup at {largest} tokens, {dtype}")
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def label(row: TTFTRow, rows: list[TTFTRow]) -> str:
+    """The row's strategy, marked "(graphs)" where both CUDA-graph modes were measured."""
+    both = any(r.cuda_graphs for r in rows) and any(
+        not r.cuda_graphs and r.strategy != str(PREFILL) for r in rows
+    )
+    return row.strategy + (" (graphs)" if both and row.cuda_graphs else "")
 
 
 def plot_stages(rows: list[StageRow], path: Path) -> None:

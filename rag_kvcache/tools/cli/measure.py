@@ -30,6 +30,20 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ttft.add_argument("--repeats", type=int, default=3)
     ttft.add_argument("--model", default=None, help=MODEL_HELP)
     ttft.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    ttft.add_argument(
+        "--cuda-graphs",
+        choices=["on", "off", "both"],
+        default="on",
+        help="on a GPU: replay the link's and each decode step's forward as CUDA graphs, run "
+        "them eagerly, or measure both side by side (prefill is eager either way)",
+    )
+    ttft.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=1,
+        help="tokens each request decodes (TTFT counts to the first); the rows then give "
+        "decoding speed too",
+    )
     store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
     store.add_argument("--out", type=Path, default=Path("bench-results"))
     store.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
@@ -493,14 +507,17 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             repeats=args.repeats,
             model_path=args.model,
             device=args.device,
+            cuda_graphs=args.cuda_graphs,
+            decode_tokens=args.decode_tokens,
         )
         columns = {
             "dtype": lambda r: r["dtype"],
             "context": lambda r: str(r["context_tokens"]),
-            "strategy": lambda r: r["strategy"],
+            "strategy": lambda r: r["strategy"] + (" (graphs)" if r["cuda_graphs"] else ""),
             "TTFT s": lambda r: f"{r['ttft_s']:.3f}",
             "speedup": lambda r: f"{r['speedup']:.1f}x",
             "recomputed": lambda r: str(r["recomputed_tokens"]),
+            "decode tok/s": lambda r: _maybe(r["decode_tokens_per_s"], ".1f"),
         }
     table = Table(*columns)
     for row in report["rows"]:  # type: ignore[attr-defined]
