@@ -16,7 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rag_kvcache.answer import prepare
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.model import graphs
+from rag_kvcache.model import adapter, graphs
 from rag_kvcache.model.adapter import (
     buffered_cache,
     grouped_sdpa,
@@ -39,18 +39,23 @@ class _Module:  # what transformers' sdpa reads off an attention module
 
 @pytest.mark.parametrize("queries", [1, 5, 40])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (9, 3), (4, 4)])
-def test_grouped_attention_equals_transformers_sdpa(queries, heads, kv_heads) -> None:
+@pytest.mark.parametrize("keys", [70, 64])  # 64: the keys split in parts for the matmul
+@pytest.mark.parametrize("math_rows", [0, 256])  # every query by sdpa; few by matmuls
+def test_grouped_attention_equals_transformers_sdpa(
+    queries, heads, kv_heads, keys, math_rows, monkeypatch
+) -> None:
+    monkeypatch.setattr(adapter, "MATH_ROWS", math_rows)
     torch.manual_seed(queries + heads)
-    keys = 70
     q = torch.randn(1, heads, queries, 16, dtype=torch.float64)
     k, v = (torch.randn(1, kv_heads, keys, 16, dtype=torch.float64) for _ in range(2))
     allowed = torch.rand(queries, keys) < 0.6
     allowed[:, 0] = True  # no row without a key
     mask = torch.zeros(queries, keys, dtype=torch.float64).masked_fill_(~allowed, -1e300)
     mask = mask[None, None]
-    ours = grouped_sdpa(q, k, v, mask, 0.25).transpose(1, 2)
     theirs, _ = sdpa_attention_forward(_Module(heads // kv_heads), q, k, v, mask, scaling=0.25)
-    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    for given in (mask, allowed[None, None]):  # additive or boolean
+        ours = grouped_sdpa(q, k, v, given, 0.25).transpose(1, 2)
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
 def _answer(lm, chunks, strategy: str, tokens: int = 8):

@@ -16,7 +16,7 @@ from rag_kvcache.errors import (
 )
 from rag_kvcache.kv import EncodeSettings
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import link, link_mask, link_reference
+from rag_kvcache.link.linker import link, link_mask, link_reference, place_into, place_together
 from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
 from rag_kvcache.model.rope import apply_rope
 from rag_kvcache.serving.decoding import decode, prefill
@@ -289,3 +289,20 @@ def test_ape_one_one_is_plain_linking(tiny64) -> None:
     assert plain.cache.layers[0].key_bias is None
     changed = link(tiny64, chunks, QUERY, Strategy.parse("legolink:1+ape:0.7,0.8"))
     assert not torch.allclose(plain.next_logits, changed.next_logits)
+
+
+def test_placing_all_chunks_together_equals_placing_each(tiny64) -> None:
+    """The GPU's placement (one concatenation, one rotation by per-token deltas) writes what
+    the CPU's chunk-by-chunk placement does, bit for bit."""
+    chunks, _ = _setup(tiny64)
+    chunks = [replace(c, start=c.start + 5 * i) for i, c in enumerate(chunks)]  # encoded anywhere
+    L = sum(c.num_tokens for c in chunks)
+    shape = (tiny64.num_layers, tiny64.num_kv_heads, L + 7, tiny64.head_dim)
+    each, together = (
+        [torch.zeros(shape, dtype=tiny64.dtype) for _ in range(2)],
+        [torch.zeros(shape, dtype=tiny64.dtype) for _ in range(2)],
+    )
+    place_into(*each, chunks, tiny64.inv_freq, offset=3)  # on the CPU: chunk by chunk
+    place_together(*together, chunks, tiny64.inv_freq, offset=3)
+    assert torch.equal(each[0], together[0]) and torch.equal(each[1], together[1])
+    assert each[0][:, :, 3 : 3 + L].abs().sum() > 0  # something was placed

@@ -40,6 +40,7 @@ ATTENTION = "rag_kvcache_sdpa"
 QUERY_BLOCK = 32  # masked query rows are attended this many at a time (see query_blocks)
 MIN_RUN = 16  # fewer rows than this sharing a window are not worth calls of their own
 GATHER_BELOW = 0.75  # a block's keys are gathered when they are under this share of a prefix
+MATH_ROWS = 256  # grouped_sdpa: up to this many stacked query rows, plain matmul attention
 
 
 def gqa_sdpa_attention(
@@ -115,12 +116,32 @@ def grouped_sdpa(
     Each KV head's query heads are stacked as rows of one query (the mask repeated for them),
     so no kernel needs GQA support: transformers' sdpa copies K/V for every query head
     whenever a mask is given (4x the KV read for Llama-3-8B, per layer per step), and torch's
-    own `enable_gqa` falls back to the math kernel with a mask on CUDA."""
+    own `enable_gqa` falls back to the math kernel with a mask on CUDA.
+
+    A few rows (a decode step: one per query head) attend by two matmuls: the fused kernels
+    split their work by query rows and KV heads, 8 blocks for Llama-3-8B's decode step on a
+    GPU of 132 cores, where a matmul splits the keys too."""
     b, heads, q, d = query.shape
     groups = heads // key.shape[1]
     rows = query.reshape(b, key.shape[1], groups * q, d)
     stacked = mask.repeat(1, 1, groups, 1) if groups > 1 else mask
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=stacked, scale=scale)
+    if groups * q > MATH_ROWS:
+        out = F.scaled_dot_product_attention(rows, key, value, attn_mask=stacked, scale=scale)
+    else:
+        scores = torch.matmul(rows, key.transpose(-1, -2)).mul_(scale or d**-0.5)
+        if stacked.dtype == torch.bool:
+            scores.masked_fill_(~stacked, torch.finfo(scores.dtype).min)
+        else:
+            scores.add_(stacked)
+        wide = torch.promote_types(scores.dtype, torch.float32)  # bfloat16 scores in float32
+        probs = scores.softmax(dim=-1, dtype=wide).to(value.dtype)
+        # the keys split in `parts` for the second matmul, each part's sum added after: a
+        # matmul over 16K keys with 4 rows would otherwise be 8 blocks again
+        keys = key.shape[2]
+        parts = next(p for p in (16, 8, 4, 2, 1) if keys % p == 0)
+        probs = probs.reshape(b, key.shape[1], groups * q, parts, keys // parts).transpose(2, 3)
+        split = value.reshape(b, key.shape[1], parts, keys // parts, value.shape[-1])
+        out = torch.matmul(probs, split).sum(dim=2)
     return out.reshape(b, heads, q, value.shape[-1])
 
 

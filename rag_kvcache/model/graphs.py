@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-ROW_BUCKETS = (1, 8, 32, 64, 128, 256, 512)  # new tokens per replayed forward, padded up
+# new tokens per replayed forward, padded up (each bucket is one capture per slab)
+ROW_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 320, 384, 448, 512)
 SLAB_STEP = 2048  # slab capacities are multiples of this (and one slot more than asked)
 BUDGET_SHARE = 0.25  # slabs may take this share of the GPU's memory (CPU: CPU_BUDGET)
 CPU_BUDGET = 1 << 30
