@@ -53,9 +53,9 @@ def test_pinned_chunks_fed_layer_by_layer_equal_chunks_already_on_the_gpu(tiny_c
     for strategy in ("naive", "legolink:2", "full"):
         with graphs.paused(lm.model, lm.device):  # both eager: the same attention kernels
             on_gpu = link(lm, chunks, query, Strategy.parse(strategy))
-            fed = link(
-                lm, pinned, query, Strategy.parse(strategy)
-            )  # other device: LayerFeed on a side stream
+            fed = link(lm, pinned, query, Strategy.parse(strategy), layerwise=True)  # side stream
+            copied = link(lm, pinned, query, Strategy.parse(strategy))  # copied whole first
+        torch.testing.assert_close(copied.next_logits, on_gpu.next_logits, rtol=0, atol=0)
         torch.testing.assert_close(fed.next_logits, on_gpu.next_logits, rtol=1e-6, atol=1e-6)
         for (k1, v1), (k2, v2) in zip(unpack_cache(fed.cache), unpack_cache(on_gpu.cache)):
             torch.testing.assert_close(k1, k2, rtol=1e-6, atol=1e-6)
