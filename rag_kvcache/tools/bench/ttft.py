@@ -23,7 +23,7 @@ from rag_kvcache.answer import Answer
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.model.graphs import paused
 from rag_kvcache.model.loading import LoadedModel, load_model
-from rag_kvcache.strategy import PREFILL, Strategy
+from rag_kvcache.strategy import DEFAULT, PREFILL, Strategy
 from rag_kvcache.timing import stage_seconds
 from rag_kvcache.tools.bench.report import (
     bench_engines,
@@ -197,7 +197,7 @@ def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     dtypes = sorted({r.dtype for r in rows})
-    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(7 * len(dtypes), 9), squeeze=False)
     for col, dtype in enumerate(dtypes):
         mine = [r for r in rows if r.dtype == dtype]
         ax = axes[0][col]
@@ -213,18 +213,22 @@ def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
         bars = ax.bar([label(r, mine) for r in top], [r.speedup for r in top], color="tab:green")
         ax.bar_label(bars, fmt="%.1fx", fontsize=8)
         ax.set(ylabel="speedup vs full prefill", title=f"speedup at {largest} tokens, {dtype}")
-        ax.tick_params(axis="x", rotation=30)
+        ax.tick_params(axis="x", rotation=35)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def label(row: TTFTRow, rows: list[TTFTRow]) -> str:
-    """The row's strategy, marked "(graphs)" where both CUDA-graph modes were measured."""
+    """The row's strategy ("default" for the default's long name), marked "(graphs)" where
+    both CUDA-graph modes were measured."""
     both = any(r.cuda_graphs for r in rows) and any(
         not r.cuda_graphs and r.strategy != str(PREFILL) for r in rows
     )
-    return row.strategy + (" (graphs)" if both and row.cuda_graphs else "")
+    name = "default" if row.strategy == str(DEFAULT) else row.strategy
+    return name + (" (graphs)" if both and row.cuda_graphs else "")
 
 
 def plot_stages(rows: list[StageRow], path: Path) -> None:
