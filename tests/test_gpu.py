@@ -17,7 +17,7 @@ from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import prepare
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import link
+from rag_kvcache.link.linker import link, place_into
 from rag_kvcache.model import graphs
 from rag_kvcache.model.adapter import release_buffers, unpack_cache
 from rag_kvcache.model.loading import describe, load_model
@@ -80,6 +80,20 @@ def test_gpu_and_pinned_cpu_tiers(tiny_cuda, tmp_path) -> None:
     for a, b in zip(got, chunks, strict=True):
         assert torch.equal(a.keys, b.keys.cpu()) and torch.equal(a.values, b.values.cpu())
     store.close()
+
+
+def test_chunks_placed_at_once_on_the_gpu_equal_placing_each_on_the_cpu(tiny_cuda) -> None:
+    lm = tiny_cuda
+    chunks = encode_chunks(lm, random_chunks([6, 40, 33, 25], seed=2))
+    on_cpu = [replace(c, keys=c.keys.cpu(), values=c.values.cpu()) for c in chunks]
+    L = sum(c.num_tokens for c in chunks)
+    shape = (lm.num_layers, lm.num_kv_heads, L + 3, lm.head_dim)
+    gpu = [torch.zeros(shape, device="cuda") for _ in range(2)]
+    cpu = [torch.zeros(shape) for _ in range(2)]
+    place_into(*gpu, chunks, lm.inv_freq, offset=3)  # all at once (`place_together`)
+    place_into(*cpu, on_cpu, lm.inv_freq.cpu(), offset=3)  # chunk by chunk
+    for ours, reference in zip(gpu, cpu, strict=True):
+        torch.testing.assert_close(ours.cpu(), reference, rtol=1e-6, atol=1e-6)
 
 
 def _answer(lm, chunks, strategy: str, query: list[int], tokens: int = 12):

@@ -10,15 +10,18 @@ import gc
 
 import pytest
 import torch
-from helpers import random_chunks
+from helpers import linked_span, random_chunks
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rag_kvcache.answer import prepare
 from rag_kvcache.config import GenerationConfig
+from rag_kvcache.errors import StrategyError
 from rag_kvcache.link.encoder import encode_chunks
+from rag_kvcache.link.linker import LinkedPrefix, link, place_together
 from rag_kvcache.model import adapter, graphs
 from rag_kvcache.model.adapter import (
     buffered_cache,
+    capture_queries,
     grouped_sdpa,
     new_buffers,
     release_buffers,
@@ -122,9 +125,83 @@ def test_slabs_are_lent_to_one_request_at_a_time(tiny64, static_forward) -> None
     release_buffers(first)  # a second release changes nothing
     third = buffered_cache(tiny64, *new_buffers(tiny64, 90), 0)
     assert third.layers[0].slab is slab  # handed back: lent again
+    views = unpack_cache(third)
     del third
-    gc.collect()  # a cache dropped without release frees its slab too
-    assert buffered_cache(tiny64, *new_buffers(tiny64, 90), 0).layers[0].slab is slab
+    gc.collect()  # a cache dropped without release keeps its slab: views of it may live on
+    assert buffered_cache(tiny64, *new_buffers(tiny64, 90), 0).layers[0].slab is not slab
+    assert views
+
+
+def test_a_link_that_fails_halfway_hands_its_slab_back(tiny64, static_forward) -> None:
+    chunks = encode_chunks(tiny64, random_chunks(LENGTHS, seed=3))
+    tokens = [t for c in chunks for t in c.token_ids]
+    head = link(tiny64, chunks[:2], QUERY, Strategy.parse("naive"))
+    keys, values = linked_span(head, 0, head.context_tokens)
+    release_buffers(head.cache)
+    prefix = LinkedPrefix(keys, values, tuple(tokens[: head.context_tokens]))  # no system_tokens
+    with pytest.raises(StrategyError, match="system_tokens"):  # found after the slab is lent
+        link(tiny64, chunks[2:], QUERY, Strategy.parse("naive+window:8"), prefix=prefix)
+    assert static_forward.slabs and not any(s.lent for s in static_forward.slabs)
+
+
+def test_static_forward_after_a_linked_prefix_equals_the_plain_one(tiny64) -> None:
+    """The prefix tree's links (KV already linked for the first chunks) replay too."""
+    chunks = encode_chunks(tiny64, random_chunks(LENGTHS, seed=4))
+    tokens = [t for c in chunks for t in c.token_ids]
+    strategy = Strategy.parse("legolink:2")
+
+    def linked() -> tuple[torch.Tensor, object]:
+        head = link(tiny64, chunks[:3], QUERY, strategy)
+        keys, values = linked_span(head, 0, head.context_tokens)
+        release_buffers(head.cache)
+        prefix = LinkedPrefix(keys, values, tuple(tokens[: head.context_tokens]))
+        tail = link(tiny64, chunks[3:], QUERY, strategy, prefix=prefix)
+        slab = tail.cache.layers[0].slab
+        release_buffers(tail.cache)
+        return tail.next_logits, slab
+
+    plain, slab = linked()
+    assert slab is None
+    graphs.use_graphs(tiny64.model, tiny64.device, True, capture=False)
+    try:
+        ours, slab = linked()
+    finally:
+        graphs.use_graphs(tiny64.model, tiny64.device, False)
+    assert slab is not None and slab.replays
+    torch.testing.assert_close(ours, plain, rtol=1e-9, atol=1e-9)
+
+
+def test_decoding_past_the_reserve_leaves_the_slab_and_stays_right(tiny64, static_forward):
+    """A cache that outgrows its buffers (decoding past `reserve`) is copied out of its slab
+    by the eager forward; what it answers does not change, and the slab still goes back."""
+    chunks = encode_chunks(tiny64, random_chunks(LENGTHS, seed=3))
+    config = GenerationConfig(max_new_tokens=6)
+
+    def answer() -> list[int]:
+        prepared = prepare(tiny64, chunks, QUERY, Strategy.parse("naive"), reserve=1)
+        out = list(decode(tiny64, prepared.cache, prepared.logits, prepared.position, config))
+        release_buffers(prepared.cache)
+        return out
+
+    ours = answer()
+    assert not any(s.lent for s in static_forward.slabs)
+    with graphs.paused(tiny64.model, tiny64.device):
+        assert answer() == ours
+
+
+def test_diagnosis_reads_queries_from_the_eager_forward(tiny64, static_forward) -> None:
+    chunks = encode_chunks(tiny64, random_chunks(LENGTHS, seed=3))
+    with capture_queries() as captured:
+        prepared = prepare(tiny64, chunks, QUERY, Strategy.parse("naive"))
+    release_buffers(prepared.cache)
+    assert [layer for layer, *_ in captured] == list(range(tiny64.num_layers))
+    assert all(q.shape[2] == len(QUERY) for _, q, *_ in captured)  # no padded rows
+
+
+def test_placing_no_chunks_places_nothing(tiny64) -> None:
+    keys = torch.zeros(tiny64.num_layers, tiny64.num_kv_heads, 4, tiny64.head_dim)
+    place_together(keys, keys.clone(), [], tiny64.inv_freq, offset=2)
+    assert not keys.any()
 
 
 def test_slabs_stay_within_the_budget(tiny64) -> None:

@@ -47,6 +47,7 @@ from rag_kvcache.model.adapter import (
     forward,
     forward_by_layer,
     new_buffers,
+    released_on_error,
     set_key_bias,
     unpack_cache,
     write_at,
@@ -135,57 +136,62 @@ def link(
             )
     P = prefix.num_tokens if prefix else 0
     L, r, q = len(token_ids), len(recompute), len(query_ids)
-    # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
-    with record_function(STAGE_PLACE):
-        keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
-        if prefix is not None:
-            keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
-        if layerwise is None:  # on the CPU, chunks still arriving from disk (see `link`)
-            layerwise = lm.device.type == "cpu" and any(c.arrival for c in chunks)
-        feed = LayerFeed(keys[:, 0], values[:, 0], chunks, lm.inv_freq, P) if layerwise else None
-        if feed is None:
-            place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
-        stale = stale_context(chunks, recompute, P) if strategy.uses_ape else None
-    # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
-    # its own position (over the stale copy) and attends causally by position
-    with record_function(STAGE_FORWARD):
-        query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
-        new_positions = torch.cat((recompute, torch.arange(L, L + q, device=lm.device)))  # [r+q]
-        new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
-        reach = None
-        if strategy.window is not None:
-            reach = window_reach(new_positions, chunks, prefix, L, strategy.window)
-        mask = additive_mask(link_mask(new_positions, L + q, reach), lm.dtype)  # [1,1,r+q,L+q]
-        cache = buffered_cache(lm, keys, values, L)
-        calls: list[Callable[[], None]] = [*feed.calls()] if feed else []
-        if stale is not None:  # APE: stale keys tempered as placed, their scores scaled
-            bias = prefix.key_bias if prefix else None
-            calls = temper(lm, cache, keys[:, 0], stale, strategy, L + q + reserve, calls, bias)
-        write_at(cache, new_positions)
+    keys, values = new_buffers(lm, L + q + reserve)  # [layers, 1, kv_heads, cap, head_dim]
+    cache = buffered_cache(lm, keys, values, L)  # views of the buffers, placed below
+    with released_on_error(cache):  # lent buffers go back if linking fails
+        # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
+        with record_function(STAGE_PLACE):
+            if prefix is not None:
+                keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
+            if layerwise is None:  # on the CPU, chunks still arriving from disk (see `link`)
+                layerwise = lm.device.type == "cpu" and any(c.arrival for c in chunks)
+            feed = (
+                LayerFeed(keys[:, 0], values[:, 0], chunks, lm.inv_freq, P) if layerwise else None
+            )
+            if feed is None:
+                place_into(keys[:, 0], values[:, 0], chunks, lm.inv_freq, offset=P)
+            stale = stale_context(chunks, recompute, P) if strategy.uses_ape else None
+        # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
+        # its own position (over the stale copy) and attends causally by position
+        with record_function(STAGE_FORWARD):
+            query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
+            new_positions = torch.cat(
+                (recompute, torch.arange(L, L + q, device=lm.device))
+            )  # [r+q]
+            new_ids = torch.cat((token_ids[recompute], query))  # [r+q]
+            reach = None
+            if strategy.window is not None:
+                reach = window_reach(new_positions, chunks, prefix, L, strategy.window)
+            mask = additive_mask(link_mask(new_positions, L + q, reach), lm.dtype)  # [1,1,r+q,L+q]
+            calls: list[Callable[[], None]] = [*feed.calls()] if feed else []
+            if stale is not None:  # APE: stale keys tempered as placed, their scores scaled
+                bias = prefix.key_bias if prefix else None
+                calls = temper(lm, cache, keys[:, 0], stale, strategy, L + q + reserve, calls, bias)
+            write_at(cache, new_positions)
+            if blend is not None:
+                next_logits = _filtered_forward(
+                    lm, blend, cache, values[:, 0], new_ids, new_positions, mask, calls, q
+                )
+            else:
+                if calls:
+                    before_layer_update(cache, calls)
+                embeds = None
+                if slots is not None and calibration is not None:
+                    embeds = soft_inputs(lm, new_ids, new_positions, slots, calibration.vectors)
+                logits, _ = forward(
+                    lm,
+                    new_ids[None],
+                    positions=new_positions[None],
+                    cache=cache,
+                    mask=mask,
+                    logits_to_keep=1,
+                    embeds=embeds,
+                )
+                next_logits = logits[0, -1]
+            write_at(cache, None)  # decoding appends after the query
         if blend is not None:
-            next_logits = _filtered_forward(
-                lm, blend, cache, values[:, 0], new_ids, new_positions, mask, calls, q
-            )
-        else:
-            if calls:
-                before_layer_update(cache, calls)
-            embeds = None
-            if slots is not None and calibration is not None:
-                embeds = soft_inputs(lm, new_ids, new_positions, slots, calibration.vectors)
-            logits, _ = forward(
-                lm,
-                new_ids[None],
-                positions=new_positions[None],
-                cache=cache,
-                mask=mask,
-                logits_to_keep=1,
-                embeds=embeds,
-            )
-            next_logits = logits[0, -1]
-        write_at(cache, None)  # decoding appends after the query
-    if blend is not None:
-        return LinkedContext(cache, next_logits, L + q, L, blend.recomputed, tuple(blend.sets))
-    return LinkedContext(cache, next_logits, L + q, L, r)
+            return LinkedContext(cache, next_logits, L + q, L, blend.recomputed, tuple(blend.sets))
+        return LinkedContext(cache, next_logits, L + q, L, r)
 
 
 def _filtered_forward(
@@ -391,12 +397,15 @@ def place_together(
 ) -> None:
     """`place_into` in a handful of kernels whatever the number of chunks: the chunks' keys
     concatenated, then rotated into place by each token's own delta (one angle table)."""
+    if not chunks:  # e.g. every chunk already linked in a prefix
+        return
     for c in chunks:
         c.whole()
     lengths = [c.num_tokens for c in chunks]
     starts = [offset + sum(lengths[:i]) for i in range(len(chunks))]
     deltas = torch.tensor([s - c.start for s, c in zip(starts, chunks, strict=True)])
-    delta = deltas.repeat_interleave(torch.tensor(lengths)).to(inv_freq.device)  # [L]
+    delta = deltas.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+    delta = delta.to(inv_freq.device)  # [L]
     span = slice(offset, offset + sum(lengths))
     half = inv_freq.shape[-1]
     cos, sin = rope_cos_sin(delta, inv_freq, keys.dtype)  # [L, 2 * half]

@@ -9,7 +9,6 @@ modules see `LoadedModel`, plain tensors and an opaque `Cache`.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,7 +127,8 @@ def grouped_sdpa(
     if groups * q > MATH_ROWS:
         out = F.scaled_dot_product_attention(rows, key, value, attn_mask=stacked, scale=scale)
     else:
-        scores = torch.matmul(rows, key.transpose(-1, -2)).mul_(scale or d**-0.5)
+        # scaled first, as the fused kernels do: float16 scores could overflow otherwise
+        scores = torch.matmul(rows * (scale or d**-0.5), key.transpose(-1, -2))
         if stacked.dtype == torch.bool:
             scores.masked_fill_(~stacked, torch.finfo(scores.dtype).min)
         else:
@@ -407,6 +407,17 @@ def release_buffers(cache: Cache) -> None:
         POOL.release(layer.key_buffer, layer.value_buffer)
 
 
+@contextmanager
+def released_on_error(cache: Cache) -> Iterator[None]:
+    """Hand the cache's buffers back (`release_buffers`) if the block raises: a request that
+    fails halfway must not keep a lent slab."""
+    try:
+        yield
+    except BaseException:
+        release_buffers(cache)
+        raise
+
+
 def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, length: int) -> Cache:
     """An HF cache whose layer i appends into keys[i], values[i] (filled up to `length`)."""
     cache = DynamicCache(config=lm.model.config)
@@ -416,7 +427,6 @@ def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, le
     slab = graphs.slab_at(keys) if graphs is not None else None
     if slab is not None:  # lent by new_buffers: replayable, and given back on release
         layers[0].slab, layers[0].slab_owner = slab, lm.model
-        slab.holder = weakref.ref(cache)
     return cache
 
 
@@ -610,6 +620,10 @@ def replayed_forward(
     first = cache.layers[0] if cache.layers else None
     if not isinstance(first, BufferedLayer) or first.slab is None or input_ids.shape[0] != 1:
         return None
+    if first.released or _captured_queries is not None:  # queries are read in Python then
+        return None
+    if first.write_at is not None and (positions is None or mask is None):
+        return None  # not a link's forward: left to the eager path's own positions and mask
     graphs = graphs_of(lm.model, lm.device)
     slab, T = first.slab, input_ids.shape[1]
     bucket = rows_bucket(T)

@@ -64,13 +64,9 @@ class Slab:
 
     keys: torch.Tensor
     values: torch.Tensor
-    lent: bool = False
+    lent: bool = False  # until `give_back`: views of it may outlive the cache built on it
     replays: dict[int, Replay] = field(default_factory=dict)  # by rows bucket
-    holder: Any = None  # weakref to the cache built over it: once dead, the slab is free
-
-    @property
-    def free(self) -> bool:
-        return not self.lent or (self.holder is not None and self.holder() is None)
+    failed: set[int] = field(default_factory=set)  # rows buckets whose capture failed: eager
 
     @property
     def capacity(self) -> int:
@@ -95,7 +91,6 @@ class ForwardGraphs:
         self.slabs: list[Slab] = []  # least recently lent first
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.lock = threading.RLock()  # lending and replaying (static inputs are shared)
-        self.failed: str | None = None  # why capturing failed: every forward is eager since
 
     def lend(self, shape: tuple[int, ...], dtype: torch.dtype, capacity: int) -> Slab | None:
         """A free slab of at least `capacity` + 1 slots (the last is the padded rows'), made
@@ -105,14 +100,14 @@ class ForwardGraphs:
         full = (*shape[:3], size, shape[3])
         with self.lock:
             for slab in self.slabs:
-                if slab.free and slab.keys.shape == full and slab.keys.dtype == dtype:
+                if not slab.lent and slab.keys.shape == full and slab.keys.dtype == dtype:
                     self.slabs.remove(slab)
                     self.slabs.append(slab)
-                    slab.lent, slab.holder = True, None
+                    slab.lent = True
                     return slab
             need = 2 * torch.Size(full).numel() * dtype.itemsize
             while self.used_bytes() + need > self.budget_bytes:
-                free = next((s for s in self.slabs if s.free), None)
+                free = next((s for s in self.slabs if not s.lent), None)
                 if free is None:
                     return None
                 self.slabs.remove(free)  # its graphs go with it
@@ -135,7 +130,7 @@ class ForwardGraphs:
 
     def give_back(self, slab: Slab) -> None:
         with self.lock:
-            slab.lent, slab.holder = False, None
+            slab.lent = False
 
     def replay(
         self,
@@ -147,18 +142,18 @@ class ForwardGraphs:
         """Fill the static inputs of the `rows`-bucket forward over `slab` (`fill`), run it and
         return a copy of its logits. `run(replay)` is the forward itself: captured the first
         time a (slab, bucket) is seen (after two warm-up runs that write only the trash slot),
-        then replayed. None (the caller runs the eager forward) once a capture has failed: a
-        model whose forward cannot be captured still answers, and says why once."""
+        then replayed. None (the caller runs the eager forward) where the capture failed: a
+        model whose forward cannot be captured still answers, and the log says why."""
         with self.lock:
-            if self.failed is not None:
+            if rows in slab.failed:
                 return None
             replay = slab.replays.get(rows)
             if replay is None:
                 try:
                     replay = self._capture(slab, rows, run)
-                except RuntimeError as error:  # e.g. a host sync inside the model's forward
-                    self.failed = str(error)
-                    log.warning("CUDA graph capture failed, forwards stay eager: %s", error)
+                except RuntimeError as error:  # a host sync in the model's forward, no memory
+                    slab.failed.add(rows)
+                    log.warning("CUDA graph capture of %d rows failed, eager: %s", rows, error)
                     return None
                 slab.replays[rows] = replay
             fill(replay)
@@ -190,7 +185,8 @@ class ForwardGraphs:
                 run(replay)
         torch.cuda.current_stream(device).wait_stream(side)
         replay.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(replay.graph, pool=self.pool):
+        # thread_local: other threads' requests may run eagerly meanwhile
+        with torch.cuda.graph(replay.graph, pool=self.pool, capture_error_mode="thread_local"):
             replay.logits = run(replay)
         return replay
 

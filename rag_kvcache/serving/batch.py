@@ -522,12 +522,15 @@ class BatchDecoder:
         cache, logits = prefill(self.lm, ids)
         layers = unpack_cache(cache)
         n = len(ids)
+        own_keys = [k[0, :, :n].clone() for k, _ in layers]  # [kv_heads, n, head_dim] each
+        own_values = [v[0, :, :n].clone() for _, v in layers]
+        release_buffers(cache)  # copied out: the next request may reuse its buffers
         return _Active(
             request_id=waiting.request_id,
             strategy=waiting.strategy,
             leaf=None,
-            own_keys=[k[0, :, :n] for k, _ in layers],  # [kv_heads, n, head_dim] each
-            own_values=[v[0, :, :n] for _, v in layers],
+            own_keys=own_keys,
+            own_values=own_values,
             length=n,
             capacity=n + waiting.config.max_new_tokens,
             position=n,
