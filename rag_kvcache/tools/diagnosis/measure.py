@@ -15,7 +15,7 @@ import torch
 from rag_kvcache.answer import Answer, Prepared, prepare
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.model.adapter import capture_queries, unpack_cache
+from rag_kvcache.model.adapter import capture_queries, release_buffers, unpack_cache
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.diagnosis.records import (
@@ -180,12 +180,16 @@ def diagnose_item(
     chunks = engine.store.get([engine.prefix_id, *strategy.arrange(cache_ids)])
     base, base_q = prepare_traced(lm, chunks, question_ids, baseline)
     link, link_q = prepare_traced(lm, chunks, question_ids, strategy)
-    base_w = question_attention(lm, base, base_q)
-    link_w = question_attention(lm, link, link_q)
+    try:  # compared, then handed back (on a GPU, slabs lent one request at a time)
+        base_w = question_attention(lm, base, base_q)
+        link_w = question_attention(lm, link, link_q)
+        keys, values = kv_deviation(link, base)
+    finally:
+        release_buffers(base.cache)
+        release_buffers(link.cache)
     tokens = [c.num_tokens for c in chunks]
     answer_chunk = placed_index(strategy, len(cache_ids), gold.answer)
     bridge = None if gold.bridge is None else placed_index(strategy, len(cache_ids), gold.bridge)
-    keys, values = kv_deviation(link, base)
     n = len(question_ids)
     ends = np.cumsum(tokens)[1:] - 1  # each document chunk's last token
     return ItemDiagnosis(
