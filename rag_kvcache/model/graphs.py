@@ -8,8 +8,10 @@ replayed, the forward costs its GPU work (gpt-fast and the serving engines do th
 A captured forward must read and write the same addresses every time, with no Python value
 that changes between requests baked in. So:
 - a request's KV lives in a `Slab`, one per capacity bucket (`SLAB_STEP`), zeroed once and
-  lent to one request at a time (`lend`; a request that finds its bucket lent gets plain
-  buffers and the eager forward);
+  lent to one request at a time (`lend`; a request that finds none free within the budget
+  gets plain buffers and the eager forward). A slab goes back only when its cache is released
+  (`adapter.release_buffers`, which the answer path always calls): views of its KV may outlive
+  the cache object, so a cache dropped unreleased keeps its slab;
 - the inputs are static tensors padded to a rows bucket (`ROW_BUCKETS`): token ids,
   positions, the slab slot each row writes its K/V to (by index, not by slice), the additive
   mask over the whole slab, and the row whose logits are kept. Padded rows write to the slab's
