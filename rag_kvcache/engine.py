@@ -246,8 +246,12 @@ class RagKVCache:
         return len(self.corpus.remove_document(source))
 
     def retrieve(self, query: str, top_k: int = 4) -> list[Retrieved]:
-        """The ingested chunks most similar to `query` (cosine, best first), with cache IDs."""
-        return self.corpus.search(query, top_k)
+        """The ingested chunks most similar to `query` (cosine, best first), with cache IDs.
+        Their KV starts moving from the durable tier into the hot tiers at once (`prefetch`),
+        so the answer that follows finds it there or already on its way."""
+        hits = self.corpus.search(query, top_k)
+        self.store.prefetch([h.cache_id for h in hits])
+        return hits
 
     def expire_cache(self, cache_id: str) -> bool:
         """Forget a chunk's KV; later requests naming it get UnknownCacheIdError."""

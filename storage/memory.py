@@ -48,6 +48,9 @@ class MemoryStore:
         """`get`: everything is in memory already."""
         return Fetched(self.get(cache_ids))
 
+    def prefetch(self, cache_ids: list[str]) -> None:
+        """Nothing to read ahead: everything is in memory already."""
+
     def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str:
         self._calibrations[fingerprint, encode_settings] = bytes(data)
         return hashlib.sha256(data).hexdigest()

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -193,6 +195,8 @@ class TieredStore:
         # blob reads back as (blob.as_stored), never more precise than the durable copy
         self.compress = compress
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-read")
+        self._prefetching: dict[str, Future[None]] = {}  # reads `prefetch` started, by ID
+        self._prefetch_lock = threading.Lock()
         self.takeover_s = 30.0  # a claimed chunk still pending after this: its writer died
         # `fetch` reads cold disk blobs layer by layer behind the forward (off: read whole)
         self.stream_reads = True
@@ -295,6 +299,58 @@ class TieredStore:
             self.catalog.count(f"hits:{self.durable.name}", len(blobs))
         return Fetched([found[cid] for cid in cache_ids], reads.settle)
 
+    def prefetch(self, cache_ids: list[str]) -> None:
+        """Start reading the chunks no hot tier holds from the durable tier into the hot tiers
+        (CPU memory, pinned where the store pins; the GPU tier), in the background. Retrieval
+        calls it as it returns cache IDs, so the reads overlap whatever comes before the
+        answer's `fetch`, which finds the chunks hot or waits for the reads in flight.
+        Unknown, expired or damaged chunks are left for `fetch` to report; never raises."""
+        named = [c for c in dict.fromkeys(cache_ids) if is_name("cache ID", c)]
+        with self._prefetch_lock:
+            named = [c for c in named if c not in self._prefetching]
+        cold = [c for c in named if all(t.get(c) is None for t in self.hot)]
+        if not cold:
+            return
+        now = datetime.now(UTC)
+        rows = {
+            c: row
+            for c, row in self.catalog.chunks(cold).items()
+            if row.state == "stored" and (row.expires_at is None or row.expires_at > now)
+        }
+        with self._prefetch_lock:
+            for cid, row in rows.items():
+                if cid in self._prefetching:
+                    continue
+                try:
+                    future = self._readers.submit(self._read_ahead, row)
+                except RuntimeError:  # the store was closed meanwhile
+                    return
+                self._prefetching[cid] = future
+                future.add_done_callback(partial(self._prefetched, cid))
+
+    def _read_ahead(self, row: ChunkRow) -> None:
+        loaded = self._load(row)
+        if isinstance(loaded, str):  # missing or corrupt: `fetch` repairs or reports it
+            return
+        self._keep_hot(loaded, row.pinned)
+        self.catalog.count(f"prefetched:{self.durable.name}")
+
+    def _prefetched(self, cache_id: str, _done: Future[None]) -> None:
+        with self._prefetch_lock:
+            self._prefetching.pop(cache_id, None)
+
+    def _await_prefetched(self, found: dict[str, ChunkKV], misses: list[str]) -> list[str]:
+        """Wait for the reads `prefetch` has in flight for `misses`, then take from the hot
+        tiers what they (or any read finished meanwhile) brought; the misses left."""
+        with self._prefetch_lock:
+            pending = [self._prefetching[c] for c in misses if c in self._prefetching]
+        if pending:
+            wait(pending)
+        for cid in misses:
+            if kv := next((h for t in self.hot if (h := t.get(cid)) is not None), None):
+                found[cid] = kv
+        return [c for c in misses if c not in found]
+
     def _keep_read(self, kv: ChunkKV, rows: dict[str, ChunkRow]) -> None:
         """Keep a chunk `fetch` read hot: at once where the hot tiers hold it as it is (CPU);
         a copy to the GPU tier, or into pinned memory, off the first token's path."""
@@ -335,7 +391,8 @@ class TieredStore:
         for tier_name, n in hits.items():
             if n:
                 self.catalog.count(f"hits:{tier_name}", n)
-        return rows, found, [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
+        misses = [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
+        return rows, found, self._await_prefetched(found, misses) if misses else misses
 
     def _read_whole(
         self, rows: dict[str, ChunkRow], found: dict[str, ChunkKV], misses: list[str]

@@ -439,3 +439,34 @@ def test_int8_store_shrinks_blobs_and_serves_the_dequantized_kv(tiny32, tmp_path
     assert small.verify().corrupt == []
     plain.close()
     small.close()
+
+
+def test_prefetch_reads_cold_chunks_ahead_into_the_hot_tier(store, tiny64) -> None:
+    """What retrieval starts: cold chunks read from the durable tier in the background, so the
+    answer's fetch finds them hot (one durable read each, not two), and IDs it cannot use are
+    left for fetch to report."""
+    kvs = encode_chunks(tiny64, random_chunks([5, 9, 7], seed=4))
+    store.register_model(tiny64.fingerprint, "tiny", "float64", 3, 2, 16)
+    for kv in kvs:
+        store.put(kv, "text")
+    ids = [k.cache_id for k in kvs]
+    for tier in store.hot:
+        tier.remove(ids[0])
+        tier.remove(ids[1])  # two cold chunks, one hot
+    reads: list[str] = []
+    get = store.durable.get
+    store.durable.get = lambda cid: reads.append(cid) or get(cid)  # type: ignore[method-assign]
+    store.prefetch([*ids, "0" * 32, "../not-a-name"])  # unknown and malformed: ignored here
+    fetched = store.fetch(ids)  # waits for the reads in flight, if any
+    fetched.settle()
+    for a, b in zip(fetched.chunks, kvs, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert sorted(reads) == sorted(ids[:2])  # each cold chunk read once, by the prefetch
+    counters = store.catalog.counters()
+    assert counters[f"prefetched:{store.durable.name}"] == 2
+    assert counters.get(f"hits:{store.durable.name}", 0) == 0  # fetch read nothing itself
+    assert all(any(t.get(c) is not None for t in store.hot) for c in ids)
+    store.prefetch(ids)  # all hot: nothing to read
+    assert sorted(reads) == sorted(ids[:2])
+    with pytest.raises(UnknownCacheIdError):
+        store.fetch(["0" * 32])
