@@ -31,7 +31,7 @@ from rag_kvcache.errors import (
     EngineClosedError,
     FingerprintMismatchError,
 )
-from rag_kvcache.kv import ChunkKV, EncodeSettings, KVStore, make_cache_id
+from rag_kvcache.kv import ChunkKV, EncodeSettings, Fetched, KVStore, make_cache_id
 from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.model.adapter import release_buffers
@@ -293,7 +293,7 @@ class RagKVCache:
 
         def context() -> Prepared:
             with record_function(STAGE_FETCH):
-                fetched = self.store.fetch(ids)  # cold chunks arrive as the forward runs
+                fetched = self._fetch(ids)
                 calibration = self.calibration() if strategy.calibrated else None
             reserve = gen.max_new_tokens
             prepared = prepare(
@@ -308,6 +308,16 @@ class RagKVCache:
 
         steps = answer_steps(self.lm, context, len(question), strategy, gen)
         return self._finish(AnswerStream(steps), stream)
+
+    def _fetch(self, ids: list[str]) -> Fetched:
+        """The chunks for one request's link. On the CPU, cold chunks arrive from disk layer
+        by layer while the forward runs (`KVStore.fetch`). On a GPU they are read whole: its
+        link places every chunk at once, so nothing would overlap, and whole reads ran 3.6x
+        faster than layer reads on an H200 machine's disk (0.34 s against 1.23 s at 8K,
+        `demos/results/gpu/store-8b/`)."""
+        if self.lm.device.type == "cpu":
+            return self.store.fetch(ids)
+        return Fetched(self.store.get(ids))
 
     def complete(
         self,
