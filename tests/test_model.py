@@ -107,3 +107,21 @@ def test_random_weight_models_take_real_shapes_and_link_exactly(smol) -> None:
     torch.testing.assert_close(linked.next_logits, logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(ConfigError, match="unknown random model shapes 'llama-9'"):
         load_model(ModelConfig(path="random:llama-9"))
+
+
+def test_random_smollm2_shapes_take_the_tokenizer_of_a_folder(smol, tmp_path, monkeypatch):
+    """SmolLM2's architecture with random weights, its tokenizer from a folder holding only
+    tokenizer files (RAG_KVCACHE_MODEL): SmolLM2's speed where its package is not installed."""
+    from rag_kvcache.model.loading import load_model
+
+    smol.tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv("RAG_KVCACHE_MODEL", str(tmp_path))
+    lm = load_model(ModelConfig(path="random:smollm2-135m"))
+    real = sum(p.numel() for p in smol.model.parameters())
+    assert sum(p.numel() for p in lm.model.parameters()) == real  # the same architecture
+    assert (lm.num_layers, lm.num_kv_heads, lm.head_dim) == (
+        smol.num_layers,
+        smol.num_kv_heads,
+        smol.head_dim,
+    )
+    assert len(lm.tokenizer) == len(smol.tokenizer)

@@ -245,7 +245,6 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=32,
         num_key_value_heads=8,
     ),
-    # the same code path at a size any CPU runs (the GPU kit's dry run)
     "smollm2-135m": dict(  # SmolLM2-135M's architecture, for its speed where its weights are not
         hidden_size=576,
         intermediate_size=1536,
@@ -256,6 +255,7 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True,
     ),
+    # the same code path at a size any CPU runs (the GPU kit's dry run)
     "tiny": dict(
         _LLAMA3_ROPE,
         hidden_size=128,
