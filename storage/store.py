@@ -332,8 +332,9 @@ class TieredStore:
         loaded = self._load(row)
         if isinstance(loaded, str):  # missing or corrupt: `fetch` repairs or reports it
             return
-        self._keep_hot(loaded, row.pinned)
+        # counted before it shows hot: a fetch that finds it hot sees the count too
         self.catalog.count(f"prefetched:{self.durable.name}")
+        self._keep_hot(loaded, row.pinned)
 
     def _prefetched(self, cache_id: str, _done: Future[None]) -> None:
         with self._prefetch_lock:
