@@ -317,16 +317,19 @@ class TieredStore:
             for c, row in self.catalog.chunks(cold).items()
             if row.state == "stored" and (row.expires_at is None or row.expires_at > now)
         }
+        started: dict[str, Future[None]] = {}
         with self._prefetch_lock:
             for cid, row in rows.items():
                 if cid in self._prefetching:
                     continue
                 try:
-                    future = self._readers.submit(self._read_ahead, row)
+                    started[cid] = self._prefetching[cid] = self._readers.submit(
+                        self._read_ahead, row
+                    )
                 except RuntimeError:  # the store was closed meanwhile
-                    return
-                self._prefetching[cid] = future
-                future.add_done_callback(partial(self._prefetched, cid))
+                    break
+        for cid, future in started.items():  # outside the lock: a read done already calls
+            future.add_done_callback(partial(self._prefetched, cid))  # back in this thread
 
     def _read_ahead(self, row: ChunkRow) -> None:
         loaded = self._load(row)

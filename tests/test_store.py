@@ -470,3 +470,30 @@ def test_prefetch_reads_cold_chunks_ahead_into_the_hot_tier(store, tiny64) -> No
     assert sorted(reads) == sorted(ids[:2])
     with pytest.raises(UnknownCacheIdError):
         store.fetch(["0" * 32])
+
+
+def test_a_prefetch_whose_read_is_done_at_once_returns(store, tiny64) -> None:
+    """A read that has finished before its completion callback is added calls back in the
+    caller's thread: that must not wait for a lock the caller holds (it once hung here)."""
+    import threading
+    from concurrent.futures import Future
+
+    kv = encode_chunks(tiny64, random_chunks([6], seed=8))[0]
+    store.register_model(tiny64.fingerprint, "tiny", "float64", 3, 2, 16)
+    store.put(kv, "text")
+    for tier in store.hot:
+        tier.remove(kv.cache_id)
+
+    def at_once(fn, *args):  # the read runs and finishes before submit returns
+        done: Future[None] = Future()
+        fn(*args)
+        done.set_result(None)
+        return done
+
+    store._readers.submit = at_once  # type: ignore[method-assign]
+    caller = threading.Thread(target=store.prefetch, args=([kv.cache_id],), daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive()
+    assert any(t.get(kv.cache_id) is not None for t in store.hot)
+    assert not store._prefetching  # its callback ran: nothing left in flight
