@@ -136,6 +136,15 @@ def _wholesale(orphans: list[str], listed: set[str]) -> bool:
     return len(orphans) > max(2, len(listed))
 
 
+def servable(row: ChunkRow | None, now: datetime) -> bool:
+    """Whether a catalog row names a chunk a request may use: stored, and not expired."""
+    return (
+        row is not None
+        and row.state == "stored"
+        and (row.expires_at is None or row.expires_at > now)
+    )
+
+
 class TieredStore:
     """Durable, shared KV store. `root` holds the blobs (and the SQLite catalog by default).
 
@@ -308,15 +317,11 @@ class TieredStore:
         named = [c for c in dict.fromkeys(cache_ids) if is_name("cache ID", c)]
         with self._prefetch_lock:
             named = [c for c in named if c not in self._prefetching]
-        cold = [c for c in named if all(t.get(c) is None for t in self.hot)]
+        cold = [c for c in named if self._hot(c) is None]
         if not cold:
             return
         now = datetime.now(UTC)
-        rows = {
-            c: row
-            for c, row in self.catalog.chunks(cold).items()
-            if row.state == "stored" and (row.expires_at is None or row.expires_at > now)
-        }
+        rows = {c: row for c, row in self.catalog.chunks(cold).items() if servable(row, now)}
         started: dict[str, Future[None]] = {}
         with self._prefetch_lock:
             for cid, row in rows.items():
@@ -351,9 +356,13 @@ class TieredStore:
         if pending:
             wait(pending)
         for cid in misses:
-            if kv := next((h for t in self.hot if (h := t.get(cid)) is not None), None):
+            if (kv := self._hot(cid)) is not None:
                 found[cid] = kv
         return [c for c in misses if c not in found]
+
+    def _hot(self, cache_id: str) -> ChunkKV | None:
+        """The fastest hot tier's copy of the chunk (on the GPU, or pinned), or None."""
+        return next((kv for t in self.hot if (kv := t.get(cache_id)) is not None), None)
 
     def _keep_read(self, kv: ChunkKV, rows: dict[str, ChunkRow]) -> None:
         """Keep a chunk `fetch` read hot: at once where the hot tiers hold it as it is (CPU);
@@ -374,13 +383,7 @@ class TieredStore:
             raise UnknownCacheIdError(malformed)
         rows = self.catalog.chunks(cache_ids)
         now = datetime.now(UTC)
-        unknown = [
-            c
-            for c in cache_ids
-            if c not in rows
-            or rows[c].state != "stored"
-            or ((expiry := rows[c].expires_at) is not None and expiry <= now)
-        ]
+        unknown = [c for c in cache_ids if not servable(rows.get(c), now)]
         if unknown:
             raise UnknownCacheIdError(unknown)
         found: dict[str, ChunkKV] = {}
@@ -396,7 +399,7 @@ class TieredStore:
             if n:
                 self.catalog.count(f"hits:{tier_name}", n)
         misses = [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
-        return rows, found, self._await_prefetched(found, misses) if misses else misses
+        return rows, found, self._await_prefetched(found, misses)
 
     def _read_whole(
         self, rows: dict[str, ChunkRow], found: dict[str, ChunkKV], misses: list[str]
@@ -409,7 +412,8 @@ class TieredStore:
             read = self._repair(rows[cid], loaded) if isinstance(loaded, str) else loaded
             self._keep_hot(read, rows[cid].pinned)
             # the fastest hot copy (on the GPU, or pinned) if it was kept, else the one read
-            found[cid] = next((h for t in self.hot if (h := t.get(cid)) is not None), read)
+            hot = self._hot(cid)
+            found[cid] = read if hot is None else hot
         if misses:
             self.catalog.count(f"hits:{self.durable.name}", len(misses))
 
@@ -461,10 +465,7 @@ class TieredStore:
         return data
 
     def contains(self, cache_id: str) -> bool:
-        row = self.catalog.chunk(checked_name("cache ID", cache_id))
-        if row is None or row.state != "stored":
-            return False
-        return row.expires_at is None or row.expires_at > datetime.now(UTC)
+        return servable(self.catalog.chunk(checked_name("cache ID", cache_id)), datetime.now(UTC))
 
     # ------------------------------------------------------------------ upkeep
 

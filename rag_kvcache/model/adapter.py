@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rag_kvcache.errors import UnsupportedModelError
 from rag_kvcache.model.buffers import POOL
-from rag_kvcache.model.graphs import Replay, Slab, graphs_of, rows_bucket
+from rag_kvcache.model.graphs import ForwardGraphs, Replay, Slab, graphs_of, rows_bucket
 
 if TYPE_CHECKING:
     from rag_kvcache.model.loading import LoadedModel
@@ -343,7 +343,7 @@ class BufferedLayer(DynamicLayer):
         self.key_bias: torch.Tensor | None = None  # [capacity] added to every attention score
         self.released = False  # its buffers handed back for reuse (`release_buffers`)
         self.slab: Slab | None = None  # layer 0 of a cache in a lent slab: the slab
-        self.slab_owner: Any = None  # ... and the model whose slab it is
+        self.slab_graphs: ForwardGraphs | None = None  # ... and the graphs that lent it
         self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
         self.is_initialized = True
@@ -399,10 +399,8 @@ def release_buffers(cache: Cache) -> None:
     layer = cache.layers[0] if cache.layers else None
     if isinstance(layer, BufferedLayer) and not layer.released:  # once: a second release
         layer.released = True  # would hand back a buffer another request may hold by then
-        if layer.slab is not None:
-            graphs = graphs_of(layer.slab_owner, layer.device)
-            if graphs is not None:
-                graphs.give_back(layer.slab)
+        if layer.slab is not None and layer.slab_graphs is not None:  # the lender, even if
+            layer.slab_graphs.give_back(layer.slab)  # replay was turned off since
             return
         POOL.release(layer.key_buffer, layer.value_buffer)
 
@@ -426,7 +424,7 @@ def buffered_cache(lm: LoadedModel, keys: torch.Tensor, values: torch.Tensor, le
     graphs = graphs_of(lm.model, lm.device)
     slab = graphs.slab_at(keys) if graphs is not None else None
     if slab is not None:  # lent by new_buffers: replayable, and given back on release
-        layers[0].slab, layers[0].slab_owner = slab, lm.model
+        layers[0].slab, layers[0].slab_graphs = slab, graphs
     return cache
 
 
@@ -640,14 +638,11 @@ def replayed_forward(
     if end > first.key_buffer.shape[-2] or (mask is not None and mask.shape[-2:] != (T, end)):
         return None
     if mask is None:  # appended tokens: causal
-        allowed = torch.arange(end, device=lm.device) <= slots[:, None]
-        mask = additive_mask(allowed, lm.dtype)
+        mask = (torch.arange(end, device=lm.device) <= slots[:, None])[None, None]
+    if mask.dtype == torch.bool:
+        mask = additive_mask(mask[0, 0], lm.dtype)
     if first.key_bias is not None:
         mask = with_key_bias(mask, first.key_bias, T, end)
-    elif mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=lm.dtype, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(lm.dtype).min
-        )
 
     def fill(replay: Replay) -> None:
         replay.ids[:, :T] = input_ids

@@ -13,6 +13,7 @@ rest: Python between them), from one extra request per cell run under the profil
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,13 +92,8 @@ def bench_dtype(
     def first_token(run: Run, n: int) -> Answer:
         strategy, graphs = run
         on, ids = (sink_engine, sinks) if strategy.needs_sinks else (engine, plain)
-        if graphs:
+        with contextlib.nullcontext() if graphs else paused(lm.model, lm.device):
             answer = on.generate(question, ids[:n], strategy=strategy, max_new_tokens=decode_tokens)
-        else:
-            with paused(lm.model, lm.device):
-                answer = on.generate(
-                    question, ids[:n], strategy=strategy, max_new_tokens=decode_tokens
-                )
         assert isinstance(answer, Answer)
         return answer
 
