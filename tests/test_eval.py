@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,13 @@ from rag_kvcache.tools.eval import (
     Evaluator,
     ItemResult,
     Journal,
+    against_floor,
     check_strategies,
+    comparisons,
     in_retrieval_order,
     kept_against,
     load_dataset,
+    needle_cells,
     needle_item,
     report_dict,
     reused_rows,
@@ -43,6 +47,7 @@ from rag_kvcache.tools.metrics import (
     exact_match,
     f1_score,
     kept,
+    kept_difference,
     kl_per_step,
     normalize_answer,
     top1_agreement,
@@ -112,6 +117,22 @@ def test_kept_counts_only_the_items_the_baseline_gets_right() -> None:
     assert nothing.n == 0 and math.isnan(nothing.value)
     with pytest.raises(ValueError):
         kept([True], [True, False])
+
+
+def test_kept_difference_pairs_the_items() -> None:
+    """The cache against the noise floor, on the items the baseline gets right."""
+    baseline = [True] * 4 + [False] * 2
+    same = kept_difference(baseline, [True, True, False, False, True, True], baseline)
+    assert same.n == 4 and same.value == -50.0  # the floor keeps all 4, the cache 2
+    assert same.low <= -50.0 <= same.high <= 0
+    cache = [True, False, True, True, False, False]
+    floor = [False, True, True, True, True, False]  # each loses one: the difference is 0
+    tie = kept_difference(baseline, cache, floor)
+    assert tie.value == 0.0 and tie.low < 0 < tie.high  # paired, but which one differs varies
+    assert kept_difference(baseline, baseline, baseline) == Estimate(0.0, 0.0, 0.0, 4)
+    assert kept_difference([False], [True], [False]).n == 0
+    with pytest.raises(ValueError, match="pair up"):
+        kept_difference([True], [True], [True, False])
 
 
 def test_interval_narrows_with_more_items() -> None:
@@ -239,6 +260,52 @@ def test_kept_is_counted_against_prefill_with_the_same_placement() -> None:
     floor = summary["prefill+reversed"]  # the noise floor: against prefill as given
     assert (floor.baseline, floor.kept_of, floor.kept) == ("prefill", 2, 50.0)
     assert math.isnan(placed.kl)  # no teacher forcing asked for: no KL, not a zero
+
+
+def test_the_cache_is_compared_with_every_floor_the_run_measured(tmp_path: Path) -> None:
+    strategies = check_strategies(["prefill+rotated", "naive+reversed"], with_full=False)
+    right = {  # item -> strategies right
+        "a": {"prefill", "prefill+reversed", "prefill+rotated", "naive+reversed"},
+        "b": {"prefill+reversed", "prefill+rotated"},
+        "c": {"prefill+reversed", "naive+reversed"},
+        "d": {"prefill", "naive+reversed"},  # the baseline is wrong: not counted
+    }
+    results = [_result(i, str(s), str(s) in r) for i, r in right.items() for s in strategies]
+    rows = {r.floor: r for r in against_floor(results, strategies)}
+    assert set(rows) == {"prefill", "prefill+rotated"}  # not its own baseline
+    rotated = rows["prefill+rotated"]
+    assert (rotated.baseline, rotated.of, rotated.kept, rotated.floor_kept) == (
+        "prefill+reversed",
+        3,
+        2,
+        2,
+    )
+    assert rotated.difference == 0.0
+    assert rows["prefill"].floor_kept == 1 and rows["prefill"].difference == pytest.approx(100 / 3)
+    text, facts = comparisons(results, strategies)
+    assert "| naive+reversed | 3 (prefill+reversed) | 2 | prefill+rotated | 2 | +0.0 pts" in text
+    assert facts["floor"] == [asdict(r) for r in against_floor(results, strategies)]
+    partial = [r for r in results if not (r.strategy == "prefill+rotated" and r.item == "a")]
+    assert {r.floor for r in against_floor(partial, strategies)} == {"prefill"}  # unpaired
+
+
+def test_needle_cells_count_where_prefill_finds_every_needle() -> None:
+    strategies = check_strategies(["naive+reversed"], with_full=False)
+    found = {  # item -> strategies that find the needle
+        "needle-1024-0": {"prefill", "prefill+reversed", "naive+reversed"},
+        "needle-1024-0-1": {"prefill", "prefill+reversed"},
+        "needle-1024-0.5": {"prefill+reversed", "naive+reversed"},
+        "needle-1024-0.5-1": {"prefill", "prefill+reversed", "naive+reversed"},
+        "needle-2048-1": {"naive+reversed"},
+    }
+    results = [_result(i, str(s), str(s) in f) for i, f in found.items() for s in strategies]
+    rows = {r.against: r for r in needle_cells(results, strategies)}
+    plain, placed = rows["prefill"], rows["prefill+reversed"]
+    assert (plain.cells, plain.found, plain.tried, plain.worst) == (1, 1, 2, 0.5)
+    assert (placed.cells, placed.found, placed.tried, placed.worst) == (2, 3, 4, 0.5)
+    text, facts = comparisons(results, strategies, needle=True)
+    assert "| naive+reversed | prefill+reversed | 2 | 3 of 4 (75%) | 50% |" in text
+    assert len(facts["needle_cells"]) == 2
 
 
 def test_reports_and_plots_take_every_spelling(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ from rag_kvcache.tools.metrics import (
     exact_match,
     f1_score,
     kept,
+    kept_difference,
     kl_per_step,
     top1_agreement,
 )
@@ -286,6 +287,74 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
     return out
 
 
+@dataclass(frozen=True)
+class FloorRow:
+    """A cache strategy's "kept" beside the noise floor's, on the same items: of the answers
+    its baseline (prefill with its placement) gets right, how many it keeps and how many
+    `floor` (a prefill with the chunks in another order) keeps, and the difference in points
+    with its paired 95% interval (`metrics.kept_difference`)."""
+
+    strategy: str
+    baseline: str
+    floor: str
+    of: int  # items the baseline answers right
+    kept: int
+    floor_kept: int
+    difference: float  # points: kept - floor_kept, of `of`
+    difference_low: float
+    difference_high: float
+
+
+def against_floor(results: list[ItemResult], strategies: list[Strategy]) -> list[FloorRow]:
+    """Every cache strategy against every noise floor the run measured: each prefill with an
+    order other than its baseline's. Reordering a prefill's chunks loses some of its answers on
+    a small model; a cache that loses no more than that is as good as prefill for a user, and
+    this says whether the items can tell the two apart."""
+    right_by = {(r.strategy, r.item): r.contains for r in results}
+    floors = [s for s in strategies if s.kind == "prefill"]
+    rows = []
+    for strategy in (s for s in strategies if s.uses_cache):
+        base = baseline(strategy)
+        items = [r.item for r in results if r.strategy == str(strategy)]
+        for floor in (f for f in floors if f != base):
+            if any((str(floor), i) not in right_by for i in items):
+                continue  # measured on other items: not paired
+            was = [right_by[str(base), i] for i in items]
+            mine = [right_by[str(strategy), i] for i in items]
+            theirs = [right_by[str(floor), i] for i in items]
+            gap = kept_difference(was, mine, theirs)
+            rows.append(
+                FloorRow(
+                    str(strategy),
+                    str(base),
+                    str(floor),
+                    gap.n,
+                    sum(a and b for a, b in zip(was, mine, strict=True)),
+                    sum(a and b for a, b in zip(was, theirs, strict=True)),
+                    gap.value,
+                    gap.low,
+                    gap.high,
+                )
+            )
+    return rows
+
+
+def floor_table(rows: list[FloorRow]) -> str:
+    """`against_floor`'s rows as a markdown table ("" when the run measured no floor)."""
+    if not rows:
+        return ""
+    lines = [
+        "| strategy | baseline's right | kept | floor | floor keeps | difference [95% CI] |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.strategy} | {r.of} ({r.baseline}) | {r.kept} | {r.floor} | {r.floor_kept} "
+            f"| {r.difference:+.1f} pts [{r.difference_low:+.1f}, {r.difference_high:+.1f}] |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def kept_against(
     results: list[ItemResult], report: Path, same_placement: bool = False
 ) -> dict[str, Estimate]:
@@ -512,11 +581,18 @@ def _or_dash(value: float, spec: str) -> str:
     return "–" if math.isnan(value) else format(value, spec)
 
 
-def save_eval(out_dir: Path, name: str, report: dict[str, object], summary: list[StrategySummary]):
-    """NAME.json, NAME.md (the table) and two plots: speed vs accuracy and kept, KL vs k."""
+def save_eval(
+    out_dir: Path,
+    name: str,
+    report: dict[str, object],
+    summary: list[StrategySummary],
+    sections: str = "",
+):
+    """NAME.json, NAME.md (the table, then `sections`: more markdown) and two plots: speed vs
+    accuracy and kept, KL vs k."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"{name}.md").write_text(markdown_table(summary))
+    (out_dir / f"{name}.md").write_text(markdown_table(summary) + sections)
     plot_pareto(summary, out_dir / f"{name}_pareto.png")
     plot_kl(summary, out_dir / f"{name}_kl_k.png")
 
@@ -681,9 +757,8 @@ def plot_needle(results: list[ItemResult], strategies: list[Strategy], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cell = lambda r: (int(r.item.split("-")[1]), float(r.item.split("-")[2]))  # noqa: E731
-    lengths = sorted({cell(r)[0] for r in results})
-    depths = sorted({cell(r)[1] for r in results})
+    lengths = sorted({needle_cell(r.item)[0] for r in results})
+    depths = sorted({needle_cell(r.item)[1] for r in results})
     fig, axes = plt.subplots(1, len(strategies), figsize=(3.2 * len(strategies), 3.4))
     axes = axes if len(strategies) > 1 else [axes]
     for ax, strategy in zip(axes, strategies):
@@ -691,7 +766,7 @@ def plot_needle(results: list[ItemResult], strategies: list[Strategy], path: Pat
         tried = torch.zeros(len(lengths), len(depths))
         for r in results:
             if r.strategy == str(strategy):
-                length, depth = cell(r)
+                length, depth = needle_cell(r.item)
                 at = lengths.index(length), depths.index(depth)
                 found[at] += float(r.contains)
                 tried[at] += 1
@@ -708,6 +783,95 @@ def plot_needle(results: list[ItemResult], strategies: list[Strategy], path: Pat
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def needle_cell(item: str) -> tuple[int, float]:
+    """(length, depth) of a needle item's ID (`needle_item`: needle-LENGTH-DEPTH[-N])."""
+    parts = item.split("-")
+    return int(parts[1]), float(parts[2])
+
+
+@dataclass(frozen=True)
+class NeedleCells:
+    """The needles a strategy finds where a prefill (`against`) finds every needle tried: the
+    cells (length, depth) in which `against` found all of them, and the strategy's finds
+    there, in all and in its worst cell."""
+
+    strategy: str
+    against: str
+    cells: int
+    found: int
+    tried: int
+    worst: float  # the lowest share found in one of those cells (nan: no such cell)
+
+
+def needle_cells(results: list[ItemResult], strategies: list[Strategy]) -> list[NeedleCells]:
+    """For every cache strategy, against prefill as retrieved and against the prefill of its
+    own placement: how many needles it finds in the cells where that prefill finds them all."""
+    by: dict[tuple[str, tuple[int, float]], list[bool]] = {}
+    for r in results:
+        by.setdefault((r.strategy, needle_cell(r.item)), []).append(r.contains)
+    out = []
+    for strategy in (s for s in strategies if s.uses_cache):
+        for against in dict.fromkeys((PREFILL, baseline(strategy))):
+            cells = [
+                cell
+                for (name, cell), found in by.items()
+                if name == str(against) and all(found) and (str(strategy), cell) in by
+            ]
+            finds = [by[str(strategy), cell] for cell in cells]
+            shares = [sum(f) / len(f) for f in finds]
+            out.append(
+                NeedleCells(
+                    str(strategy),
+                    str(against),
+                    len(cells),
+                    sum(sum(f) for f in finds),
+                    sum(len(f) for f in finds),
+                    min(shares) if shares else math.nan,
+                )
+            )
+    return out
+
+
+def needle_cells_table(rows: list[NeedleCells]) -> str:
+    """`needle_cells`' rows as a markdown table."""
+    lines = [
+        "| strategy | where this prefill finds every needle | cells | found there | worst cell |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        share = f"{r.found} of {r.tried} ({r.found / r.tried:.0%})" if r.tried else "–"
+        lines.append(
+            f"| {r.strategy} | {r.against} | {r.cells} | {share} | {_or_dash(r.worst, '.0%')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def comparisons(
+    results: list[ItemResult], strategies: list[Strategy], needle: bool = False
+) -> tuple[str, dict[str, object]]:
+    """The report's sections past the main table, as markdown and as JSON facts: each cache
+    strategy against the noise floor (`against_floor`) and, for needles, where prefill finds
+    every needle (`needle_cells`)."""
+    floor = against_floor(results, strategies)
+    facts: dict[str, object] = {"floor": [asdict(r) for r in floor]}
+    text = ""
+    if floor:
+        text += (
+            "\nKept beside the noise floor: of the answers the baseline (the prefill of the "
+            "same prompt) gets right, how many the strategy keeps and how many a prefill with "
+            "the chunks in another order keeps; the difference with its paired 95% interval.\n\n"
+            + floor_table(floor)
+        )
+    if needle:
+        cells = needle_cells(results, strategies)
+        facts["needle_cells"] = [asdict(c) for c in cells]
+        text += (
+            "\nWhere a prefill finds every needle of a length and depth: the needles the "
+            "strategy finds in those cells.\n\n" + needle_cells_table(cells)
+        )
+    return text, facts
 
 
 def report_dict(kind: str, results: list[ItemResult], summary: list[StrategySummary], **facts):

@@ -347,12 +347,13 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         for strategy, estimate in placed.items():
             other = Strategy.parse(strategy).baseline
             console.print(f"{strategy}: kept {estimate} against its {other}", highlight=False)
-    report = ev.report_dict(name, results, summary, **facts)
-    ev.save_eval(args.out, name, report, summary)
+    sections, compared = ev.comparisons(results, strategies, needle=args.needle)
+    report = ev.report_dict(name, results, summary, **facts, **compared)
+    ev.save_eval(args.out, name, report, summary, sections)
     if args.needle:
         ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
     journal.close()
-    console.print(ev.markdown_table(summary), markup=False, highlight=False)
+    console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
     console.print(f"wrote {args.out / name}.json, .md and plots")
     return 0
 
