@@ -5,7 +5,7 @@ import torch
 from helpers import random_chunks
 
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.model.rope import apply_rope
+from rag_kvcache.model.rope import apply_rope, rotate_into
 
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
 
@@ -23,6 +23,22 @@ def test_rotation_by_delta_equals_rope_at_new_positions(delta: int, rotary_pairs
     torch.testing.assert_close(moved, direct, rtol=0, atol=1e-12)
     if rotary_pairs < 32:  # the non-rotary tail is untouched
         assert torch.equal(moved[..., 2 * rotary_pairs :], raw[..., 2 * rotary_pairs :])
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_the_fused_rotation_into_a_wider_buffer_equals_rope(stored: torch.dtype) -> None:
+    """The linker's `rotate_into` (keys kept in bfloat16 placed into a float32 buffer are
+    widened first) moves keys as `apply_rope` does, to float32 rounding, writes the same bits
+    whatever the keys' dtype, and leaves the rest of the buffer alone."""
+    keys = torch.randn(2, 3, 40, 64, generator=torch.Generator().manual_seed(1)).to(stored)
+    inv_freq = INV_FREQ.float()
+    out, wide = torch.zeros(2, 3, 50, 64), torch.zeros(2, 3, 50, 64)
+    rotate_into(out[:, :, 5:45], keys, 300, inv_freq)
+    rotate_into(wide[:, :, 5:45], keys.float(), 300, inv_freq)
+    assert torch.equal(out, wide)
+    exact = apply_rope(keys.double(), torch.full((40,), 300), inv_freq.double())
+    torch.testing.assert_close(out[:, :, 5:45], exact.float(), rtol=0, atol=1e-5)
+    assert not out[:, :, :5].any() and not out[:, :, 45:].any()
 
 
 def test_round_trip_is_exact_in_float64() -> None:

