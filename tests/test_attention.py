@@ -8,8 +8,10 @@ from torch import nn
 
 from rag_kvcache.link.linker import link_mask
 from rag_kvcache.model.adapter import (
+    BLOCK_ROWS,
     QUERY_BLOCK,
     additive_mask,
+    cut_rows,
     gqa_sdpa_attention,
     query_blocks,
     reference_attention,
@@ -55,7 +57,7 @@ def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) ->
         mask = mask if mask.dim() == 4 else mask[None, None]
     blocks = None if mask is None else query_blocks(mask)  # as `forward` passes them
     if mask_kind == "causal-by-position" and queries > QUERY_BLOCK:
-        assert blocks is not None and len(blocks) == -(-queries // QUERY_BLOCK)
+        assert blocks is not None and len(blocks) > 1
         assert blocks[0].keys is None and blocks[0].count < keys_len  # really skips keys
     if mask_kind == "windowed" and queries > QUERY_BLOCK:
         assert blocks is not None and blocks[0].keys is not None  # gathered
@@ -72,6 +74,22 @@ def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) ->
     slow, _ = reference_attention(Heads(), q, k, v, mask, scaling=0.25)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(fast, slow, rtol=tol, atol=tol)
+
+
+def test_rows_are_cut_where_the_calls_cost_least() -> None:
+    """`cut_rows`: every row once, in order; rows reading the same keys share as few calls as
+    the block sizes allow; causal rows, when a call costs nothing more, go in the smallest
+    blocks (each reads only up to its last row)."""
+    same = cut_rows([100] * 300, overhead=8)
+    assert len(same) == 2 and same[0][0] == 0 and same[-1][1] == 300
+    assert all(b - a in BLOCK_ROWS for a, b in same[1:])
+    assert cut_rows(list(range(1, 65)), overhead=0) == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    causal = cut_rows(list(range(1, 301)), overhead=20)
+    assert [a for a, _ in causal[1:]] == [b for _, b in causal[:-1]]  # contiguous, in order
+    cost = lambda cut: sum((20 + b - a) * b for a, b in cut)  # noqa: E731
+    fixed = [(a, min(a + 32, 300)) for a in range(0, 300, 32)]
+    assert cost(causal) <= cost(fixed)
+    assert cut_rows([5], overhead=8) == [(0, 1)] and cut_rows([], overhead=8) == []
 
 
 def _boundaries_window_question(queries: int, keys_len: int) -> torch.Tensor:

@@ -8,11 +8,13 @@ modules see `LoadedModel`, plain tensors and an opaque `Cache`.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +38,13 @@ Cache = DynamicCache
 ATTENTION = "rag_kvcache_sdpa"
 
 
-QUERY_BLOCK = 32  # masked query rows are attended this many at a time (see query_blocks)
+QUERY_BLOCK = 32  # masks of up to this many query rows are attended in one call
+BLOCK_ROWS = (16, 32, 64, 128, 256)  # the sizes query_blocks cuts a masked query into
+# what one attention call costs beyond its rows' work, in rows of it (CPU flash attention:
+# reading the keys once per call): a bfloat16 call of 32 rows over 4K keys took 0.89 ms and
+# one of 64 rows 1.25 ms on a Xeon with AMX, float32 1.77 and 3.11 ms
+CALL_ROWS = {torch.float32: 8, torch.float64: 8}  # other dtypes: CALL_ROWS_NARROW
+CALL_ROWS_NARROW = 20
 MIN_RUN = 16  # fewer rows than this sharing a window are not worth calls of their own
 GATHER_BELOW = 0.75  # a block's keys are gathered when they are under this share of a prefix
 MATH_ROWS = 256  # grouped_sdpa: up to this many stacked query rows, plain matmul attention
@@ -202,14 +210,15 @@ class QueryBlock:
 
 
 def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
-    """Plan the attention of a tall additive mask [1, 1, Q, K] as blocks of at most
-    QUERY_BLOCK rows, once per forward. Rows that share a window (a recomputed chunk's, with
-    `+window:W`) go in blocks of their own that gather the window's keys; every other row
-    (the question, the scattered chunk boundaries a strategy recomputes, short runs) goes,
-    in order, in blocks that read a prefix of the keys up to their last row's (or gather
-    them when far from a prefix). Rows reading the whole context thus share as few blocks
-    as they fill, instead of each block that a fixed split makes straddle a window's edge
-    reading every key."""
+    """Plan the attention of a tall additive mask [1, 1, Q, K] (Q > QUERY_BLOCK) as blocks of
+    rows, once per forward. Rows that share a window (a recomputed chunk's, with `+window:W`)
+    go in blocks of their own that gather the window's keys; every other row (the question,
+    the scattered chunk boundaries a strategy recomputes, short runs) goes, in order, in
+    blocks that read a prefix of the keys up to their last row's (or gather them when far
+    from a prefix). Rows reading the whole context thus share as few blocks as they fill,
+    instead of each block that a fixed split makes straddle a window's edge reading every
+    key. Where each group of rows is cut is `cut_rows`' choice: the cheapest split, each
+    call costing its rows' keys and a fixed overhead (CALL_ROWS)."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[2] <= QUERY_BLOCK:
         return None
     visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2  # [Q, K]
@@ -245,22 +254,48 @@ def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
         index = keys if shared is None else shared
         return QueryBlock(rows, index, len(keys), cut.index_select(3, keys))
 
+    overhead = CALL_ROWS.get(mask.dtype, CALL_ROWS_NARROW)
+    counts = visible.sum(dim=1).tolist()  # [Q] keys each row sees (a window's rows: nested)
+    ends = torch.where(visible, at + 1, 0).amax(dim=1).tolist()  # [Q] 1 + its last key
     blocks = []
     for run in runs:  # blocks of one window share the gather of its widest set
         union = seen(slice(run.start, run.stop))
-        for a in range(run.start, run.stop, QUERY_BLOCK):
-            span = slice(a, min(a + QUERY_BLOCK, run.stop))
+        for a, b in cut_rows(counts[run.start : run.stop], overhead):
+            span = slice(run.start + a, run.start + b)
             keys = seen(span)
             nested = torch.equal(union[: len(keys)], keys)
             blocks.append(block(span, keys, union if nested else None))
-    for a in range(0, len(wide), QUERY_BLOCK):
-        part = wide[a : a + QUERY_BLOCK]
+    for a, b in cut_rows([ends[r] for r in wide], overhead):
+        part = wide[a:b]
         if part[-1] - part[0] == len(part) - 1:  # contiguous: a range of rows
             rows: slice | torch.Tensor = slice(part[0], part[-1] + 1)
         else:
             rows = torch.tensor(part, device=mask.device)
         blocks.append(block(rows, seen(rows), None))
     return blocks
+
+
+def cut_rows(keys: list[int], overhead: int) -> list[tuple[int, int]]:
+    """The cheapest cut of rows in order into blocks of BLOCK_ROWS sizes (the first may be
+    shorter), as (start, stop) pairs: `keys[i]` is what row i reads, a block reads what its
+    widest row does (rows read nested or growing sets), and a call costs `overhead` rows
+    more than its own. A few rows per call waste the call; many, the keys their widest row
+    reads and the others need not."""
+    n = len(keys)
+    widest = list(accumulate(keys, max))  # rows in order read growing sets: the last's
+    best = [0.0] + [math.inf] * n  # best[j]: the cheapest cut of the first j rows
+    came = [0] * (n + 1)
+    for j in range(1, n + 1):
+        starts = {max(j - size, 0) for size in BLOCK_ROWS}
+        for i in starts:
+            cost = best[i] + (overhead + j - i) * widest[j - 1]
+            if cost < best[j]:
+                best[j], came[j] = cost, i
+    cuts, j = [], n
+    while j > 0:
+        cuts.append((came[j], j))
+        j = came[j]
+    return cuts[::-1]
 
 
 def _sdpa(
