@@ -286,8 +286,7 @@ def cut_rows(keys: list[int], overhead: int) -> list[tuple[int, int]]:
     best = [0.0] + [math.inf] * n  # best[j]: the cheapest cut of the first j rows
     came = [0] * (n + 1)
     for j in range(1, n + 1):
-        starts = {max(j - size, 0) for size in BLOCK_ROWS}
-        for i in starts:
+        for i in dict.fromkeys(max(j - size, 0) for size in BLOCK_ROWS):  # ties: the smaller
             cost = best[i] + (overhead + j - i) * widest[j - 1]
             if cost < best[j]:
                 best[j], came[j] = cost, i
