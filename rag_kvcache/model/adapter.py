@@ -276,17 +276,20 @@ def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
 
 
 def cut_rows(keys: list[int], overhead: int) -> list[tuple[int, int]]:
-    """The cheapest cut of rows in order into blocks of BLOCK_ROWS sizes (the first may be
+    """The cheapest cut of rows in order into blocks of BLOCK_ROWS sizes (the last may be
     shorter), as (start, stop) pairs: `keys[i]` is what row i reads, a block reads what its
     widest row does (rows read nested or growing sets), and a call costs `overhead` rows
     more than its own. A few rows per call waste the call; many, the keys their widest row
-    reads and the others need not."""
+    reads and the others need not. Blocks start at multiples of the smallest size, as the
+    fused kernel's own row blocks do: rows recomputed from the context's start (`full`) are
+    then attended in the same groups, and to the same bits, as a plain prefill's."""
     n = len(keys)
     widest = list(accumulate(keys, max))  # rows in order read growing sets: the last's
     best = [0.0] + [math.inf] * n  # best[j]: the cheapest cut of the first j rows
     came = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in dict.fromkeys(max(j - size, 0) for size in BLOCK_ROWS):  # ties: the smaller
+    for i in range(0, n, BLOCK_ROWS[0]):  # where a block may start
+        for size in BLOCK_ROWS:  # ties: the smaller block
+            j = min(i + size, n)
             cost = best[i] + (overhead + j - i) * widest[j - 1]
             if cost < best[j]:
                 best[j], came[j] = cost, i
