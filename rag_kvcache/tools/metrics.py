@@ -93,16 +93,9 @@ def kept(
     if len(baseline) != len(right):
         raise ValueError(f"{len(baseline)} baseline results for {len(right)} items")
     base = np.asarray(baseline, dtype=bool)
-    hit = np.asarray(right, dtype=bool) & base
-    n = int(base.sum())
-    if n == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"), 0)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(base), size=(samples, len(base)))  # [samples, items]
-    counted, kept_ = base[picks].sum(axis=1), hit[picks].sum(axis=1)
-    shares = kept_[counted > 0] / counted[counted > 0]
-    low, high = np.percentile(100 * shares, [2.5, 97.5])
-    return Estimate(100 * hit.sum() / n, float(low), float(high), n)
+    return _share_of_baseline(
+        base, (np.asarray(right, dtype=bool) & base).astype(int), samples, seed
+    )
 
 
 def kept_difference(
@@ -120,15 +113,22 @@ def kept_difference(
     if not len(baseline) == len(right) == len(floor):
         raise ValueError(f"{len(baseline)}, {len(right)} and {len(floor)} results do not pair up")
     base = np.asarray(baseline, dtype=bool)
-    n = int(base.sum())
-    if n == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"), 0)
     gap = (np.asarray(right, dtype=bool) & base).astype(int) - (
         np.asarray(floor, dtype=bool) & base
     ).astype(int)  # +1 kept by the cache only, -1 by the floor only
+    return _share_of_baseline(base, gap, samples, seed)
+
+
+def _share_of_baseline(base: np.ndarray, counts: np.ndarray, samples: int, seed: int) -> Estimate:
+    """sum(counts) per item the baseline gets right (`base`), in percent, with a 95% interval
+    from resampling the items: the same resamples for every caller with one seed, so the
+    estimates of strategies compared on one item set are comparable."""
+    n = int(base.sum())
+    if n == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0)
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(base), size=(samples, len(base)))
-    counted, gained = base[picks].sum(axis=1), gap[picks].sum(axis=1)
-    shares = gained[counted > 0] / counted[counted > 0]
+    picks = rng.integers(0, len(base), size=(samples, len(base)))  # [samples, items]
+    counted, summed = base[picks].sum(axis=1), counts[picks].sum(axis=1)
+    shares = summed[counted > 0] / counted[counted > 0]
     low, high = np.percentile(100 * shares, [2.5, 97.5])
-    return Estimate(100 * gap.sum() / n, float(low), float(high), n)
+    return Estimate(100 * counts.sum() / n, float(low), float(high), n)
