@@ -189,9 +189,7 @@ def with_key_bias(
         allowed = torch.arange(keys, device=bias.device)[None, :] <= rows[:, None]
         mask = additive_mask(allowed, bias.dtype)
     elif mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=bias.dtype, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(bias.dtype).min
-        )
+        mask = additive_mask(mask, bias.dtype)
     return mask + bias[:keys]
 
 
@@ -677,7 +675,7 @@ def replayed_forward(
     if mask is None:  # appended tokens: causal
         mask = (torch.arange(end, device=lm.device) <= slots[:, None])[None, None]
     if mask.dtype == torch.bool:
-        mask = additive_mask(mask[0, 0], lm.dtype)
+        mask = additive_mask(mask, lm.dtype)
     if first.key_bias is not None:
         mask = with_key_bias(mask, first.key_bias, T, end)
 
@@ -720,10 +718,11 @@ def replayed_forward(
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean `allowed` [Q, K] -> additive 4D mask [1, 1, Q, K] in the model's dtype."""
+    """Boolean `allowed` [Q, K] (or already 4D, [B, 1, Q, K]) -> additive 4D mask [1, 1, Q, K]
+    (or [B, 1, Q, K]) in the model's dtype."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask if mask.dim() == 4 else mask[None, None]
 
 
 @dataclass(frozen=True)
