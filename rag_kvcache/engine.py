@@ -312,9 +312,8 @@ class RagKVCache:
     def _fetch(self, ids: list[str]) -> Fetched:
         """The chunks for one request's link. On the CPU, cold chunks arrive from disk layer
         by layer while the forward runs (`KVStore.fetch`). On a GPU they are read whole: its
-        link places every chunk at once, so nothing would overlap, and whole reads ran 3.6x
-        faster than layer reads on an H200 machine's disk (0.34 s against 1.23 s at 8K,
-        `demos/results/gpu/store-8b/`)."""
+        link places every chunk at once, so layer reads would overlap nothing, and they would
+        rule out the replayed forward."""
         if self.lm.device.type == "cpu":
             return self.store.fetch(ids)
         return Fetched(self.store.get(ids))
