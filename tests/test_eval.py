@@ -287,6 +287,13 @@ def test_the_cache_is_compared_with_every_floor_the_run_measured(tmp_path: Path)
     assert facts["floor"] == [asdict(r) for r in against_floor(results, strategies)]
     partial = [r for r in results if not (r.strategy == "prefill+rotated" and r.item == "a")]
     assert {r.floor for r in against_floor(partial, strategies)} == {"prefill"}  # unpaired
+    none_right = [r for r in results if r.item == "d"]  # prefill+reversed right on none
+    (nothing,) = [r for r in against_floor(none_right, strategies) if r.floor != "prefill"]
+    assert nothing.of == 0
+    assert (
+        "| naive+reversed | 0 (prefill+reversed) | 0 | prefill+rotated | 0 | - |"
+        in (comparisons(none_right, strategies)[0])
+    )  # no right answer to keep: no difference, not "nan"
 
 
 def test_needle_cells_count_where_prefill_finds_every_needle() -> None:

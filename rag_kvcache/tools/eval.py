@@ -348,9 +348,14 @@ def floor_table(rows: list[FloorRow]) -> str:
         "|---|---:|---:|---|---:|---:|",
     ]
     for r in rows:
+        gap = (  # no right answer to keep: no difference to give
+            f"{r.difference:+.1f} pts [{r.difference_low:+.1f}, {r.difference_high:+.1f}]"
+            if r.of
+            else "-"
+        )
         lines.append(
             f"| {r.strategy} | {r.of} ({r.baseline}) | {r.kept} | {r.floor} | {r.floor_kept} "
-            f"| {r.difference:+.1f} pts [{r.difference_low:+.1f}, {r.difference_high:+.1f}] |"
+            f"| {gap} |"
         )
     return "\n".join(lines) + "\n"
 
