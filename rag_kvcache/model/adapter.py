@@ -8,6 +8,8 @@ modules see `LoadedModel`, plain tensors and an opaque `Cache`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -603,16 +605,25 @@ def forward(
     )
     # not inference_mode: the linker edits the returned KV in place
     with torch.set_grad_enabled(grad):
+        cache_arg = cache_argument(type(lm.model))
+        inputs[cache_arg] = cache if cache is not None else DynamicCache(config=lm.model.config)
         out = lm.model(
             **inputs,
             position_ids=positions,
-            past_key_values=cache if cache is not None else DynamicCache(config=lm.model.config),
             attention_mask=mask,
             use_cache=True,
             logits_to_keep=keep,
             **extra,
         )
-    return out.logits, out.past_key_values
+    return out.logits, getattr(out, cache_arg)
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The name the model's forward takes its KV cache by, and returns it under: `cache`
+    since transformers 5.24, `past_key_values` before (deprecated there, gone in 5.40)."""
+    names = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
 
 
 class SlotLayer(DynamicLayer):
