@@ -605,7 +605,7 @@ def forward(
     )
     # not inference_mode: the linker edits the returned KV in place
     with torch.set_grad_enabled(grad):
-        cache_arg = cache_argument(type(lm.model))
+        cache_arg = cache_argument(type(lm.model).forward)
         inputs[cache_arg] = cache if cache is not None else DynamicCache(config=lm.model.config)
         out = lm.model(
             **inputs,
@@ -619,10 +619,10 @@ def forward(
 
 
 @functools.cache
-def cache_argument(model_class: type) -> str:
-    """The name the model's forward takes its KV cache by, and returns it under: `cache`
+def cache_argument(forward: Callable[..., Any]) -> str:
+    """The name a model's `forward` takes its KV cache by, and returns it under: `cache`
     since transformers 5.24, `past_key_values` before (deprecated there, gone in 5.40)."""
-    names = inspect.signature(model_class.forward).parameters
+    names = inspect.signature(forward).parameters
     return "cache" if "cache" in names else "past_key_values"
 
 
