@@ -54,7 +54,7 @@ from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.storage.records import ChunkRow
 from rag_kvcache.storage.store import Reencode, TieredStore
 from rag_kvcache.strategy import PREFILL, Strategy
-from rag_kvcache.timing import STAGE_FETCH, record_function
+from rag_kvcache.timing import STAGE_FETCH, stage
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ class RagKVCache:
         ids = [self.prefix_id, *strategy.arrange(cache_ids)]
 
         def context() -> Prepared:
-            with record_function(STAGE_FETCH):
+            with stage(STAGE_FETCH):
                 fetched = self._fetch(ids)
                 calibration = self.calibration() if strategy.calibrated else None
             reserve = gen.max_new_tokens

@@ -1,15 +1,18 @@
 """Named stages of a request, marked in the hot path so that `bench ttft` can say where time
 to first token goes (store fetch, selection, placement, forward, choosing the token).
 
-A mark is a `torch.profiler.record_function` range: with no profiler running it costs a
-microsecond or so; under one (`stage_seconds`) each stage's time is read off the trace. Times
-are wall-clock on the host: on CUDA, kernels queued in one stage may finish in a later one
-(the first stage that waits for a result, choosing the token).
+A mark (`stage`) is a `torch.profiler.record_function` range: with no profiler running it
+costs a microsecond or so; under one (`stage_seconds`) each stage's time is read off the trace.
+Times are wall-clock on the host. On a GPU a stage only queues its kernels, which finish in
+whichever later stage first waits for a result; `stage_seconds(synchronize=...)` waits at the
+end of every stage instead, so that each one's time holds its own kernels (for a profiled
+request only: the waits are not in the timed ones).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from torch.autograd.profiler import record_function
@@ -23,14 +26,34 @@ STAGE_CHOOSE = "rag_kvcache.choose_token"  # logits -> token
 STAGES = (STAGE_FETCH, STAGE_SELECT, STAGE_PLACE, STAGE_FORWARD, STAGE_CHOOSE)
 T = TypeVar("T")
 
-__all__ = ["STAGES", "record_function", "stage_seconds"]
+__all__ = ["STAGES", "stage", "stage_seconds"]
+
+_stage_end: Callable[[], None] | None = None  # set only while `stage_seconds` runs
 
 
-def stage_seconds(run: Callable[[], T]) -> tuple[T, dict[str, float]]:
+@contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Mark one stage of a request (a profiler range named `name`)."""
+    with record_function(name):
+        yield
+        if _stage_end is not None:
+            _stage_end()
+
+
+def stage_seconds(
+    run: Callable[[], T], synchronize: Callable[[], None] | None = None
+) -> tuple[T, dict[str, float]]:
     """Run `run()` under the profiler: its result and the seconds spent in each stage (the
-    stage names without their prefix; stages not entered are 0)."""
-    with profile(activities=[ProfilerActivity.CPU]) as trace:
-        result = run()
+    stage names without their prefix; stages not entered are 0). `synchronize` (on a GPU,
+    `torch.cuda.synchronize`) is called at the end of every stage, inside it. Not for
+    concurrent requests: every request's stages wait while it runs."""
+    global _stage_end
+    _stage_end = synchronize
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as trace:
+            result = run()
+    finally:
+        _stage_end = None
     seconds = dict.fromkeys(STAGES, 0.0)
     for event in trace.events():
         if event.name in seconds:

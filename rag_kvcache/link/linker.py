@@ -55,7 +55,7 @@ from rag_kvcache.model.adapter import (
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.rope import apply_rope, rope_cos_sin, rotate_into
 from rag_kvcache.strategy import Strategy
-from rag_kvcache.timing import STAGE_FORWARD, STAGE_PLACE, STAGE_SELECT, record_function
+from rag_kvcache.timing import STAGE_FORWARD, STAGE_PLACE, STAGE_SELECT, stage
 
 
 @dataclass
@@ -120,7 +120,7 @@ def link(
     """
     check_chunks(lm, chunks, strategy, len(query_ids), prefix)
     check_calibration(lm, chunks, strategy, calibration, prefix, len(query_ids))
-    with record_function(STAGE_SELECT):
+    with stage(STAGE_SELECT):
         blend = None
         if strategy.kind == "cacheblend":  # no prefix (check_chunks): chunk 0 is the system's
             lengths = [c.num_tokens for c in chunks]
@@ -140,7 +140,7 @@ def link(
     cache = buffered_cache(lm, keys, values, L)  # views of the buffers, placed below
     with released_on_error(cache):  # lent buffers go back if linking fails
         # 1. place: chunks back to back in one buffer, keys rotated to their new offsets
-        with record_function(STAGE_PLACE):
+        with stage(STAGE_PLACE):
             if prefix is not None:
                 keys[:, 0, :, :P], values[:, 0, :, :P] = prefix.keys, prefix.values
             if layerwise is None:  # on the CPU, chunks still arriving from disk (see `link`)
@@ -153,7 +153,7 @@ def link(
             stale = stale_context(chunks, recompute, P) if strategy.uses_ape else None
         # 2. one forward over the recomputed tokens and the query; each writes its fresh K/V at
         # its own position (over the stale copy) and attends causally by position
-        with record_function(STAGE_FORWARD):
+        with stage(STAGE_FORWARD):
             query = torch.tensor(query_ids, dtype=torch.long, device=lm.device)
             new_positions = torch.cat(
                 (recompute, torch.arange(L, L + q, device=lm.device))

@@ -13,7 +13,7 @@ from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import ContextTooLongError
 from rag_kvcache.model.adapter import Cache, buffered_cache, forward, new_buffers
 from rag_kvcache.model.loading import LoadedModel
-from rag_kvcache.timing import STAGE_CHOOSE, STAGE_FORWARD, record_function
+from rag_kvcache.timing import STAGE_CHOOSE, STAGE_FORWARD, stage
 
 
 def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Cache, torch.Tensor]:
@@ -26,7 +26,7 @@ def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Ca
         raise ContextTooLongError(
             f"{len(token_ids)} prompt tokens exceed the model's window of {lm.max_context}"
         )
-    with record_function(STAGE_FORWARD):
+    with stage(STAGE_FORWARD):
         ids = torch.tensor([token_ids], device=lm.device)  # [1, T]
         keys, values = new_buffers(lm, len(token_ids) + reserve)
         cache = buffered_cache(lm, keys, values, 0)
@@ -66,7 +66,7 @@ def decode(
     Stops after an end-of-sequence token (yielded) or at the model's window."""
     generator = torch.Generator().manual_seed(config.seed)
     for step in range(config.max_new_tokens):
-        with record_function(STAGE_CHOOSE):
+        with stage(STAGE_CHOOSE):
             token = next_token(logits, config, generator)
         yield token
         if finished(lm, token, step + 1, position, config):

@@ -18,6 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from rich.progress import Progress
 
 from rag_kvcache.answer import Answer
@@ -108,10 +109,12 @@ def bench_dtype(
             for run in runs:
                 answers[run].append(first_token(run, n))
             progress.advance(task)
+        # on a GPU each profiled stage waits for its kernels, so that its time holds them
+        sync = torch.cuda.synchronize if lm.device.type == "cuda" else None
         for run in runs:
             if stage_rows is None:
                 break
-            answer, stages = stage_seconds(lambda: first_token(run, n))  # noqa: B023
+            answer, stages = stage_seconds(lambda: first_token(run, n), sync)  # noqa: B023
             stages["other"] = max(0.0, answer.ttft_s - sum(stages.values()))
             name = str(run[0]) + ("" if run[1] or len(graph_modes) == 1 else " (eager)")
             stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
