@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -110,7 +111,7 @@ def bench_dtype(
                 answers[run].append(first_token(run, n))
             progress.advance(task)
         # on a GPU each profiled stage waits for its kernels, so that its time holds them
-        sync = torch.cuda.synchronize if lm.device.type == "cuda" else None
+        sync = partial(torch.cuda.synchronize, lm.device) if lm.device.type == "cuda" else None
         for run in runs:
             if stage_rows is None:
                 break
