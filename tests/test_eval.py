@@ -291,7 +291,7 @@ def test_the_cache_is_compared_with_every_floor_the_run_measured(tmp_path: Path)
     (nothing,) = [r for r in against_floor(none_right, strategies) if r.floor != "prefill"]
     assert nothing.of == 0
     assert (
-        "| naive+reversed | 0 (prefill+reversed) | 0 | prefill+rotated | 0 | - |"
+        "| naive+reversed | 0 (prefill+reversed) | 0 | prefill+rotated | 0 | – |"
         in (comparisons(none_right, strategies)[0])
     )  # no right answer to keep: no difference, not "nan"
 

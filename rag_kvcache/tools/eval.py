@@ -348,10 +348,10 @@ def floor_table(rows: list[FloorRow]) -> str:
         "|---|---:|---:|---|---:|---:|",
     ]
     for r in rows:
-        gap = (  # no right answer to keep: no difference to give
-            f"{r.difference:+.1f} pts [{r.difference_low:+.1f}, {r.difference_high:+.1f}]"
-            if r.of
-            else "-"
+        gap = (  # nan: no right answer to keep, so no difference to give
+            "–"
+            if math.isnan(r.difference)
+            else f"{r.difference:+.1f} pts [{r.difference_low:+.1f}, {r.difference_high:+.1f}]"
         )
         lines.append(
             f"| {r.strategy} | {r.of} ({r.baseline}) | {r.kept} | {r.floor} | {r.floor_kept} "
