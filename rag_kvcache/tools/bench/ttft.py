@@ -90,6 +90,8 @@ def bench_dtype(
     task = progress.add_task(f"{lm.dtype}", total=len(contexts) * repeats)
     dtype = str(lm.dtype).removeprefix("torch.")
     Run = tuple[Strategy, bool]  # a strategy, with its short forwards replayed or not
+    # on a GPU each profiled stage waits for its kernels, so that its time holds them
+    sync = partial(torch.cuda.synchronize, lm.device) if lm.device.type == "cuda" else None
 
     def first_token(run: Run, n: int) -> Answer:
         strategy, graphs = run
@@ -110,8 +112,6 @@ def bench_dtype(
             for run in runs:
                 answers[run].append(first_token(run, n))
             progress.advance(task)
-        # on a GPU each profiled stage waits for its kernels, so that its time holds them
-        sync = partial(torch.cuda.synchronize, lm.device) if lm.device.type == "cuda" else None
         for run in runs:
             if stage_rows is None:
                 break
