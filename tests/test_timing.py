@@ -60,3 +60,17 @@ def test_a_failing_request_leaves_no_wait_behind() -> None:
     with stage(STAGE_FETCH):
         pass
     assert calls == []  # not at the failed stage's end, nor after stage_seconds
+
+
+def test_the_stages_stay_marks_in_a_users_own_profiler_trace() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        _, seconds = stage_seconds(lambda: _sleep_in(STAGE_FETCH, 0.01))
+    assert seconds["fetch"] >= 0.01
+    assert STAGE_FETCH in {event.name for event in trace.events()}
+
+
+def _sleep_in(name: str, duration: float) -> None:
+    with stage(name):
+        time.sleep(duration)

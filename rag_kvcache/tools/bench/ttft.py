@@ -8,7 +8,7 @@ and the rows give the decoding speed. Everything is measured side by side in one
 the speedups are ratios on the same machine at the same moment. Writes JSON and a PNG plot, and
 a breakdown of each request's TTFT into its stages (`rag_kvcache.timing`: store fetch,
 selection, placement with RoPE re-rotation, the forward, choosing the token; "other" is the
-rest: Python between them), from one extra request per cell run under the profiler.
+rest: Python between them), from one extra request per cell with its stages timed.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ GRAPH_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 
 @dataclass(frozen=True)
 class StageRow:
-    """Where one request's time to first token went (seconds; profiled, so a little slower)."""
+    """Where one request's time to first token went (seconds; an extra request, its stages
+    timed: on a GPU each stage then waits for its kernels, so a little slower)."""
 
     dtype: str
     context_tokens: int
