@@ -622,3 +622,71 @@ def test_eval_needle_mode_tries_several_needles_per_length_and_depth(tmp_path: P
     assert tried == sorted((i, s) for i in ids for s in ("prefill", "naive"))
     assert (out / "needle_heatmap.png").read_bytes()[:4] == b"\x89PNG"
     assert main([*args, "--needles", str(len(NEEDLES) + 1), "--out", str(out)]) == 2
+
+
+def _report(path: Path, right: dict[str, dict[str, bool]], **settings: object) -> Path:
+    """An eval report as `eval` writes it: `right[item][strategy]` says which answers hold the
+    gold answer."""
+    strategies = list(next(iter(right.values())))
+    rows = [
+        {"item": item, "strategy": strategy, "answer": "x", "token_ids": [1], "f1": 0.0,
+         "exact_match": 0.0, "contains": ok, "kl": math.nan, "top1": math.nan, "ttft_s": 1.0,
+         "prefill_ttft_s": 2.0, "context_tokens": 100, "recomputed_tokens": 5}
+        for item, answers in right.items()
+        for strategy, ok in answers.items()
+    ]  # fmt: skip
+    facts = {
+        "benchmark": "eval", "dataset": path.stem, "model": "m", "model_fingerprint": "f",
+        "dtype": "float32", "strategies": strategies, "max_new_tokens": 24, "teacher_tokens": 0,
+        "document_order": "retrieval", **settings, "items": rows,
+    }  # fmt: skip
+    path.write_text(json.dumps(facts))
+    return path
+
+
+def test_reports_of_one_setup_are_combined_into_one_run(tmp_path: Path, capsys) -> None:
+    """`eval --combine`: accuracy, kept and the noise floor over every report's items, with the
+    strategies every report measured; reports of other settings or the same items refused."""
+    P, R, O, C = "prefill", "prefill+reversed", "prefill+rotated", "naive+reversed"
+    one = _report(
+        tmp_path / "1k.json",
+        {"a": {P: True, R: True, O: True, C: True}, "b": {P: False, R: True, O: False, C: True}},
+    )
+    two = _report(
+        tmp_path / "2k.json",
+        {"c": {P: True, R: True, O: True, C: False, "legolink:2": True},
+         "d": {P: False, R: False, O: True, C: True, "legolink:2": True}},
+    )  # fmt: skip
+    out = tmp_path / "both"
+    assert main(["eval", "--combine", str(one), str(two), "--out", str(out)]) == 0
+    assert "left out, not in every report: legolink:2" in capsys.readouterr().out
+    report = json.loads((out / "eval.json").read_text())
+    assert report["combined"] == [str(one), str(two)] and report["dtype"] == "float32"
+    summary = {s["strategy"]: s for s in report["summary"]}
+    assert list(summary) == [P, R, O, C]
+    assert summary[C]["items"] == 4 and summary[C]["contains"] == 75.0
+    # of the 3 items prefill+reversed gets right (a, b, c), the cache keeps a and b
+    assert (summary[C]["kept_of"], round(summary[C]["kept"], 1)) == (3, 66.7)
+    floor = {(f["strategy"], f["floor"]): f for f in report["floor"]}
+    assert (floor[C, O]["kept"], floor[C, O]["floor_kept"], floor[C, O]["of"]) == (2, 2, 3)
+    assert (out / "eval.md").read_text().startswith("| strategy |")
+    # against another run's prefills on the same items (the dtype's floor): here one whose
+    # prefill+reversed got every item right, so kept is this run's own accuracy
+    other = {i: {P: True, R: True, O: True} for i in "abcd"}
+    args = ["--kept-against", str(_report(tmp_path / "other.json", other, dtype="bfloat16"))]
+    assert main(["eval", "--combine", str(one), str(two), *args, "--out", str(out)]) == 0
+    placed = json.loads((out / "eval.json").read_text())["kept_against"]["same_placement"]
+    assert (placed[R]["n"], placed[R]["value"]) == (4, 75.0) and placed[C]["value"] == 75.0
+    bf16 = _report(tmp_path / "b.json", {"e": {P: True}}, dtype="bfloat16")
+    needle = _report(tmp_path / "n.json", {"e": {P: True}}, benchmark="needle")
+    refusals = {
+        "item a is in both": [one, one],
+        "dtype='bfloat16'": [one, bf16],
+        "not a QA eval report": [needle, one],
+        "two reports or more": [one],
+    }
+    for message, reports in refusals.items():
+        assert main(["eval", "--combine", *map(str, reports), "--out", str(tmp_path / "no")]) != 0
+        assert message in " ".join(capsys.readouterr().out.split())
+        assert not (tmp_path / "no").exists()
+    assert main(["eval", str(one), "--combine", str(two), "--out", str(out)]) == 2

@@ -438,6 +438,75 @@ def reused_rows(
     return out
 
 
+# settings two reports must share to be read as one (`combined`): those a reused row needs,
+# and the extras that change what every strategy's answers mean
+COMBINE_SETTINGS = (*REUSE_SETTINGS, *CACHE_SETTINGS, "benchmark", "lora", "calibration")
+
+
+@dataclass(frozen=True)
+class Combined:
+    """Several eval reports read as one run (`combined`)."""
+
+    results: list[ItemResult]
+    strategies: list[Strategy]  # those every report measured, in the first report's order
+    dropped: list[str]  # strategies some report lacks: left out
+    facts: dict[str, object]  # the shared settings, and which reports were combined
+
+
+def combined(reports: Sequence[Path]) -> Combined:
+    """Reports of one setup on different items (one per context length, or a dataset split
+    between machines) as one run, so that accuracy, "kept" and the noise floor are counted,
+    with their intervals, over all of their items: three lengths of 72 items each tell a
+    cache from the noise floor better than any one of them. Refused unless every report
+    measured the same model and settings (`COMBINE_SETTINGS`) and no item twice."""
+    loaded = []
+    for path in reports:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            rows = [item_result(r) for r in data["items"]]
+            names = [str(Strategy.parse(s)) for s in data["strategies"]]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: not an eval report ({e!r})") from None
+        loaded.append((Path(path), data, rows, names))
+    if len(loaded) < 2:
+        raise ConfigError("combining needs two reports or more")
+    first_path, first, _, first_names = loaded[0]
+    if first.get("benchmark") != "eval":
+        raise ConfigError(f"{first_path}: not a QA eval report (needle sweeps are not combined)")
+    for path, data, _, _ in loaded[1:]:
+        if not same_model(data, first):
+            raise ConfigError(
+                f"{path} was measured on {data.get('model')}, {first_path} on "
+                f"{first.get('model')}: one report cannot hold both"
+            )
+        for name in COMBINE_SETTINGS:
+            if data.get(name) != first.get(name):
+                raise ConfigError(
+                    f"{path} was measured with {name}={data.get(name)!r}, {first_path} with "
+                    f"{first.get(name)!r}: one report cannot hold both"
+                )
+    seen: dict[str, Path] = {}
+    for path, _, rows, _ in loaded:
+        for item in dict.fromkeys(r.item for r in rows):
+            if item in seen:
+                raise ConfigError(f"item {item} is in both {seen[item]} and {path}")
+            seen[item] = path
+    common = [n for n in first_names if all(n in names for *_, names in loaded[1:])]
+    every = dict.fromkeys(n for *_, names in loaded for n in names)
+    strategies = [Strategy.parse(n) for n in common]
+    results = [r for _, _, rows, _ in loaded for r in rows if r.strategy in common]
+    facts: dict[str, object] = {
+        "combined": [str(path) for path, *_ in loaded],
+        "dataset": ", ".join(str(data.get("dataset")) for _, data, *_ in loaded),
+        "model": first.get("model"),
+        "model_fingerprint": first.get("model_fingerprint"),
+        **{name: first.get(name) for name in COMBINE_SETTINGS if name in first},
+        "strategies": common,
+    }
+    facts.pop("benchmark", None)  # report_dict writes it
+    return Combined(results, strategies, [n for n in every if n not in common], facts)
+
+
 def baseline(strategy: Strategy) -> Strategy:
     """The prefill a strategy's "kept" is counted against: the same placement (prefill itself,
     in any order, against prefill as given: that is the noise floor)."""

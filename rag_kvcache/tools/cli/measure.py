@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from rag_kvcache.tools.cli.common import MODEL_HELP, csv_list, strategy_list
+
+if TYPE_CHECKING:
+    from rag_kvcache.tools.eval import ItemResult
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -165,6 +168,16 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "KV as computed (none), as bfloat16 or as int8, and answer from what it reads back "
         "(default: in memory, as computed)",
     )
+    evaluate.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="EVAL.json",
+        help="no answering: read these reports of one setup on different items (one per "
+        "context length, say) as one run, and write its report, with intervals and the "
+        "noise floor over all of their items",
+    )
     evaluate.add_argument("--out", type=Path, default=Path("eval-results"))
     evaluate.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -221,15 +234,18 @@ def dataset_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def eval_command(args: argparse.Namespace, console: Console) -> int:
-    from dataclasses import asdict
 
     from rich.progress import Progress
 
     from rag_kvcache.config import ModelConfig
     from rag_kvcache.model.loading import load_model
-    from rag_kvcache.strategy import Strategy
     from rag_kvcache.tools import eval as ev
 
+    if args.combine is not None:
+        if args.needle or args.dataset is not None:
+            console.print("[red]--combine reads reports: give no DATASET.jsonl or --needle")
+            return 2
+        return combine_command(args, console)
     if args.needle == (args.dataset is not None):
         console.print("[red]give a DATASET.jsonl or --needle (not both)")
         return 2
@@ -335,18 +351,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             store=store,
         )
     if args.kept_against:
-        against = ev.kept_against(results, args.kept_against)
-        facts["kept_against"] = {
-            "report": str(args.kept_against),
-            "strategies": {s: asdict(e) for s, e in against.items()},
-        }
-        for strategy, estimate in against.items():
-            console.print(f"{strategy}: kept {estimate} against {args.kept_against}'s prefill")
-        placed = ev.kept_against(results, args.kept_against, same_placement=True)
-        facts["kept_against"]["same_placement"] = {s: asdict(e) for s, e in placed.items()}
-        for strategy, estimate in placed.items():
-            other = Strategy.parse(strategy).baseline
-            console.print(f"{strategy}: kept {estimate} against its {other}", highlight=False)
+        facts["kept_against"] = kept_against_other(results, args.kept_against, console)
     sections, compared = ev.comparisons(results, strategies, needle=args.needle)
     report = ev.report_dict(name, results, summary, **facts, **compared)
     ev.save_eval(args.out, name, report, summary, sections)
@@ -355,6 +360,51 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     journal.close()
     console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
     console.print(f"wrote {args.out / name}.json, .md and plots")
+    return 0
+
+
+def kept_against_other(
+    results: list[ItemResult], report: Path, console: Console
+) -> dict[str, object]:
+    """`--kept-against`: each strategy's "kept" against the other report's prefill, and against
+    its prefill of the strategy's own placement; printed, and returned for the report."""
+    from dataclasses import asdict
+
+    from rag_kvcache.strategy import Strategy
+    from rag_kvcache.tools import eval as ev
+
+    against = ev.kept_against(results, report)
+    for strategy, estimate in against.items():
+        console.print(f"{strategy}: kept {estimate} against {report}'s prefill")
+    placed = ev.kept_against(results, report, same_placement=True)
+    for strategy, estimate in placed.items():
+        other = Strategy.parse(strategy).baseline
+        console.print(f"{strategy}: kept {estimate} against its {other}", highlight=False)
+    return {
+        "report": str(report),
+        "strategies": {s: asdict(e) for s, e in against.items()},
+        "same_placement": {s: asdict(e) for s, e in placed.items()},
+    }
+
+
+def combine_command(args: argparse.Namespace, console: Console) -> int:
+    """`eval --combine`: several reports written as one (`eval.combined`)."""
+    from rag_kvcache.tools import eval as ev
+
+    both = ev.combined(args.combine)
+    if both.dropped:
+        console.print(f"left out, not in every report: {', '.join(both.dropped)}", markup=False)
+    name = "eval"
+    summary = ev.summarize(both.results, both.strategies)
+    facts = dict(both.facts)
+    if args.kept_against:
+        facts["kept_against"] = kept_against_other(both.results, args.kept_against, console)
+    sections, compared = ev.comparisons(both.results, both.strategies)
+    report = ev.report_dict(name, both.results, summary, **facts, **compared)
+    ev.save_eval(args.out, name, report, summary, sections)
+    console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
+    items = len({r.item for r in both.results})
+    console.print(f"{items} items from {len(args.combine)} reports: wrote {args.out / name}.json")
     return 0
 
 
