@@ -403,6 +403,28 @@ def same_model(theirs: Mapping[str, object], ours: Mapping[str, object]) -> bool
     return untagged[0] == untagged[1]
 
 
+def same_setup(
+    theirs: tuple[str, Mapping[str, object]],
+    ours: tuple[str, Mapping[str, object]],
+    settings: Sequence[str],
+    otherwise: str,
+) -> None:
+    """Refuse (ConfigError, ending in `otherwise`) a report, named and read, measured on other
+    weights (`same_model`) or with any of `settings` other than the named `ours`."""
+    (them, their), (us, our) = theirs, ours
+    if not same_model(their, our):
+        raise ConfigError(
+            f"{them} was measured on another model ({their.get('model')}), {us} on "
+            f"{our.get('model')}: {otherwise}"
+        )
+    for name in settings:
+        if their.get(name) != our.get(name):
+            raise ConfigError(
+                f"{them} was measured with {name}={their.get(name)!r}, {us} with "
+                f"{our.get(name)!r}: {otherwise}"
+            )
+
+
 def reused_rows(
     report: Path, settings: Mapping[str, object], items: Sequence[EvalItem]
 ) -> dict[str, dict[str, ItemResult]]:
@@ -418,17 +440,12 @@ def reused_rows(
         raise ConfigError(f"{report}: not an eval report to reuse ({e!r})") from None
     if settings.get("teacher_tokens"):
         raise ConfigError("reusing an earlier run's rows needs --teacher-tokens 0")
-    if not same_model(data, settings):
-        raise ConfigError(
-            f"{report} was measured on another model ({data.get('model')}), this run on "
-            f"{settings.get('model')}: its answers cannot stand for this run's"
-        )
-    for name in REUSE_SETTINGS:
-        if data.get(name) != settings.get(name):
-            raise ConfigError(
-                f"{report} was measured with {name}={data.get(name)!r}, this run with "
-                f"{settings.get(name)!r}: its answers cannot stand for this run's"
-            )
+    same_setup(
+        (str(report), data),
+        ("this run", settings),
+        REUSE_SETTINGS,
+        "its answers cannot stand for this run's",
+    )
     same_cache = all(data.get(name) == settings.get(name) for name in CACHE_SETTINGS)
     wanted = {item.id for item in items}
     out: dict[str, dict[str, ItemResult]] = {}
@@ -474,17 +491,12 @@ def combined(reports: Sequence[Path]) -> Combined:
     if first.get("benchmark") != "eval":
         raise ConfigError(f"{first_path}: not a QA eval report (needle sweeps are not combined)")
     for path, data, _, _ in loaded[1:]:
-        if not same_model(data, first):
-            raise ConfigError(
-                f"{path} was measured on {data.get('model')}, {first_path} on "
-                f"{first.get('model')}: one report cannot hold both"
-            )
-        for name in COMBINE_SETTINGS:
-            if data.get(name) != first.get(name):
-                raise ConfigError(
-                    f"{path} was measured with {name}={data.get(name)!r}, {first_path} with "
-                    f"{first.get(name)!r}: one report cannot hold both"
-                )
+        same_setup(
+            (str(path), data),
+            (str(first_path), first),
+            COMBINE_SETTINGS,
+            "one report cannot hold both",
+        )
     seen: dict[str, Path] = {}
     for path, _, rows, _ in loaded:
         for item in dict.fromkeys(r.item for r in rows):
