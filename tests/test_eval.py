@@ -677,6 +677,12 @@ def test_reports_of_one_setup_are_combined_into_one_run(tmp_path: Path, capsys) 
     assert main(["eval", "--combine", str(one), str(two), *args, "--out", str(out)]) == 0
     placed = json.loads((out / "eval.json").read_text())["kept_against"]["same_placement"]
     assert (placed[R]["n"], placed[R]["value"]) == (4, 75.0) and placed[C]["value"] == 75.0
+    # ... and its prefill+reversed is a floor beside this run's reorderings, paired by item
+    floor = {f["floor"]: f for f in json.loads((out / "eval.json").read_text())["floor"]}
+    dtype = floor[f"{R} (bfloat16, other run)"]
+    assert (dtype["strategy"], dtype["of"], dtype["kept"], dtype["floor_kept"]) == (C, 3, 2, 3)
+    assert round(dtype["difference"], 1) == -33.3
+    assert f"| {R} (bfloat16, other run) |" in (out / "eval.md").read_text()
     bf16 = _report(tmp_path / "b.json", {"e": {P: True}}, dtype="bfloat16")
     needle = _report(tmp_path / "n.json", {"e": {P: True}}, benchmark="needle")
     refusals = {

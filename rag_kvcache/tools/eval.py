@@ -291,7 +291,8 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
 class FloorRow:
     """A cache strategy's "kept" beside the noise floor's, on the same items: of the answers
     its baseline (prefill with its placement) gets right, how many it keeps and how many
-    `floor` (a prefill with the chunks in another order) keeps, and the difference in points
+    `floor` (a prefill with the chunks in another order, or the baseline in another run)
+    keeps, and the difference in points
     with its paired 95% interval (`metrics.kept_difference`)."""
 
     strategy: str
@@ -305,29 +306,52 @@ class FloorRow:
     difference_high: float
 
 
-def against_floor(results: list[ItemResult], strategies: list[Strategy]) -> list[FloorRow]:
+# another run's answers as a noise floor (`other_floor`): its name, and which were right, by
+# (strategy, item)
+OtherRun = tuple[str, Mapping[tuple[str, str], bool]]
+
+
+def other_floor(report: Path) -> OtherRun:
+    """Another run's answers (`eval --kept-against`: this prefill in bfloat16, say), to count
+    its prefills as noise floors beside this run's: named by its dtype."""
+    try:
+        data = json.loads(Path(report).read_text(encoding="utf-8"))
+        right = {(str(r["strategy"]), str(r["item"])): bool(r["contains"]) for r in data["items"]}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{report}: not an eval report with answers ({e!r})") from None
+    return f"{data.get('dtype')}, other run", right
+
+
+def against_floor(
+    results: list[ItemResult], strategies: list[Strategy], other: OtherRun | None = None
+) -> list[FloorRow]:
     """Every cache strategy against every noise floor the run measured: each prefill with an
-    order other than its baseline's. Reordering a prefill's chunks loses some of its answers on
-    a small model; a cache that loses no more than that is as good as prefill for a user, and
-    this says whether the items can tell the two apart."""
+    order other than its baseline's, and with `other`, the other run's prefill of the same
+    placement (named "BASELINE (its name)"). Reordering a prefill's chunks, or computing it in
+    another dtype, changes some of its answers on a small model; a cache that loses no more
+    than that is as good as prefill for a user, and this says whether the items can tell the
+    two apart."""
     right_by = {(r.strategy, r.item): r.contains for r in results}
-    floors = [s for s in strategies if s.kind == "prefill"]
+    floors = [(str(s), right_by) for s in strategies if s.kind == "prefill"]
     rows = []
     for strategy in (s for s in strategies if s.uses_cache):
         base = baseline(strategy)
         items = [r.item for r in results if r.strategy == str(strategy)]
-        for floor in (f for f in floors if f != base):
-            if any((str(floor), i) not in right_by for i in items):
+        theirs_too = [(str(base), other[1], f"{base} ({other[0]})")] if other else []
+        for floor, known, name in [*((f, k, f) for f, k in floors), *theirs_too]:
+            if known is right_by and floor == str(base):
+                continue  # the baseline itself
+            if any((floor, i) not in known for i in items):
                 continue  # measured on other items: not paired
             was = [right_by[str(base), i] for i in items]
             mine = [right_by[str(strategy), i] for i in items]
-            theirs = [right_by[str(floor), i] for i in items]
+            theirs = [known[floor, i] for i in items]
             gap = kept_difference(was, mine, theirs)
             rows.append(
                 FloorRow(
                     str(strategy),
                     str(base),
-                    str(floor),
+                    name,
                     gap.n,
                     sum(a and b for a, b in zip(was, mine, strict=True)),
                     sum(a and b for a, b in zip(was, theirs, strict=True)),
@@ -935,19 +959,23 @@ def needle_cells_table(rows: list[NeedleCells]) -> str:
 
 
 def comparisons(
-    results: list[ItemResult], strategies: list[Strategy], needle: bool = False
+    results: list[ItemResult],
+    strategies: list[Strategy],
+    needle: bool = False,
+    other: OtherRun | None = None,
 ) -> tuple[str, dict[str, object]]:
     """The report's sections past the main table, as markdown and as JSON facts: each cache
-    strategy against the noise floor (`against_floor`) and, for needles, where prefill finds
-    every needle (`needle_cells`)."""
-    floor = against_floor(results, strategies)
+    strategy against the noise floor (`against_floor`, with `other`'s prefills too) and, for
+    needles, where prefill finds every needle (`needle_cells`)."""
+    floor = against_floor(results, strategies, other)
     facts: dict[str, object] = {"floor": [asdict(r) for r in floor]}
     text = ""
     if floor:
         text += (
             "\nKept beside the noise floor: of the answers the baseline (the prefill of the "
             "same prompt) gets right, how many the strategy keeps and how many a prefill with "
-            "the chunks in another order keeps; the difference with its paired 95% interval.\n\n"
+            "the chunks in another order keeps (or, named so, the baseline of another run, "
+            "e.g. in another dtype); the difference with its paired 95% interval.\n\n"
             + floor_table(floor)
         )
     if needle:

@@ -352,7 +352,8 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         )
     if args.kept_against:
         facts["kept_against"] = kept_against_other(results, args.kept_against, console)
-    sections, compared = ev.comparisons(results, strategies, needle=args.needle)
+    other = ev.other_floor(args.kept_against) if args.kept_against else None
+    sections, compared = ev.comparisons(results, strategies, needle=args.needle, other=other)
     report = ev.report_dict(name, results, summary, **facts, **compared)
     ev.save_eval(args.out, name, report, summary, sections)
     if args.needle:
@@ -399,7 +400,8 @@ def combine_command(args: argparse.Namespace, console: Console) -> int:
     facts = dict(both.facts)
     if args.kept_against:
         facts["kept_against"] = kept_against_other(both.results, args.kept_against, console)
-    sections, compared = ev.comparisons(both.results, both.strategies)
+    other = ev.other_floor(args.kept_against) if args.kept_against else None
+    sections, compared = ev.comparisons(both.results, both.strategies, other=other)
     report = ev.report_dict(name, both.results, summary, **facts, **compared)
     ev.save_eval(args.out, name, report, summary, sections)
     console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
