@@ -356,8 +356,10 @@ def test_kept_against_another_runs_prefill_in_the_same_placement(tmp_path: Path)
     mine = [_result("a", "prefill+reversed", True), _result("b", "prefill+reversed", True)]
     prefills = kept_against(mine, other, same_placement=True)["prefill+reversed"]
     assert (prefills.n, prefills.value) == (1, 100.0)  # a prefill against its own placement
-    with pytest.raises(ConfigError, match=r"no prefill\+rotated answer"):
-        kept_against([_result("a", "naive+rotated", True)], other, same_placement=True)
+    rotated = [_result("a", "naive+rotated", True), *ours]
+    assert set(kept_against(rotated, other, same_placement=True)) == {"naive+reversed"}
+    with pytest.raises(ConfigError, match=r"no prefill\+reversed answer for items \['c'\]"):
+        kept_against([*ours, _result("c", "naive+reversed", True)], other, same_placement=True)
 
 
 def test_without_teacher_forcing_full_is_not_run(tiny32) -> None:

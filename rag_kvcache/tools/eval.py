@@ -391,7 +391,8 @@ def kept_against(
     on the same items: prefill in bfloat16 against prefill in float32 is the noise floor of
     the dtype (a change of arithmetic no user would call a loss). `same_placement`: against
     the other run's prefill with each strategy's own placement (`baseline`), e.g. a model
-    with a LoRA link calibration against the base model's prefill."""
+    with a LoRA link calibration against the base model's prefill; a strategy whose placement
+    the other run never prefilled is left out."""
     try:
         rows = json.loads(Path(report).read_text(encoding="utf-8"))["items"]
         answered = [r for r in rows if "contains" in r]
@@ -402,6 +403,8 @@ def kept_against(
     for strategy in dict.fromkeys(r.strategy for r in results):
         # same placement: a prefill's too (prefill+reversed against prefill+reversed)
         against = str(Strategy.parse(strategy).baseline) if same_placement else "prefill"
+        if same_placement and not any(s == against for _, s in theirs):
+            continue
         rows_ = [r for r in results if r.strategy == strategy]
         missing = sorted({r.item for r in rows_ if (r.item, against) not in theirs})
         if missing:
