@@ -292,8 +292,8 @@ class FloorRow:
     """A cache strategy's "kept" beside the noise floor's, on the same items: of the answers
     its baseline (prefill with its placement) gets right, how many it keeps and how many
     `floor` (a prefill with the chunks in another order, or the baseline in another run)
-    keeps, and the difference in points
-    with its paired 95% interval (`metrics.kept_difference`)."""
+    keeps, and the difference in points with its paired 95% interval
+    (`metrics.kept_difference`)."""
 
     strategy: str
     baseline: str
@@ -316,7 +316,8 @@ def other_floor(report: Path) -> OtherRun:
     its prefills as noise floors beside this run's: named by its dtype."""
     try:
         data = json.loads(Path(report).read_text(encoding="utf-8"))
-        right = {(str(r["strategy"]), str(r["item"])): bool(r["contains"]) for r in data["items"]}
+        answered = [r for r in data["items"] if "contains" in r]
+        right = {(str(r["strategy"]), str(r["item"])): bool(r["contains"]) for r in answered}
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"{report}: not an eval report with answers ({e!r})") from None
     return f"{data.get('dtype')}, other run", right

@@ -234,7 +234,6 @@ def dataset_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def eval_command(args: argparse.Namespace, console: Console) -> int:
-
     from rich.progress import Progress
 
     from rag_kvcache.config import ModelConfig
@@ -395,18 +394,17 @@ def combine_command(args: argparse.Namespace, console: Console) -> int:
     both = ev.combined(args.combine)
     if both.dropped:
         console.print(f"left out, not in every report: {', '.join(both.dropped)}", markup=False)
-    name = "eval"
     summary = ev.summarize(both.results, both.strategies)
     facts = dict(both.facts)
     if args.kept_against:
         facts["kept_against"] = kept_against_other(both.results, args.kept_against, console)
     other = ev.other_floor(args.kept_against) if args.kept_against else None
     sections, compared = ev.comparisons(both.results, both.strategies, other=other)
-    report = ev.report_dict(name, both.results, summary, **facts, **compared)
-    ev.save_eval(args.out, name, report, summary, sections)
+    report = ev.report_dict("eval", both.results, summary, **facts, **compared)
+    ev.save_eval(args.out, "eval", report, summary, sections)
     console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
     items = len({r.item for r in both.results})
-    console.print(f"{items} items from {len(args.combine)} reports: wrote {args.out / name}.json")
+    console.print(f"{items} items from {len(args.combine)} reports: wrote {args.out}/eval.json")
     return 0
 
 
