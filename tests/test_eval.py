@@ -33,6 +33,7 @@ from rag_kvcache.tools.eval import (
     load_dataset,
     needle_cells,
     needle_item,
+    other_run,
     report_dict,
     reused_rows,
     run_eval,
@@ -334,12 +335,13 @@ def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:
     other.write_text(json.dumps({"items": [*rows, {"item": "a", "strategy": "naive"}]}))
     ours = [_result("a", "prefill", True), _result("b", "prefill", False)]
     ours += [_result("c", "prefill", True), _result("d", "prefill", True)]
-    estimate = kept_against(ours, other)["prefill"]
+    theirs_run = other_run(other)
+    estimate = kept_against(ours, theirs_run)["prefill"]
     assert (estimate.n, round(estimate.value, 1)) == (3, 66.7)  # a and d of a, b, d
     with pytest.raises(ConfigError, match="no prefill answer"):
-        kept_against([*ours, _result("e", "prefill", True)], other)
+        kept_against([*ours, _result("e", "prefill", True)], theirs_run)
     with pytest.raises(ConfigError, match="not an eval report"):
-        kept_against(ours, tmp_path / "missing.json")
+        other_run(tmp_path / "missing.json")
 
 
 def test_kept_against_another_runs_prefill_in_the_same_placement(tmp_path: Path) -> None:
@@ -350,16 +352,17 @@ def test_kept_against_another_runs_prefill_in_the_same_placement(tmp_path: Path)
     rows += [{"item": "b", "strategy": "prefill+reversed", "contains": True}]
     other.write_text(json.dumps({"items": rows}))
     ours = [_result("a", "naive+reversed", True), _result("b", "naive+reversed", False)]
-    assert kept_against(ours, other)["naive+reversed"].n == 2  # against prefill: a and b
-    placed = kept_against(ours, other, same_placement=True)["naive+reversed"]
+    base = other_run(other)
+    assert kept_against(ours, base)["naive+reversed"].n == 2  # against prefill: a and b
+    placed = kept_against(ours, base, same_placement=True)["naive+reversed"]
     assert (placed.n, placed.value) == (1, 0.0)  # against prefill+reversed: b alone, lost
     mine = [_result("a", "prefill+reversed", True), _result("b", "prefill+reversed", True)]
-    prefills = kept_against(mine, other, same_placement=True)["prefill+reversed"]
+    prefills = kept_against(mine, base, same_placement=True)["prefill+reversed"]
     assert (prefills.n, prefills.value) == (1, 100.0)  # a prefill against its own placement
     rotated = [_result("a", "naive+rotated", True), *ours]
-    assert set(kept_against(rotated, other, same_placement=True)) == {"naive+reversed"}
+    assert set(kept_against(rotated, base, same_placement=True)) == {"naive+reversed"}
     with pytest.raises(ConfigError, match=r"no prefill\+reversed answer for items \['c'\]"):
-        kept_against([*ours, _result("c", "naive+reversed", True)], other, same_placement=True)
+        kept_against([*ours, _result("c", "naive+reversed", True)], base, same_placement=True)
 
 
 def test_without_teacher_forcing_full_is_not_run(tiny32) -> None:

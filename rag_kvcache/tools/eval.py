@@ -306,21 +306,25 @@ class FloorRow:
     difference_high: float
 
 
-# another run's answers as a noise floor (`other_floor`): its name, and which were right, by
-# (strategy, item)
-OtherRun = tuple[str, Mapping[tuple[str, str], bool]]
+@dataclass(frozen=True)
+class OtherRun:
+    """Another run's answers (`eval --kept-against`: the same prefill in bfloat16, say), read
+    once for its kept counts (`kept_against`) and its noise floors (`against_floor`)."""
+
+    report: str
+    dtype: str
+    right: Mapping[tuple[str, str], bool]  # (strategy, item) -> the gold answer in the output
 
 
-def other_floor(report: Path) -> OtherRun:
-    """Another run's answers (`eval --kept-against`: this prefill in bfloat16, say), to count
-    its prefills as noise floors beside this run's: named by its dtype."""
+def other_run(report: Path) -> OtherRun:
+    """The answered rows of another run's eval report."""
     try:
         data = json.loads(Path(report).read_text(encoding="utf-8"))
         answered = [r for r in data["items"] if "contains" in r]
         right = {(str(r["strategy"]), str(r["item"])): bool(r["contains"]) for r in answered}
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{report}: not an eval report with answers ({e!r})") from None
-    return f"{data.get('dtype')}, other run", right
+        raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
+    return OtherRun(str(report), str(data.get("dtype")), right)
 
 
 def against_floor(
@@ -328,20 +332,23 @@ def against_floor(
 ) -> list[FloorRow]:
     """Every cache strategy against every noise floor the run measured: each prefill with an
     order other than its baseline's, and with `other`, the other run's prefill of the same
-    placement (named "BASELINE (its name)"). Reordering a prefill's chunks, or computing it in
-    another dtype, changes some of its answers on a small model; a cache that loses no more
-    than that is as good as prefill for a user, and this says whether the items can tell the
-    two apart."""
+    placement (named "BASELINE (DTYPE, other run)"). Reordering a prefill's chunks, or
+    computing it in another dtype, changes some of its answers on a small model; a cache that
+    loses no more than that is as good as prefill for a user, and this says whether the items
+    can tell the two apart."""
     right_by = {(r.strategy, r.item): r.contains for r in results}
-    floors = [(str(s), right_by) for s in strategies if s.kind == "prefill"]
+    floors = [s for s in strategies if s.kind == "prefill"]
     rows = []
     for strategy in (s for s in strategies if s.uses_cache):
         base = baseline(strategy)
         items = [r.item for r in results if r.strategy == str(strategy)]
-        theirs_too = [(str(base), other[1], f"{base} ({other[0]})")] if other else []
-        for floor, known, name in [*((f, k, f) for f, k in floors), *theirs_too]:
-            if known is right_by and floor == str(base):
-                continue  # the baseline itself
+        # (the floor's name, its strategy, whose answers)
+        candidates: list[tuple[str, str, Mapping[tuple[str, str], bool]]] = [
+            (str(f), str(f), right_by) for f in floors if f != base
+        ]
+        if other is not None:
+            candidates.append((f"{base} ({other.dtype}, other run)", str(base), other.right))
+        for name, floor, known in candidates:
             if any((floor, i) not in known for i in items):
                 continue  # measured on other items: not paired
             was = [right_by[str(base), i] for i in items]
@@ -386,31 +393,26 @@ def floor_table(rows: list[FloorRow]) -> str:
 
 
 def kept_against(
-    results: list[ItemResult], report: Path, same_placement: bool = False
+    results: list[ItemResult], other: OtherRun, same_placement: bool = False
 ) -> dict[str, Estimate]:
-    """Per strategy of this run, "kept" against the `prefill` answers of another run's report
-    on the same items: prefill in bfloat16 against prefill in float32 is the noise floor of
-    the dtype (a change of arithmetic no user would call a loss). `same_placement`: against
-    the other run's prefill with each strategy's own placement (`baseline`), e.g. a model
-    with a LoRA link calibration against the base model's prefill; a strategy whose placement
-    the other run never prefilled is left out."""
-    try:
-        rows = json.loads(Path(report).read_text(encoding="utf-8"))["items"]
-        answered = [r for r in rows if "contains" in r]
-        theirs = {(str(r["item"]), str(r["strategy"])): bool(r["contains"]) for r in answered}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
+    """Per strategy of this run, "kept" against the `prefill` answers of another run
+    (`other_run`) on the same items: prefill in bfloat16 against prefill in float32 is the
+    noise floor of the dtype (a change of arithmetic no user would call a loss).
+    `same_placement`: against the other run's prefill with each strategy's own placement
+    (`baseline`), e.g. a model with a LoRA link calibration against the base model's prefill;
+    a strategy whose placement the other run never prefilled is left out."""
+    theirs = other.right
     out = {}
     for strategy in dict.fromkeys(r.strategy for r in results):
         # same placement: a prefill's too (prefill+reversed against prefill+reversed)
         against = str(Strategy.parse(strategy).baseline) if same_placement else "prefill"
-        if same_placement and not any(s == against for _, s in theirs):
+        if same_placement and not any(s == against for s, _ in theirs):
             continue
         rows_ = [r for r in results if r.strategy == strategy]
-        missing = sorted({r.item for r in rows_ if (r.item, against) not in theirs})
+        missing = sorted({r.item for r in rows_ if (against, r.item) not in theirs})
         if missing:
-            raise ConfigError(f"{report} has no {against} answer for items {missing[:5]}")
-        out[strategy] = kept([theirs[r.item, against] for r in rows_], [r.contains for r in rows_])
+            raise ConfigError(f"{other.report} has no {against} answer for items {missing[:5]}")
+        out[strategy] = kept([theirs[against, r.item] for r in rows_], [r.contains for r in rows_])
     return out
 
 
@@ -540,10 +542,10 @@ def combined(reports: Sequence[Path]) -> Combined:
         "dataset": ", ".join(str(data.get("dataset")) for _, data, *_ in loaded),
         "model": first.get("model"),
         "model_fingerprint": first.get("model_fingerprint"),
-        **{name: first.get(name) for name in COMBINE_SETTINGS if name in first},
+        # the shared settings; not "benchmark": report_dict writes it
+        **{n: first.get(n) for n in COMBINE_SETTINGS if n in first and n != "benchmark"},
         "strategies": common,
     }
-    facts.pop("benchmark", None)  # report_dict writes it
     return Combined(results, strategies, [n for n in every if n not in common], facts)
 
 

@@ -14,7 +14,7 @@ from rich.table import Table
 from rag_kvcache.tools.cli.common import MODEL_HELP, csv_list, strategy_list
 
 if TYPE_CHECKING:
-    from rag_kvcache.tools.eval import ItemResult
+    from rag_kvcache.tools.eval import ItemResult, OtherRun
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -349,9 +349,9 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             reuse=reuse,
             store=store,
         )
-    if args.kept_against:
-        facts["kept_against"] = kept_against_other(results, args.kept_against, console)
-    other = ev.other_floor(args.kept_against) if args.kept_against else None
+    other = ev.other_run(args.kept_against) if args.kept_against else None
+    if other is not None:
+        facts["kept_against"] = kept_against_other(results, other, console)
     sections, compared = ev.comparisons(results, strategies, needle=args.needle, other=other)
     report = ev.report_dict(name, results, summary, **facts, **compared)
     ev.save_eval(args.out, name, report, summary, sections)
@@ -364,7 +364,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def kept_against_other(
-    results: list[ItemResult], report: Path, console: Console
+    results: list[ItemResult], other: OtherRun, console: Console
 ) -> dict[str, object]:
     """`--kept-against`: each strategy's "kept" against the other report's prefill, and against
     its prefill of the strategy's own placement; printed, and returned for the report."""
@@ -373,15 +373,15 @@ def kept_against_other(
     from rag_kvcache.strategy import Strategy
     from rag_kvcache.tools import eval as ev
 
-    against = ev.kept_against(results, report)
+    against = ev.kept_against(results, other)
     for strategy, estimate in against.items():
-        console.print(f"{strategy}: kept {estimate} against {report}'s prefill")
-    placed = ev.kept_against(results, report, same_placement=True)
+        console.print(f"{strategy}: kept {estimate} against {other.report}'s prefill")
+    placed = ev.kept_against(results, other, same_placement=True)
     for strategy, estimate in placed.items():
-        other = Strategy.parse(strategy).baseline
-        console.print(f"{strategy}: kept {estimate} against its {other}", highlight=False)
+        base = Strategy.parse(strategy).baseline
+        console.print(f"{strategy}: kept {estimate} against its {base}", highlight=False)
     return {
-        "report": str(report),
+        "report": other.report,
         "strategies": {s: asdict(e) for s, e in against.items()},
         "same_placement": {s: asdict(e) for s, e in placed.items()},
     }
@@ -396,9 +396,9 @@ def combine_command(args: argparse.Namespace, console: Console) -> int:
         console.print(f"left out, not in every report: {', '.join(both.dropped)}", markup=False)
     summary = ev.summarize(both.results, both.strategies)
     facts = dict(both.facts)
-    if args.kept_against:
-        facts["kept_against"] = kept_against_other(both.results, args.kept_against, console)
-    other = ev.other_floor(args.kept_against) if args.kept_against else None
+    other = ev.other_run(args.kept_against) if args.kept_against else None
+    if other is not None:
+        facts["kept_against"] = kept_against_other(both.results, other, console)
     sections, compared = ev.comparisons(both.results, both.strategies, other=other)
     report = ev.report_dict("eval", both.results, summary, **facts, **compared)
     ev.save_eval(args.out, "eval", report, summary, sections)
