@@ -299,31 +299,33 @@ def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
     return describe(model, tokenizer, name=f"random-{shapes}")
 
 
+# the CPU features that compute a narrow dtype in hardware (torch.cpu probes), and their names
+NATIVE_ON_CPU = {
+    torch.bfloat16: (("_is_avx512_bf16_supported", "_is_amx_tile_supported"), "AVX-512 BF16 / AMX"),
+    torch.float16: (("_is_amx_fp16_supported",), "AMX-FP16"),
+}
+
+
 def native_on_cpu(dtype: torch.dtype) -> bool:
-    """Does this CPU compute `dtype` in hardware? bfloat16 needs AVX-512 BF16 or AMX, float16
-    AMX-FP16; without them torch converts every operand to float32 and back, which makes
-    prefill and linking 2-4x slower than in float32 itself. Unknown (older torch): True."""
-    probes = {
-        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-        torch.float16: ("_is_amx_fp16_supported",),
-    }.get(dtype)
-    if probes is None:
+    """Does this CPU compute `dtype` in hardware (`NATIVE_ON_CPU`)? Without it torch converts
+    every operand to float32 and back, which makes prefill and linking 2-4x slower than in
+    float32 itself. Unknown (older torch): True."""
+    names, _ = NATIVE_ON_CPU.get(dtype, ((), ""))
+    probes = [getattr(torch.cpu, name, None) for name in names]
+    if not probes or None in probes:
         return True
-    found = [getattr(torch.cpu, name, None) for name in probes]
-    if any(probe is None for probe in found):
-        return True
-    return any(probe() for probe in found if probe is not None)
+    return any(probe() for probe in probes if probe is not None)
 
 
 def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
     """Log a warning where a CPU would emulate the chosen dtype (`native_on_cpu`): a user who
     picks bfloat16 for speed on such a CPU gets the opposite."""
     if device.type == "cpu" and not native_on_cpu(dtype):
-        name = str(dtype).removeprefix("torch.")
         log.warning(
-            "this CPU has no %s arithmetic (no AVX-512 BF16 / AMX): torch emulates it, and "
-            "prefill and linking run 2-4x slower than in float32; use dtype float32 here",
-            name,
+            "this CPU has no %s arithmetic (no %s): torch emulates it, and prefill and "
+            "linking run 2-4x slower than in float32; use dtype float32 here",
+            str(dtype).removeprefix("torch."),
+            NATIVE_ON_CPU[dtype][1],
         )
 
 
