@@ -634,12 +634,10 @@ def _report(path: Path, right: dict[str, dict[str, bool]], **settings: object) -
     gold answer."""
     strategies = list(next(iter(right.values())))
     rows = [
-        {"item": item, "strategy": strategy, "answer": "x", "token_ids": [1], "f1": 0.0,
-         "exact_match": 0.0, "contains": ok, "kl": math.nan, "top1": math.nan, "ttft_s": 1.0,
-         "prefill_ttft_s": 2.0, "context_tokens": 100, "recomputed_tokens": 5}
+        asdict(_result(item, strategy, ok))
         for item, answers in right.items()
         for strategy, ok in answers.items()
-    ]  # fmt: skip
+    ]
     facts = {
         "benchmark": "eval", "dataset": path.stem, "model": "m", "model_fingerprint": "f",
         "dtype": "float32", "strategies": strategies, "max_new_tokens": 24, "teacher_tokens": 0,
