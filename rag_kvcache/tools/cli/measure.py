@@ -312,6 +312,8 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         import hashlib
 
         facts["calibration"] = hashlib.sha256(args.calibration.read_bytes()).hexdigest()
+    # read before answering: a report that cannot be read is refused before the run, not after
+    other = ev.other_run(args.kept_against) if args.kept_against else None
     reuse = None
     if args.reuse is not None:
         reuse = ev.reused_rows(args.reuse, facts, items)
@@ -349,7 +351,6 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             reuse=reuse,
             store=store,
         )
-    other = ev.other_run(args.kept_against) if args.kept_against else None
     if other is not None:
         facts["kept_against"] = kept_against_other(results, other, console)
     sections, compared = ev.comparisons(results, strategies, needle=args.needle, other=other)
