@@ -152,3 +152,31 @@ def test_batched_answers_release_the_buffers_they_link_in(engine) -> None:
     batched = engine.generate_batch([BatchRequest(q, ids[i:]) for i, q in enumerate(questions)])
     assert POOL.free_bytes > 0
     assert [a.token_ids for a in batched.answers] == alone
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "prefill",
+        "naive",
+        "legolink:2",
+        "legolink:2+reversed+top:1+window:1024+ape:1,0.5",
+        "naive+reversed+top:1+window:8",
+        "cacheblend:0.3",
+    ],
+)
+def test_a_reused_buffer_is_never_read_past_what_this_request_wrote(engine, strategy) -> None:
+    """A reused buffer still holds an earlier request's K/V past this one's length. Filled with
+    NaN before it is reused, the answer is unchanged: every read stops at what this request
+    wrote (a NaN read, even under a mask, would spread into the scores and the answer)."""
+    ids = engine.generate_context_cache(DOCS)
+    POOL.clear()
+    expected = engine.generate("How many basins?", ids, strategy=strategy)  # new buffers
+    poisoned = list(POOL._free)
+    assert poisoned, "the answer released no buffers to poison"
+    for flat in poisoned:
+        flat.fill_(float("nan"))
+    again = engine.generate("How many basins?", ids, strategy=strategy)
+    assert {f.data_ptr() for f in POOL._free} == {f.data_ptr() for f in poisoned}  # reused
+    assert again.token_ids == expected.token_ids
+    assert again.text == expected.text
