@@ -21,6 +21,9 @@ Placement is a part of any strategy that links or prefills chunks, spelled after
 - `+reversed`: the document chunks in the reverse of the order given. Cache IDs are given best
   first (as retrieval returns them), so this puts the most relevant chunk nearest the question.
 - `+rotated`: the first chunk moved to the end (the order given, rotated by one).
+- `+ends`: LlamaIndex's LongContextReorder, the best-ranked chunks at both ends and the least
+  relevant in the middle: the best last (nearest the question), the second first, the third
+  second to last, the fourth second, and so on.
 Prefill with another order is how the noise floor of "kept" answers is measured: a cache that
 changes answers no more than reordering the chunks does is as good as prefill for a user.
 
@@ -64,10 +67,10 @@ from rag_kvcache.errors import StrategyError
 KINDS = ("prefill", "full", "naive", "legolink", "legolink0", "cacheblend", "positions")
 _PLAIN = ("prefill", "full", "naive", "legolink0", "positions")
 _STALE = ("naive", "legolink", "legolink0", "cacheblend")  # kinds that leave tokens stale
-ORDERS = ("given", "reversed", "rotated")
+ORDERS = ("given", "reversed", "rotated", "ends")
 SPELLINGS = (
     "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
-    "each optionally +reversed or +rotated, then (not prefill or full) +top:N, then +window:W, "
+    "each optionally +reversed, +rotated or +ends, then (not prefill or full) +top:N, then +window:W, "
     "then +ape:T,S, then +calibrated"
 )
 _NUMBER = r"([0-9.e+-]+)"
@@ -191,6 +194,8 @@ class Strategy:
             return list(reversed(chunks))
         if self.order == "rotated":
             return [*chunks[1:], *chunks[:1]]
+        if self.order == "ends":  # odd ranks from the front, even ranks back from the end
+            return [*chunks[1::2], *reversed(chunks[0::2])]
         return list(chunks)
 
     def in_full(self, documents: int) -> list[bool]:

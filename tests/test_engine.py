@@ -51,11 +51,14 @@ def test_full_link_answers_exactly_like_plain_prefill(tiny_engine) -> None:
 
 @pytest.mark.parametrize("base", ["prefill", "full", "legolink:2"])
 def test_an_order_answers_like_the_chunks_given_in_that_order(tiny_engine, base: str) -> None:
-    """`+reversed` / `+rotated` only move the document chunks: the same as passing the cache
-    IDs in that order (the system prefix stays first)."""
+    """`+reversed` / `+rotated` / `+ends` only move the document chunks: the same as passing
+    the cache IDs in that order (the system prefix stays first)."""
     docs = [*DOCS, "The ferry leaves at dawn.", "Eels are smoked in May."]
     ids = tiny_engine.generate_context_cache(docs)
-    for order, arranged in (("reversed", ids[::-1]), ("rotated", [*ids[1:], ids[0]])):
+    assert len(ids) == 4
+    ends = [ids[1], ids[3], ids[2], ids[0]]  # LongContextReorder: best last, second first
+    orders = (("reversed", ids[::-1]), ("rotated", [*ids[1:], ids[0]]), ("ends", ends))
+    for order, arranged in orders:
         ordered = tiny_engine.generate("When?", ids, strategy=f"{base}+{order}")
         plain = tiny_engine.generate("When?", arranged, strategy=base)
         assert ordered.token_ids == plain.token_ids and ordered.prompt_tokens == plain.prompt_tokens

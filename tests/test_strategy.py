@@ -26,6 +26,7 @@ from rag_kvcache.strategy import PREFILL, Strategy
         ("positions", Strategy("positions")),
         ("legolink:2+reversed", Strategy("legolink", k=2, order="reversed")),
         (" Prefill+Rotated", Strategy("prefill", order="rotated")),
+        ("legolink:2+ends+top:1", Strategy("legolink", k=2, order="ends", top=1)),
         ("cacheblend:0.25+reversed", Strategy("cacheblend", ratio=0.25, order="reversed")),
         ("legolink:2+top:1", Strategy("legolink", k=2, top=1)),
         ("naive+reversed+top:3", Strategy("naive", order="reversed", top=3)),
@@ -139,12 +140,31 @@ def test_orders_arrange_the_document_chunks() -> None:
     assert Strategy.parse("naive+reversed").arrange(chunks) == ["c", "b", "a"]
     assert Strategy.parse("naive+rotated").arrange(chunks) == ["b", "c", "a"]
     assert Strategy.parse("naive+rotated").arrange([]) == []
+    assert Strategy.parse("naive+ends").arrange(chunks) == ["b", "c", "a"]
+    assert Strategy.parse("naive+ends").arrange([]) == []
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_ends_is_llama_index_long_context_reorder_with_the_best_nearest_the_question(n) -> None:
+    """`+ends` places chunks as LlamaIndex's LongContextReorder does (best-ranked at the ends,
+    least relevant in the middle), mirrored where that puts the best first (an odd count),
+    so that the best is always last, next to the question."""
+    from llama_index.core.postprocessor import LongContextReorder
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    ranked = [f"c{i}" for i in range(n)]  # best first, as retrieval gives cache IDs
+    nodes = [NodeWithScore(node=TextNode(text=c), score=1.0 - i / n) for i, c in enumerate(ranked)]
+    theirs = [x.node.get_content() for x in LongContextReorder().postprocess_nodes(nodes)]
+    ours = Strategy.parse("prefill+ends").arrange(ranked)
+    assert ours == (theirs if theirs[-1] == "c0" else theirs[::-1])
+    assert ours[-1] == "c0" and sorted(ours) == sorted(ranked)
 
 
 def test_top_ranks_follow_the_given_order_wherever_placed() -> None:
     assert Strategy.parse("naive+top:1").in_full(3) == [True, False, False]
     assert Strategy.parse("naive+reversed+top:1").in_full(3) == [False, False, True]
     assert Strategy.parse("naive+rotated+top:2").in_full(3) == [True, False, True]
+    assert Strategy.parse("naive+ends+top:2").in_full(4) == [True, False, False, True]
     assert Strategy.parse("naive+top:9").in_full(2) == [True, True]
     assert Strategy.parse("legolink:2+top:0") == Strategy.parse("legolink:2")
 
