@@ -70,8 +70,8 @@ _STALE = ("naive", "legolink", "legolink0", "cacheblend")  # kinds that leave to
 ORDERS = ("given", "reversed", "rotated", "ends")
 SPELLINGS = (
     "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
-    "each optionally +reversed, +rotated or +ends, then (not prefill or full) +top:N, then +window:W, "
-    "then +ape:T,S, then +calibrated"
+    "each optionally +reversed, +rotated or +ends, then (not prefill or full) +top:N, "
+    "then +window:W, then +ape:T,S, then +calibrated"
 )
 _NUMBER = r"([0-9.e+-]+)"
 T = TypeVar("T")
