@@ -156,6 +156,28 @@ def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, share
         )
 
 
+def test_batched_ends_placement_equals_each_request_alone(tiny64) -> None:
+    """`+ends` moves the second-ranked chunk to the front: requests that share chunks in
+    another rank order start differently, and the tree shares only what is placed alike."""
+    strategy = "legolink:1+ends+top:1+ape:1,0.5"
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    requests = mixed_requests(ids)
+    result = engine.generate_batch(requests, strategy=strategy, max_batch=4)
+    for request, answer in zip(requests, result.answers, strict=True):
+        alone = engine.generate(
+            request.query,
+            list(request.cache_ids),
+            strategy=strategy,
+            max_new_tokens=request.max_new_tokens,
+        )
+        assert answer.token_ids == alone.token_ids
+        assert answer.prompt_tokens == alone.prompt_tokens
+    # the sixth request has the first one's chunks, so the same placement: all of it shared
+    question = engine.template.question_ids(tiny64.tokenizer, "How many crews?")
+    assert result.answers[5].reused_tokens == result.answers[5].prompt_tokens - len(question)
+
+
 @pytest.mark.parametrize("strategy", ["cacheblend:0.5"])
 def test_batches_refuse_what_the_tree_cannot_share_with_a_clear_error(tiny64, strategy) -> None:
     """cacheblend's whole-context selection cannot ride on a shared prefix: refused up front
