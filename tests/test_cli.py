@@ -33,7 +33,7 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys) -> None:
         == 0
     )
     report = json.loads((tmp_path / "ttft.json").read_text())
-    assert (tmp_path / "ttft.png").stat().st_size > 10_000
+    assert report["complete"] is True and (tmp_path / "ttft.png").stat().st_size > 10_000
     rows = report["rows"]
     assert [(r["strategy"], r["recomputed_tokens"] > 0) for r in rows[:3]] == [
         ("prefill", True),
@@ -208,6 +208,7 @@ def test_bench_prefix_reports_both_methods_and_their_kv_bytes(tmp_path: Path) ->
     assert main(args) == 0
     report = json.loads((tmp_path / "prefix.json").read_text())
     assert report["repeats"] == 2 and (tmp_path / "prefix.png").stat().st_size > 10_000
+    assert report["complete"] is True
     rows = {(r["batch"], r["shared"], r["method"]): r for r in report["rows"]}
     assert set(rows) == {
         (b, s, m)
@@ -432,3 +433,40 @@ def test_commands_print_no_third_party_progress_bars(tmp_path: Path) -> None:
     assert "1 document ingested" in done.stdout
     assert "Loading weights" not in done.stdout + done.stderr
     assert "it/s]" not in done.stdout + done.stderr  # no tqdm bar of any kind
+
+
+class Stopped(Exception):
+    """Stands for a bench killed (a time limit) right after its first report was written."""
+
+
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+@pytest.mark.parametrize("bench", ["ttft", "prefix"])
+def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatch, bench) -> None:
+    """The long benches write their report after every context (ttft) or case (prefix),
+    marked incomplete until the last: a run stopped by a time limit or a crash at a size the
+    device cannot hold keeps what it measured before."""
+    import importlib
+
+    module = importlib.import_module(f"rag_kvcache.tools.bench.{bench}")
+    real = module.save_report
+
+    def save_then_stop(*args, **facts):
+        real(*args, **facts)
+        raise Stopped
+
+    monkeypatch.setattr(module, "save_report", save_then_stop)
+    model = ["--model", "random:tiny", "--out", str(tmp_path)]
+    args = {
+        "ttft": ["--dtypes", "float32", "--contexts", "256,512", "--strategies", "naive"],
+        "prefix": ["--prefixes", "256", "--batches", "1,2", "--new-tokens", "2"],
+    }[bench]
+    with pytest.raises(Stopped):
+        main(["bench", bench, *args, "--repeats", "1", *model])
+    report = json.loads((tmp_path / f"{bench}.json").read_text())
+    assert report["complete"] is False and (tmp_path / f"{bench}.png").stat().st_size > 10_000
+    rows = report["rows"]
+    if bench == "ttft":  # the first context's prefill and strategy, nothing of the second
+        assert [r["strategy"] for r in rows] == ["prefill", "naive"]
+        assert len({r["context_tokens"] for r in rows}) == 1
+    else:  # the first case: batch 1, both methods
+        assert {(r["batch"], r["method"]) for r in rows} == {(1, "prefix tree"), (1, "duplicated")}

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # random:tiny borrows SmolLM2's tokenizer
 
 
+@pytest.mark.slow  # random:tiny borrows SmolLM2's tokenizer
 def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {
@@ -52,3 +52,27 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
     strategies = {r["strategy"] for r in ttft["rows"]}
     assert {"prefill", "legolink:2"} <= strategies and all(r["ttft_s"] > 0 for r in ttft["rows"])
     assert all(r["decode_tokens_per_s"] > 0 for r in ttft["rows"])  # each request decoded too
+
+
+def kit(tmp_path: Path, *stages: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "demos/gpu/run.sh", *stages],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(tmp_path / "out"), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_stage_that_fails_still_packs_what_it_wrote(tmp_path: Path) -> None:
+    run = kit(tmp_path, "install", "test", PYTHON="false")  # its first command fails
+    assert run.returncode != 0 and "stage install stopped early" in run.stdout
+    assert (tmp_path / "out" / "install.tar.gz").exists()
+    assert not (tmp_path / "out" / "test").exists()  # the stages after it never ran
+
+
+def test_an_unknown_stage_is_refused_before_any_stage_runs(tmp_path: Path) -> None:
+    run = kit(tmp_path, "install", "bench9b")
+    assert run.returncode == 2 and "unknown stage bench9b" in run.stdout
+    assert not (tmp_path / "out").exists()

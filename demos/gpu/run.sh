@@ -18,7 +18,11 @@
 #   DEVICE=cpu MODEL=random:tiny SMALL=1 bash demos/gpu/run.sh install bench8b store8b prefix8b
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-[ $# -ge 1 ] || { echo "usage: $0 STAGE... (install test bench8b store8b prefix8b smollm2)"; exit 2; }
+STAGES="install test bench8b store8b prefix8b smollm2"
+[ $# -ge 1 ] || { echo "usage: $0 STAGE... ($STAGES)"; exit 2; }
+for stage in "$@"; do  # every name checked before any stage spends device time
+  case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage ($STAGES)"; exit 2 ;; esac
+done
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-gpu-results}
 SITE=${SITE:-$OUT/site}
@@ -39,6 +43,12 @@ pack() {  # pack() STAGE: $OUT/STAGE/ -> $OUT/STAGE.tar.gz
   tar -czf "$OUT/$1.tar.gz" -C "$OUT" "$1"
   echo "results: $OUT/$1.tar.gz"
 }
+
+# a stage that fails or is stopped (an error, a signal to the process group) still packs
+# what it wrote: the benches write their report after every context or case
+stage=""
+trap 'status=$?; if [ -n "$stage" ]; then echo "stage $stage stopped early ($status)"; pack "$stage"; fi' EXIT
+trap 'exit 143' TERM INT
 
 for stage in "$@"; do
   dir="$OUT/$stage"
@@ -92,7 +102,7 @@ for stage in "$@"; do
       cli eval tests/data/dev_qa.jsonl --device "$DEVICE" ${SMALL:+--limit 2} --out "$dir"
     fi
     ;;
-  *) echo "unknown stage $stage (install test bench8b store8b prefix8b smollm2)"; exit 2 ;;
   esac
   pack "$stage"
+  stage=""
 done

@@ -133,24 +133,30 @@ def run_prefix_bench(
     engine = RagKVCache(config, lm=lm)
     pool = corpus_tokens(lm, pool_tokens + CHUNK_TOKENS)
     chunk_pool = [pool[i : i + CHUNK_TOKENS] for i in range(0, pool_tokens, CHUNK_TOKENS)]
+
+    def save(complete: bool) -> dict[str, object]:
+        return save_report(
+            out_dir,
+            "prefix",
+            rows,
+            lambda path: plot_prefix(rows, path),
+            complete=complete,
+            model=lm.name,
+            dtype=dtype,
+            new_tokens=new_tokens,
+            strategy="legolink:2",
+            repeats=repeats,
+            kv_cache_bytes=2 * most,
+        )
+
     with Progress() as progress:
         task = progress.add_task("prefix bench", total=len(cases))
         for prefix, batch, shared in cases:
             n = prefix // CHUNK_TOKENS * (1 if shared else batch)
             rows += bench_case(engine, chunk_pool[:n], batch, shared, new_tokens, repeats)
+            save(complete=False)  # after every case: a run stopped early keeps what it measured
             progress.advance(task)
-    return save_report(
-        out_dir,
-        "prefix",
-        rows,
-        lambda path: plot_prefix(rows, path),
-        model=lm.name,
-        dtype=dtype,
-        new_tokens=new_tokens,
-        strategy="legolink:2",
-        repeats=repeats,
-        kv_cache_bytes=2 * most,
-    )
+    return save(complete=True)
 
 
 def plot_prefix(rows: list[PrefixRow], path: Path) -> None:

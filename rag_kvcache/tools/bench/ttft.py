@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -76,10 +77,11 @@ def bench_dtype(
     stage_rows: list[StageRow] | None = None,
     graph_modes: tuple[bool, ...] = (True,),
     decode_tokens: int = 1,
+    on_context: Callable[[list[TTFTRow]], None] | None = None,
 ) -> list[TTFTRow]:
     """TTFT of `RagKVCache.generate` (the public call users make) per context and strategy
     (each with CUDA graphs on and/or off, `graph_modes`), chunks from the in-memory store,
-    prefill (eager) beside them."""
+    prefill (eager) beside them. `on_context` gets each context's rows as soon as they exist."""
     engine, sink_engine = bench_engines(lm)
     pool = corpus_tokens(lm, max(contexts) + question_tokens)
     n_chunks = max(contexts) // chunk_tokens
@@ -121,6 +123,7 @@ def bench_dtype(
             name = str(run[0]) + ("" if run[1] or len(graph_modes) == 1 else " (eager)")
             stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
         base = statistics.median(a.ttft_s for a in answers[(PREFILL, False)])
+        first = len(rows)
         for run, done in answers.items():
             times = [a.ttft_s for a in done]
             ttft = statistics.median(times)
@@ -138,6 +141,8 @@ def bench_dtype(
                     decode_tokens_per_s=speed if decode_tokens > 1 else None,
                 )
             )
+        if on_context is not None:
+            on_context(rows[first:])
     return rows
 
 
@@ -160,11 +165,33 @@ def run_ttft_bench(
     rows: list[TTFTRow] = []
     stage_rows: list[StageRow] = []
     models = {}
+
+    def save(complete: bool) -> dict[str, object]:
+        plot_stages(stage_rows, out_dir / "ttft_stages.png")
+        return save_report(
+            out_dir,
+            "ttft",
+            rows,
+            lambda path: plot_ttft(rows, path),
+            complete=complete,
+            stages=[asdict(r) for r in stage_rows],
+            models=models,
+            chunk_tokens=chunk_tokens,
+            question_tokens=question_tokens,
+            repeats=repeats,
+        )
+
+    def context_done(measured: list[TTFTRow]) -> None:
+        """Written after every context: a run stopped early (a time limit, a crash at a
+        length the device cannot hold) keeps what it measured."""
+        rows.extend(measured)
+        save(complete=False)
+
     with Progress() as progress:
         for dtype in dtypes:
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
-            lm_rows = bench_dtype(
+            bench_dtype(
                 lm,
                 contexts,
                 parsed,
@@ -175,20 +202,9 @@ def run_ttft_bench(
                 stage_rows,
                 modes,
                 decode_tokens,
+                on_context=context_done,
             )
-            rows.extend(lm_rows)
-    plot_stages(stage_rows, out_dir / "ttft_stages.png")
-    return save_report(
-        out_dir,
-        "ttft",
-        rows,
-        lambda path: plot_ttft(rows, path),
-        stages=[asdict(r) for r in stage_rows],
-        models=models,
-        chunk_tokens=chunk_tokens,
-        question_tokens=question_tokens,
-        repeats=repeats,
-    )
+    return save(complete=True)
 
 
 def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
