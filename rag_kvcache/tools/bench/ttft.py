@@ -164,7 +164,7 @@ def run_ttft_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[TTFTRow] = []
     stage_rows: list[StageRow] = []
-    models = {}
+    models: dict[str, dict[str, str]] = {}
 
     def save(complete: bool) -> dict[str, object]:
         plot_stages(stage_rows, out_dir / "ttft_stages.png")
