@@ -87,6 +87,9 @@ def save_report(
         "machine": machine_facts(),
         "rows": [asdict(r) for r in rows],
     }
-    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    path = out_dir / f"{name}.json"
+    partial = path.with_name(path.name + ".tmp")  # replaced whole: a kill mid-write keeps the last
+    partial.write_text(json.dumps(report, indent=2))
+    partial.replace(path)
     plot(out_dir / f"{name}.png")
     return report
