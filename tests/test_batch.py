@@ -7,6 +7,8 @@ import torch
 from helpers import SERVING_DOCS, linked_span
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.answer import Answer
+from rag_kvcache.engine import BatchResult
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.model.adapter import key_bias
@@ -28,6 +30,30 @@ def mixed_requests(ids: list[str]) -> list[BatchRequest]:
         BatchRequest("How many crews?", (ids[0], ids[1], ids[2])),
         BatchRequest("What burned until 1861?", ()),
     ]
+
+
+def batched_and_alone(
+    engine: RagKVCache,
+    requests: list[BatchRequest],
+    strategy: str | None = None,
+    max_batch: int = 4,
+) -> tuple[BatchResult, list[Answer]]:
+    """The requests answered as one batch and each alone (None: the engine's strategy), after
+    asserting they are equal, text and prompt included."""
+    result = engine.generate_batch(requests, strategy=strategy, max_batch=max_batch)
+    alone = []
+    for request, answer in zip(requests, result.answers, strict=True):
+        single = engine.generate(
+            request.query,
+            list(request.cache_ids),
+            strategy=strategy,
+            max_new_tokens=request.max_new_tokens,
+        )
+        assert isinstance(single, Answer)
+        assert answer.token_ids == single.token_ids and answer.text == single.text
+        assert answer.prompt_tokens == single.prompt_tokens
+        alone.append(single)
+    return result, alone
 
 
 @pytest.mark.parametrize(
@@ -90,13 +116,7 @@ def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
     ids = engine.generate_context_cache(DOCS)
     requests = mixed_requests(ids)
-    result = engine.generate_batch(requests, max_batch=max_batch)
-    for request, answer in zip(requests, result.answers, strict=True):
-        alone = engine.generate(
-            request.query, list(request.cache_ids), max_new_tokens=request.max_new_tokens
-        )
-        assert answer.token_ids == alone.token_ids
-        assert answer.prompt_tokens == alone.prompt_tokens
+    result, _ = batched_and_alone(engine, requests, max_batch=max_batch)
     assert result.answers[2].token_ids and len(result.answers[2].token_ids) <= 3
     reused = [a.reused_tokens for a in result.answers]
     prefix_tokens = len(engine.template.prefix_ids(tiny64.tokenizer))
@@ -126,22 +146,13 @@ def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, share
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
     ids = engine.generate_context_cache(DOCS)
     requests = [*mixed_requests(ids), BatchRequest("Who lit it?", (ids[0],))]
-    result = engine.generate_batch(requests, strategy=strategy, max_batch=4)
-    for request, answer in zip(requests, result.answers, strict=True):
-        alone = engine.generate(
-            request.query,
-            list(request.cache_ids),
-            strategy=strategy,
-            max_new_tokens=request.max_new_tokens,
-        )
-        assert answer.token_ids == alone.token_ids
-        assert answer.prompt_tokens == alone.prompt_tokens
+    result, alone = batched_and_alone(engine, requests, strategy)
     # the last request's one chunk is ranked first (whole). In the given order an earlier
     # request linked it whole at the same place: shared. Reversed, an earlier request placed
     # it first but ranked it second (stale): it must be recomputed, not taken from the tree.
-    last = result.answers[-1]
-    assert last.recomputed_tokens == (0 if shared else alone.recomputed_tokens)
-    assert alone.recomputed_tokens > 0
+    last, last_alone = result.answers[-1], alone[-1]
+    assert last.recomputed_tokens == (0 if shared else last_alone.recomputed_tokens)
+    assert last_alone.recomputed_tokens > 0
     with pytest.raises(StrategyError, match="in_full"):
         whole = engine.store.get([engine.prefix_id, *ids[:2]])
         first = link(tiny64, whole[:2], [1], Strategy.parse(strategy))
@@ -163,16 +174,7 @@ def test_batched_ends_placement_equals_each_request_alone(tiny64) -> None:
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
     ids = engine.generate_context_cache(DOCS)
     requests = mixed_requests(ids)
-    result = engine.generate_batch(requests, strategy=strategy, max_batch=4)
-    for request, answer in zip(requests, result.answers, strict=True):
-        alone = engine.generate(
-            request.query,
-            list(request.cache_ids),
-            strategy=strategy,
-            max_new_tokens=request.max_new_tokens,
-        )
-        assert answer.token_ids == alone.token_ids
-        assert answer.prompt_tokens == alone.prompt_tokens
+    result, _ = batched_and_alone(engine, requests, strategy)
     # the sixth request has the first one's chunks, so the same placement: all of it shared
     question = engine.template.question_ids(tiny64.tokenizer, "How many crews?")
     assert result.answers[5].reused_tokens == result.answers[5].prompt_tokens - len(question)
@@ -194,12 +196,7 @@ def test_batched_generation_on_smollm2_equals_each_request_alone(smol) -> None:
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=20)), lm=smol)
     ids = engine.generate_context_cache(DOCS)
     requests = mixed_requests(ids)
-    result = engine.generate_batch(requests, max_batch=4)
-    for request, answer in zip(requests, result.answers, strict=True):
-        alone = engine.generate(
-            request.query, list(request.cache_ids), max_new_tokens=request.max_new_tokens
-        )
-        assert answer.token_ids == alone.token_ids and answer.text == alone.text
+    result, _ = batched_and_alone(engine, requests)
     assert "Mara Quell" in result.answers[0].text  # a real answer, not just equal noise
     longest = max(len(a.token_ids) for a in result.answers)
     assert result.stats.steps >= longest - 1  # every token after the first is a batched step
