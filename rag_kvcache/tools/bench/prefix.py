@@ -149,14 +149,16 @@ def run_prefix_bench(
             kv_cache_bytes=2 * most,
         )
 
+    report: dict[str, object] = {}
     with Progress() as progress:
         task = progress.add_task("prefix bench", total=len(cases))
-        for prefix, batch, shared in cases:
+        for i, (prefix, batch, shared) in enumerate(cases, 1):
             n = prefix // CHUNK_TOKENS * (1 if shared else batch)
             rows += bench_case(engine, chunk_pool[:n], batch, shared, new_tokens, repeats)
-            save(complete=False)  # after every case: a run stopped early keeps what it measured
+            # after every case: a run stopped early keeps what it measured
+            report = save(complete=i == len(cases))
             progress.advance(task)
-    return save(complete=True)
+    return report
 
 
 def plot_prefix(rows: list[PrefixRow], path: Path) -> None:

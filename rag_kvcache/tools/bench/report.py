@@ -16,6 +16,7 @@ import torch
 from rag_kvcache.config import LEGOLINK0_SINKS, EncodeConfig, EngineConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.kv import KVStore
+from rag_kvcache.model.calibration_file import write_atomically
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.samples import sample_corpus_dir
 from rag_kvcache.storage.memory import MemoryStore
@@ -87,9 +88,7 @@ def save_report(
         "machine": machine_facts(),
         "rows": [asdict(r) for r in rows],
     }
-    path = out_dir / f"{name}.json"
-    partial = path.with_name(path.name + ".tmp")  # replaced whole: a kill mid-write keeps the last
-    partial.write_text(json.dumps(report, indent=2))
-    partial.replace(path)
+    # replaced whole: a kill mid-write keeps the previous report
+    write_atomically(out_dir / f"{name}.json", json.dumps(report, indent=2).encode())
     plot(out_dir / f"{name}.png")
     return report

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -77,11 +77,10 @@ def bench_dtype(
     stage_rows: list[StageRow] | None = None,
     graph_modes: tuple[bool, ...] = (True,),
     decode_tokens: int = 1,
-    on_context: Callable[[list[TTFTRow]], None] | None = None,
-) -> list[TTFTRow]:
+) -> Iterator[list[TTFTRow]]:
     """TTFT of `RagKVCache.generate` (the public call users make) per context and strategy
     (each with CUDA graphs on and/or off, `graph_modes`), chunks from the in-memory store,
-    prefill (eager) beside them. `on_context` gets each context's rows as soon as they exist."""
+    prefill (eager) beside them: each context's rows, as soon as they are measured."""
     engine, sink_engine = bench_engines(lm)
     pool = corpus_tokens(lm, max(contexts) + question_tokens)
     n_chunks = max(contexts) // chunk_tokens
@@ -89,7 +88,6 @@ def bench_dtype(
     plain = cache_chunks(engine, chunk_ids)
     sinks = cache_chunks(sink_engine, chunk_ids)
     question = question_text(engine, pool[-question_tokens:], question_tokens)
-    rows: list[TTFTRow] = []
     task = progress.add_task(f"{lm.dtype}", total=len(contexts) * repeats)
     dtype = str(lm.dtype).removeprefix("torch.")
     Run = tuple[Strategy, bool]  # a strategy, with its short forwards replayed or not
@@ -123,7 +121,7 @@ def bench_dtype(
             name = str(run[0]) + ("" if run[1] or len(graph_modes) == 1 else " (eager)")
             stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
         base = statistics.median(a.ttft_s for a in answers[(PREFILL, False)])
-        first = len(rows)
+        rows: list[TTFTRow] = []
         for run, done in answers.items():
             times = [a.ttft_s for a in done]
             ttft = statistics.median(times)
@@ -141,9 +139,7 @@ def bench_dtype(
                     decode_tokens_per_s=speed if decode_tokens > 1 else None,
                 )
             )
-        if on_context is not None:
-            on_context(rows[first:])
-    return rows
+        yield rows
 
 
 def run_ttft_bench(
@@ -181,17 +177,13 @@ def run_ttft_bench(
             repeats=repeats,
         )
 
-    def context_done(measured: list[TTFTRow]) -> None:
-        """Written after every context: a run stopped early (a time limit, a crash at a
-        length the device cannot hold) keeps what it measured."""
-        rows.extend(measured)
-        save(complete=False)
-
+    cells = len(dtypes) * len(contexts)  # left to measure
+    report: dict[str, object] = {}
     with Progress() as progress:
         for dtype in dtypes:
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             models[dtype] = {"name": lm.name, "fingerprint": lm.fingerprint}
-            bench_dtype(
+            for measured in bench_dtype(
                 lm,
                 contexts,
                 parsed,
@@ -202,9 +194,13 @@ def run_ttft_bench(
                 stage_rows,
                 modes,
                 decode_tokens,
-                on_context=context_done,
-            )
-    return save(complete=True)
+            ):
+                rows.extend(measured)
+                # written after every context: a run stopped early (a time limit, a crash at a
+                # length the device cannot hold) keeps what it measured
+                cells -= 1
+                report = save(complete=cells == 0)
+    return report
 
 
 def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
