@@ -16,26 +16,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def kit(
+    tmp_path: Path, *stages: str, timeout: int = 60, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """demos/gpu/run.sh STAGES with results under tmp_path/out."""
+    return subprocess.run(
+        ["bash", "demos/gpu/run.sh", *stages],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(tmp_path / "out"), **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.slow  # random:tiny borrows SmolLM2's tokenizer
 def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "DEVICE": "cpu",
-        "MODEL": "random:tiny",
-        "SMALL": "1",
-        "PYTHON": sys.executable,
-        "OUT": str(out),
-    }
     stages = ["install", "bench8b", "store8b", "prefix8b"]
-    run = subprocess.run(
-        ["bash", "demos/gpu/run.sh", *stages],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    dry = {"DEVICE": "cpu", "MODEL": "random:tiny", "SMALL": "1", "PYTHON": sys.executable}
+    run = kit(tmp_path, *stages, timeout=900, **dry)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     installed = (out / "install" / "installed.txt").read_text()
     assert installed.startswith(str(out / "site")), installed  # the wheel, not ./rag_kvcache
@@ -52,17 +52,6 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
     strategies = {r["strategy"] for r in ttft["rows"]}
     assert {"prefill", "legolink:2"} <= strategies and all(r["ttft_s"] > 0 for r in ttft["rows"])
     assert all(r["decode_tokens_per_s"] > 0 for r in ttft["rows"])  # each request decoded too
-
-
-def kit(tmp_path: Path, *stages: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "demos/gpu/run.sh", *stages],
-        cwd=REPO,
-        env={**os.environ, "OUT": str(tmp_path / "out"), **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_a_stage_that_fails_still_packs_what_it_wrote(tmp_path: Path) -> None:
