@@ -88,6 +88,8 @@ class GenerationConfig:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -(2**63) <= self.seed < 2**64:  # what a torch.Generator takes
+            raise ConfigError(f"seed must be a 64-bit integer, got {self.seed}")
 
 
 @dataclass(frozen=True)

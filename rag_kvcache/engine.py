@@ -36,7 +36,7 @@ from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.model.adapter import release_buffers
 from rag_kvcache.model.loading import LoadedModel, load_model
-from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.prompt import PromptTemplate, check_text
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved
@@ -249,7 +249,7 @@ class RagKVCache:
         """The ingested chunks most similar to `query` (cosine, best first), with cache IDs.
         Their KV starts moving from the durable tier into the hot tiers at once (`prefetch`),
         so the answer that follows finds it there or already on its way."""
-        hits = self.corpus.search(query, top_k)
+        hits = self.corpus.search(check_text(query), top_k)
         self.store.prefetch([h.cache_id for h in hits])
         return hits
 
@@ -330,7 +330,7 @@ class RagKVCache:
     ) -> Answer | AnswerStream:
         """Plain generation from an already formatted prompt (no cached chunks): what any LLM
         does. The prompt is tokenized as is (no special tokens added), prefilled, and decoded."""
-        ids = self.template.tokenize(self.lm.tokenizer, prompt)
+        ids = self.prompt_tokens(prompt)
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
@@ -389,6 +389,14 @@ class RagKVCache:
             )
         data = calibration.to_bytes()
         return self.store.put_calibration(self.lm.fingerprint, self.doc_settings.key(), data)
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        """A plain prompt's token ids, as `complete` prefills them; an empty prompt is a
+        ConfigError (there is nothing to continue)."""
+        ids = self.template.tokenize(self.lm.tokenizer, prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty: give the text to continue")
+        return ids
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """Render chat messages ({"role", "content"}) with the model's own chat template."""
@@ -510,7 +518,7 @@ class RagKVCache:
     ) -> AsyncTokenStream[Answer]:
         """`complete`'s text pieces as the engine loop decodes them (see `astream`): a
         request with no cached chunks, its prompt tokenized as is and prefilled alone."""
-        ids = self.template.tokenize(self.lm.tokenizer, prompt)
+        ids = self.prompt_tokens(prompt)
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )

@@ -15,6 +15,19 @@ from rag_kvcache.errors import ConfigError
 MARKER = "\x00RAG_KVCACHE_USER\x00"
 
 
+def check_text(text: str) -> str:
+    """`text`, if every character of it is one a tokenizer takes; a lone UTF-16 surrogate (what
+    a JSON `\\ud800` escape decodes to) is a ConfigError, not a tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(
+            f"the text holds {text[e.start]!r} at character {e.start}, which is not a Unicode "
+            "character (a lone UTF-16 surrogate): send valid UTF-8"
+        ) from None
+    return text
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
     prefix: str  # chat header, system prompt, start of the user turn
@@ -53,7 +66,7 @@ class PromptTemplate:
         return "\n".join(lines) + "\nassistant:"
 
     def tokenize(self, tokenizer: Any, text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(check_text(text), add_special_tokens=False)["input_ids"])
 
     def prefix_ids(self, tokenizer: Any) -> list[int]:
         return self.tokenize(tokenizer, self.prefix)

@@ -74,6 +74,7 @@ SPELLINGS = (
     "then +window:W, then +ape:T,S, then +calibrated"
 )
 _NUMBER = r"([0-9.e+-]+)"
+MAX_COUNT = 2**31 - 1  # a strategy's token or chunk count, at most (past it, torch overflows)
 T = TypeVar("T")
 
 
@@ -94,6 +95,9 @@ class Strategy:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise StrategyError(f"unknown strategy kind {self.kind!r}; one of {KINDS}")
+        for name, count in (("legolink", self.k), ("top", self.top), ("window", self.window)):
+            if count is not None and count > MAX_COUNT:  # tokens or chunks: past any window
+                raise StrategyError(f"{name}:{count} is more than any context holds")
         if self.k < 0 or (self.k and self.kind != "legolink"):
             raise StrategyError(f"k={self.k} is only for legolink, and must be >= 0")
         if not 0 <= self.ratio <= 1 or (self.ratio and self.kind != "cacheblend"):

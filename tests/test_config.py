@@ -15,6 +15,8 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be >= 1"),
         (lambda: GenerationConfig(temperature=-1), "temperature must be >= 0"),
         (lambda: GenerationConfig(top_p=0), "top_p must be in"),
+        (lambda: GenerationConfig(seed=2**64), "seed must be a 64-bit integer"),
+        (lambda: GenerationConfig(seed=-(2**63) - 1), "seed must be a 64-bit integer"),
     ],
 )
 def test_bad_values_are_named(build, message: str) -> None:
@@ -25,3 +27,8 @@ def test_bad_values_are_named(build, message: str) -> None:
 def test_bad_default_strategy_is_refused() -> None:
     with pytest.raises(StrategyError, match="unknown link strategy 'fast'"):
         EngineConfig(strategy="fast")
+
+
+def test_the_extreme_seeds_a_generator_takes_are_accepted() -> None:
+    for seed in (2**64 - 1, -(2**63)):
+        assert GenerationConfig(seed=seed).seed == seed

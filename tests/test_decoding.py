@@ -17,6 +17,17 @@ def test_tiny_top_p_keeps_only_the_most_likely_token() -> None:
     assert picks == {1}
 
 
+def test_any_temperature_and_top_p_above_zero_give_a_token() -> None:
+    """Past float32's range (a temperature of 1e-300 is 0 in float32, and logits / it are
+    inf) sampling still draws from the limit, a one-hot on the most likely token; so does a
+    top_p too small for float32."""
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    for temperature, top_p in ((1e-300, 1.0), (5e-324, 1.0), (1.0, 1e-300), (1e-45, 1e-45)):
+        config = GenerationConfig(temperature=temperature, top_p=top_p)
+        picks = {next_token(logits, config, torch.Generator().manual_seed(s)) for s in range(10)}
+        assert picks == {1}, (temperature, top_p)
+
+
 def test_sampling_is_seeded_and_spreads() -> None:
     logits = torch.zeros(50)
     config = GenerationConfig(temperature=1.0)

@@ -238,9 +238,23 @@ def test_closing_fails_requests_in_flight_and_refuses_new_ones(engine) -> None:
     assert isinstance(alone, Answer) and alone.token_ids
 
 
-def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine, tiny64) -> None:
-    """A bug (not a library error) inside a step reaches every request then in flight; the
-    loop thread survives it and answers the next request."""
+def run_on(loop: EngineLoop, engine: RagKVCache, chunks: list[str], strategy: Strategy):
+    """One request through `loop`, as `agenerate` makes it; its Answer."""
+
+    async def run() -> Answer:
+        request = engine._loop_request("Who?", chunks, strategy, engine.generation_config(None))
+        stream = AsyncTokenStream(loop, request, engine._answer)
+        async for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    return run()
+
+
+def test_a_bug_linking_one_request_fails_that_request_only(engine, tiny64) -> None:
+    """A bug (not a library error) while one request is linked reaches that request alone:
+    the requests linked and decoding beside it get what they get alone, and the loop goes on."""
     ids = engine.generate_context_cache(DOCS)
     broken = {ids[4]}
 
@@ -253,20 +267,48 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine
     strategy = Strategy.parse("legolink:2")
     try:
 
-        async def run(chunks: list[str]) -> Answer:
-            request = engine._loop_request("Who?", chunks, strategy, engine.generation_config(None))
-            stream = AsyncTokenStream(loop, request, engine._answer)
-            async for _ in stream:
-                pass
-            assert stream.result is not None
-            return stream.result
+        async def scenario() -> list[Answer | BaseException]:
+            requests = ([ids[0], ids[1]], [ids[4]], [ids[1], ids[2]])
+            runs = [run_on(loop, engine, chunks, strategy) for chunks in requests]
+            return await asyncio.gather(*runs, return_exceptions=True)
+
+        first, failed, last = asyncio.run(scenario())
+        assert isinstance(failed, RuntimeError) and "fell over" in str(failed)
+        for answer, chunks in ((first, ids[:2]), (last, ids[1:3])):
+            alone = engine.generate("Who?", chunks, strategy=strategy)
+            assert isinstance(answer, Answer) and isinstance(alone, Answer)
+            assert answer.token_ids == alone.token_ids
+        assert loop.decoder.has_work is False and refs(engine.prefix_tree) == 0
+    finally:
+        loop.close()
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine, tiny64) -> None:
+    """A bug in the batched decode forward, which every request in the batch shares, reaches
+    every request then in flight; the loop thread survives it and answers the next request."""
+    ids = engine.generate_context_cache(DOCS)
+    decoder = BatchDecoder(tiny64, engine.prefix_tree, engine.store.get)
+    forward, calls = decoder.forward, []
+
+    def failing_once(active: list) -> None:
+        calls.append(len(active))
+        if len(calls) == 1:
+            raise RuntimeError("the batch fell over")
+        forward(active)
+
+    decoder.forward = failing_once  # type: ignore[method-assign]
+    loop = EngineLoop(decoder)
+    strategy = Strategy.parse("legolink:2")
+    try:
 
         async def scenario() -> list[Answer | BaseException]:
-            return await asyncio.gather(run([ids[4]]), return_exceptions=True)
+            runs = [run_on(loop, engine, chunks, strategy) for chunks in (ids[:2], ids[1:3])]
+            return await asyncio.gather(*runs, return_exceptions=True)
 
-        (failed,) = asyncio.run(scenario())
-        assert isinstance(failed, RuntimeError) and "fell over" in str(failed)
-        answer = asyncio.run(run(ids[:2]))
+        failed = asyncio.run(scenario())
+        assert calls[0] == 2  # both were in the batch that failed
+        assert all(isinstance(f, RuntimeError) and "fell over" in str(f) for f in failed)
+        answer = asyncio.run(run_on(loop, engine, ids[:2], strategy))
         alone = engine.generate("Who?", ids[:2], strategy=strategy)
         assert isinstance(alone, Answer) and answer.token_ids == alone.token_ids
         assert loop.decoder.has_work is False and refs(engine.prefix_tree) == 0

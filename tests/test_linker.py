@@ -125,11 +125,12 @@ def test_one_forward_with_custom_mask_equals_token_by_token_reference(tiny64, st
 def test_a_window_wider_than_the_context_is_the_strategy_alone(tiny64, strategy: str) -> None:
     chunks, _ = _setup(tiny64)
     alone = link(tiny64, chunks, QUERY, Strategy.parse(strategy))
-    wide = link(tiny64, chunks, QUERY, Strategy.parse(f"{strategy}+window:{sum(LENGTHS)}"))
-    torch.testing.assert_close(wide.next_logits, alone.next_logits, rtol=1e-10, atol=1e-10)
-    for (k1, v1), (k2, v2) in zip(unpack_cache(wide.cache), unpack_cache(alone.cache)):
-        torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+    for width in (sum(LENGTHS), 2**31 - 1):  # the widest a strategy takes, too
+        wide = link(tiny64, chunks, QUERY, Strategy.parse(f"{strategy}+window:{width}"))
+        torch.testing.assert_close(wide.next_logits, alone.next_logits, rtol=1e-10, atol=1e-10)
+        for (k1, v1), (k2, v2) in zip(unpack_cache(wide.cache), unpack_cache(alone.cache)):
+            torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
     narrow = link(tiny64, chunks, QUERY, Strategy.parse(f"{strategy}+window:2"))
     assert (narrow.next_logits - alone.next_logits).abs().max() > 1e-3  # it does narrow
 

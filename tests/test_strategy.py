@@ -134,6 +134,18 @@ def test_fields_are_checked_when_built(fields: dict) -> None:
         Strategy(**fields)
 
 
+@pytest.mark.parametrize(
+    "spelling",
+    ["legolink:99999999999999999999", "naive+top:2147483648", "legolink:2+window:" + "9" * 20],
+)
+def test_counts_past_any_context_are_refused_not_overflowed(spelling: str) -> None:
+    """A count no context can hold is a StrategyError when parsed, not an overflow inside a
+    request (a server's request would fail the batch it was linked in)."""
+    with pytest.raises(StrategyError, match="more than any context holds"):
+        Strategy.parse(spelling)
+    assert Strategy.parse("naive+top:2147483647+window:2147483647").window == 2**31 - 1
+
+
 def test_orders_arrange_the_document_chunks() -> None:
     chunks = ["a", "b", "c"]
     assert Strategy.parse("naive").arrange(chunks) == ["a", "b", "c"]

@@ -33,6 +33,7 @@ batch as the linked ones.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,7 +42,12 @@ from dataclasses import dataclass, field
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
+from rag_kvcache.errors import (
+    ContextTooLongError,
+    KVBudgetError,
+    RagKVCacheError,
+    StrategyError,
+)
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, check_chunks, link, linked_layers
 from rag_kvcache.model.adapter import (
@@ -59,6 +65,8 @@ from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, nodes_bias, pa
 from rag_kvcache.serving.questions import fit_together, prefill_questions
 from rag_kvcache.serving.text import TextPieces
 from rag_kvcache.strategy import Strategy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,7 @@ class BatchDecoder:
         if request_id in self.waiting_ids:
             self.waiting_ids.discard(request_id)  # skipped when it reaches the queue's front
             self.full = False  # it may have been the one that did not fit
+            self.publish()
             return True
         request = self.active.pop(request_id, None)
         if request is None:
@@ -304,7 +313,9 @@ class BatchDecoder:
             tick = time.perf_counter()
             try:
                 admitted = self.admit(waiting)
-            except RagKVCacheError as error:  # this request's fault: the others go on
+            except Exception as error:  # this request's alone: the others go on
+                if not isinstance(error, RagKVCacheError):  # not a user's mistake: a bug
+                    log.exception("linking request %d failed", waiting.request_id)
                 self.waiting.popleft()
                 self.waiting_ids.discard(waiting.request_id)
                 out(StepOutput(waiting.request_id, None, "", True, error=error))
@@ -361,8 +372,13 @@ class BatchDecoder:
         strategy, question, config = waiting.strategy, list(waiting.question), waiting.config
         chunks = self.fetch(list(waiting.path))
         room = len(question) + config.max_new_tokens  # its own tokens: question, answer
+        context = sum(c.num_tokens for c in chunks)
+        if context + len(question) > self.lm.max_context:  # before the budget: no budget helps
+            raise ContextTooLongError(
+                f"{context + len(question)} prompt tokens exceed the model's window of "
+                f"{self.lm.max_context}"
+            )
         if not strategy.uses_cache:
-            context = sum(c.num_tokens for c in chunks)
             return self.prefilled(waiting, chunks) if self.make_room((), context + room) else None
         in_full = [False, *strategy.in_full(len(chunks) - 1)]
         path = tree_path(strategy, waiting.path)

@@ -35,13 +35,18 @@ def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Ca
 
 
 def next_token(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
-    """Greedy when temperature is 0, else temperature + nucleus (top_p) sampling."""
+    """Greedy when temperature is 0, else temperature + nucleus (top_p) sampling.
+
+    In float64 with the largest logit subtracted first, so that any temperature > 0, however
+    small, gives probabilities (a one-hot at the limit) and never inf / inf."""
     if config.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / config.temperature, dim=-1)
+    wide = logits.double()
+    probs = torch.softmax((wide - wide.max()) / config.temperature, dim=-1)
     if config.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(-1) - sorted_probs < config.top_p  # always keeps the top one
+        keep = sorted_probs.cumsum(-1) - sorted_probs < config.top_p
+        keep[0] = True  # the most likely token, whatever top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
