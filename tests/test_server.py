@@ -4,6 +4,7 @@ ending in [DONE], every error is OpenAI's JSON shape with the right status."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -44,9 +45,10 @@ def engine(tiny32, tmp_path_factory) -> Iterator[RagKVCache]:
 
 
 @contextmanager
-def served(engine: RagKVCache) -> Iterator[TestClient]:
-    """A client of the app over `engine`, once /health says the model is ready."""
-    with TestClient(create_app(lambda: engine, api_key=KEY)) as client:
+def served(engine: RagKVCache, **options: Any) -> Iterator[TestClient]:
+    """A client of the app over `engine` (`create_app`'s options), once /health says the model
+    is ready."""
+    with TestClient(create_app(lambda: engine, api_key=KEY, **options)) as client:
         deadline = time.monotonic() + 60
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline
@@ -58,6 +60,13 @@ def served(engine: RagKVCache) -> Iterator[TestClient]:
 def client(engine) -> Iterator[TestClient]:
     with served(engine) as client:
         yield client
+
+
+def post_json(client: TestClient, path: str, body: dict[str, Any]) -> httpx.Response:
+    """POST `body` as a JSON client would send it, ASCII-escaped (so a lone surrogate goes as
+    its `\\ud800` escape, which httpx's own encoder refuses to write)."""
+    headers = {**AUTH, "content-type": "application/json"}
+    return client.post(path, content=json.dumps(body), headers=headers)
 
 
 def ids(engine: RagKVCache) -> list[str]:
@@ -224,14 +233,160 @@ def test_streams_are_server_sent_events_ending_in_done(client, engine) -> None:
          "invalid_request"),
         ({"messages": [{"role": "user", "content": "q"}], "model": "gpt-4o"}, 404,
          "model_not_found"),
+        # values past what the engine takes: refused up front, never failing inside the batch
+        ({"messages": [{"role": "user", "content": "q"}], "seed": 2**64}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}],
+          "rag": {"top_k": 1, "strategy": "legolink:2+window:" + "9" * 20}}, 400,
+         "invalid_request"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "\ud800"}], "rag": {"top_k": 1}}, 400,
+         "invalid_request"),
+        # OpenAI fields this server cannot honour: refused, not ignored
+        ({"messages": [{"role": "user", "content": "q"}], "logprobs": True}, 400,
+         "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}],
+          "response_format": {"type": "json_object"}}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}],
+          "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_request"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_openai_errors(client, body, status, code) -> None:
-    response = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    response = post_json(client, "/v1/chat/completions", body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == code and error["message"] and "Traceback" not in response.text
     assert error["type"] in {"invalid_request_error", "not_found_error"}
+
+
+@pytest.mark.parametrize(
+    ("body", "wanted"),
+    [
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"prompt": "\ud800 x"}, "not a Unicode character"),
+        ({"prompt": "x", "echo": True}, "echo is not supported"),
+        ({"prompt": "x", "best_of": 3}, "best_of is not supported"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs is not supported"),
+    ],
+)
+def test_bad_completions_get_openai_errors(client, body, wanted) -> None:
+    response = post_json(client, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert wanted in response.json()["error"]["message"]
+
+
+def test_the_default_values_of_unsupported_fields_are_accepted(client, engine) -> None:
+    """What OpenAI clients send when they ask nothing of these fields."""
+    harmless = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+                "response_format": {"type": "text"}, "tools": [], "logit_bias": {}}  # fmt: skip
+    messages = [{"role": "user", "content": "Say hello."}]
+    body = {"messages": messages, "max_tokens": 3, **harmless}
+    reply = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    alone = engine.complete(engine.chat_prompt(messages), max_new_tokens=3)
+    assert reply.json()["choices"][0]["message"]["content"] == alone.text
+
+
+def test_the_smallest_temperature_and_top_p_answer_as_greedy(client, engine) -> None:
+    """Past float32's range they are the greedy answer's limit, not a failed request (which
+    would have failed every request decoding beside it)."""
+    chunks = ids(engine)
+    greedy = engine.generate("Who designed it?", chunks, max_new_tokens=5)
+    for sampling in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}):
+        body = {
+            "messages": [{"role": "user", "content": "Who designed it?"}],
+            "max_tokens": 5,
+            "rag": {"cache_ids": chunks},
+            **sampling,
+        }
+        response = client.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert response.status_code == 200, (sampling, response.text)
+        assert response.json()["choices"][0]["message"]["content"] == greedy.text
+
+
+def test_an_answer_cut_by_the_models_window_says_length(client, engine) -> None:
+    """A prompt that leaves the answer fewer tokens than max_tokens: the answer stops at the
+    window, and says so ("length"), as OpenAI's does when an answer is cut."""
+    window = engine.lm.max_context
+    prompt = " ".join(["harbor"] * (window - 3))
+    assert window - 6 < len(engine.prompt_tokens(prompt)) < window
+    body = {"prompt": prompt, "max_tokens": 50}
+    reply = client.post("/v1/completions", json=body, headers=AUTH).json()
+    alone = engine.complete(prompt, max_new_tokens=50)
+    assert alone.prompt_tokens + len(alone.token_ids) >= window  # cut there
+    assert alone.token_ids[-1] not in engine.lm.eos_ids
+    (choice,) = reply["choices"]
+    assert choice["text"] == alone.text and choice["finish_reason"] == "length"
+
+
+def another(engine: RagKVCache) -> RagKVCache:
+    """An engine over the same model and store (a test whose app closes it, or whose requests
+    must not share the module's engine loop)."""
+    config = EngineConfig(generation=GenerationConfig(max_new_tokens=6))
+    return RagKVCache(config, lm=engine.lm, store=engine.store)
+
+
+def test_the_key_and_the_body_size_are_checked_before_the_body_is_read(engine) -> None:
+    """No key: a 401 whatever the body (even one that is not JSON); a body over the limit: a
+    413, by its Content-Length or, sent in chunks without one, as it arrives."""
+    with served(another(engine), max_body_bytes=1000) as client:
+        broken = client.post("/v1/chat/completions", content=b'{"messages": [')
+        assert broken.status_code == 401 and broken.json()["error"]["code"] == "invalid_api_key"
+        big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+        response = client.post("/v1/chat/completions", json=big, headers=AUTH)
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "request_too_large"
+        chunked = client.post(
+            "/v1/chat/completions",
+            content=iter([json.dumps(big).encode()[:600], json.dumps(big).encode()[600:]]),
+            headers={**AUTH, "content-type": "application/json"},
+        )
+        assert chunked.status_code == 413, chunked.text
+        assert "max-body-mib" in chunked.json()["error"]["message"]
+        small = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=small, headers=AUTH).status_code == 200
+        assert client.head("/health").status_code == 200
+
+
+def test_a_body_sent_as_a_form_is_told_to_be_json(client) -> None:
+    """`curl -d` without a Content-Type sends a form: the error names the fix."""
+    body = json.dumps({"messages": [{"role": "user", "content": "q"}]})
+    response = client.post(
+        "/v1/chat/completions",
+        content=body,
+        headers={**AUTH, "content-type": "application/x-www-form-urlencoded"},
+    )
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+
+
+def test_a_non_streaming_request_whose_client_left_is_aborted(engine, monkeypatch) -> None:
+    """A client that gives up on a whole (non-streamed) answer: its request leaves the batch at
+    once instead of decoding to the end for nobody."""
+    from rag_kvcache.tools.server import app
+
+    monkeypatch.setattr(app, "DISCONNECT_POLL_S", 0.001)
+
+    class Gone:  # a Request whose client has disconnected
+        async def is_disconnected(self) -> bool:
+            return True
+
+    alone = another(engine)
+
+    async def scenario() -> None:
+        stream = alone.astream("Who?", ids(engine), max_new_tokens=400)
+        assert await app._unless_gone(Gone(), stream) is None  # type: ignore[arg-type]
+        assert stream.result is None  # it never finished
+        decoder = alone.serving_loop().decoder
+        deadline = time.monotonic() + 10
+        while decoder.has_work:  # the abort reaches the loop thread
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert decoder.load.waiting == 0 and decoder.load.decoding == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        alone.close()
 
 
 def test_a_request_beyond_the_kv_budget_is_a_clear_400(engine, tiny32) -> None:

@@ -8,6 +8,7 @@ from rich.console import Console
 
 from rag_kvcache.config import EngineConfig
 from rag_kvcache.tools.cli.common import engine_options, open_engine
+from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES
 
 LINK_BUDGET_S = EngineConfig.link_budget_s  # the engine's default, in seconds
 
@@ -23,6 +24,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--model-name", default=None, help="what clients call the model (default: its file name)"
+    )
+    serve.add_argument(
+        "--max-body-mib",
+        type=body_limit,
+        default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+        help="larger request bodies get a 413 before they are read (default %(default)g)",
     )
     serve.add_argument("--strategy", default=None, help="link strategy of RAG requests")
     serve.add_argument("--max-new-tokens", type=int, default=256, help="when a request says none")
@@ -43,6 +50,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     engine_options(serve)
     serve.set_defaults(run=serve_command)
+
+
+def body_limit(text: str) -> float:
+    """--max-body-mib: a size in MiB, > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("a body limit is > 0 MiB")
+    return value
 
 
 def link_budget(text: str) -> int | None:
@@ -66,6 +81,7 @@ def serve_command(args: argparse.Namespace, console: Console) -> int:
         lambda: open_engine(args, console, existing=True),
         api_key=args.api_key,
         model_name=args.model_name,
+        max_body_bytes=int(args.max_body_mib * (1 << 20)),
     )
     console.print(f"serving on http://{args.host}:{args.port} (the model loads in the background)")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

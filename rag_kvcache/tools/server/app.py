@@ -9,9 +9,9 @@ server starts: `/health` answers 503 until it is ready. Every error is OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -39,6 +39,7 @@ from rag_kvcache.errors import (
 from rag_kvcache.serving.batch import BatchLoad
 from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
 from rag_kvcache.tools.server.metrics import ServerMetrics
 from rag_kvcache.tools.server.schema import (
     ChatRequest,
@@ -50,6 +51,8 @@ from rag_kvcache.tools.server.schema import (
 
 log = logging.getLogger("rag_kvcache.server")
 DEFAULT_TOP_K = 4
+INTERNAL = "internal error; the server's log has the details"
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 
 
 class ApiError(Exception):
@@ -124,10 +127,14 @@ class FollowUpStream:
 
 
 def create_app(
-    load: Callable[[], RagKVCache], api_key: str | None = None, model_name: str | None = None
+    load: Callable[[], RagKVCache],
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app; `load` builds the engine (called once, in a thread, at start-up).
-    `model_name`: what clients call the model (default: the loaded model's own name)."""
+    `model_name`: what clients call the model (default: the loaded model's own name).
+    `api_key` and `max_body_bytes` are checked before a body is read (`gate.Gate`)."""
     loading = Loading()
 
     def served_name(engine: RagKVCache) -> str:
@@ -153,18 +160,6 @@ def create_app(
         batch=lambda: _batch_state(loading.engine), hits=lambda: _store_hits(loading.engine)
     )
 
-    def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise ApiError(
-                401, "missing or wrong API key (Authorization: Bearer KEY)", "invalid_api_key"
-            )
-
     # ------------------------------------------------------------------ errors
 
     def error(status: int, message: str, code: str | None) -> JSONResponse:
@@ -174,6 +169,8 @@ def create_app(
             kind = "invalid_request_error" if status < 500 else "server_error"
         body = {"error": {"message": message, "type": kind, "code": code}}
         return JSONResponse(body, status_code=status)
+
+    app.add_middleware(Gate, reject=error, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -185,11 +182,13 @@ def create_app(
             f"{'.'.join(str(p) for p in d['loc'] if p != 'body') or 'body'}: {d['msg']}"
             for d in e.errors()[:5]
         ]
+        if "json" not in request.headers.get("content-type", ""):  # curl -d sends a form type
+            problems.insert(0, "send the body as JSON, with Content-Type: application/json")
         return error(400, "; ".join(problems), "invalid_request")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return error(e.status_code, str(e.detail), None)
+        return error(e.status_code, str(e.detail), {413: "request_too_large"}.get(e.status_code))
 
     @app.exception_handler(RagKVCacheError)
     async def library_error(request: Request, e: RagKVCacheError) -> JSONResponse:
@@ -199,11 +198,11 @@ def create_app(
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("request failed")
-        return error(500, "internal error; the server's log has the details", None)
+        return error(500, INTERNAL, None)
 
     # ------------------------------------------------------------------ routes
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if loading.engine is not None:
             return JSONResponse({"status": "ok", "model": served_name(loading.engine)})
@@ -214,33 +213,34 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = loading.ready()
         model = {"id": served_name(engine), "object": "model", "created": 0}
         model["owned_by"] = "rag-kvcache"
         return {"object": "list", "data": [model]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat(body: ChatRequest) -> Response:
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
         engine = loading.ready()
         max_tokens = body.max_completion_tokens or body.max_tokens
         _check(engine, served_name(engine), body, max_tokens)
         if body.messages[-1].role != "user":
             raise ApiError(400, "the last message must be the user's", "invalid_request")
-        if body.rag is None:
-            messages = [{"role": m.role, "content": m.text} for m in body.messages]
-            job = Job(engine.chat_prompt(messages), False, [], None, max_tokens)
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        if body.rag is None:  # rendered off the event loop, as every long text is
+            prompt = await asyncio.to_thread(engine.chat_prompt, messages)
+            job = Job(prompt, False, [], None, max_tokens)
         else:
-            messages = [{"role": m.role, "content": m.text} for m in body.messages]
-            asked = engine.chat_question(messages)  # the history inside the question
+            asked = await asyncio.to_thread(engine.chat_question, messages)  # with the history
             job = await _rag_job(engine, body, body.messages[-1].text, max_tokens)
             alone = engine.chat_question(messages, history_turns=0)  # if it repeats one
             job = replace(job, text=asked, alone=alone, earlier=earlier_answers(messages[:-1]))
-        return await _respond(engine, served_name(engine), body, job, "chat.completion", metrics)
+        name = served_name(engine)
+        return await _respond(engine, name, body, job, "chat.completion", metrics, request)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest) -> Response:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = loading.ready()
         _check(engine, served_name(engine), body, body.max_tokens)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -250,7 +250,8 @@ def create_app(
             job = Job(prompts[0], False, [], None, body.max_tokens)
         else:
             job = await _rag_job(engine, body, prompts[0], body.max_tokens)
-        return await _respond(engine, served_name(engine), body, job, "text_completion", metrics)
+        name = served_name(engine)
+        return await _respond(engine, name, body, job, "text_completion", metrics, request)
 
     return app
 
@@ -277,28 +278,15 @@ async def _rag_job(
 
 
 async def _respond(
-    engine: RagKVCache, model: str, body: Sampling, job: Job, kind: str, metrics: ServerMetrics
+    engine: RagKVCache,
+    model: str,
+    body: Sampling,
+    job: Job,
+    kind: str,
+    metrics: ServerMetrics,
+    request: Request,
 ) -> Response:
-    temperature, top_p, seed = body.temperature, body.top_p, body.seed
-    stream: AsyncTokenStream[Answer] | FollowUpStream
-    if job.rag:
-
-        def start(text: str) -> AsyncTokenStream[Answer]:
-            return engine.astream(
-                text,
-                job.cache_ids,
-                strategy=job.strategy,
-                max_new_tokens=job.max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-            )
-
-        stream = FollowUpStream(start, job) if job.earlier else start(job.text)
-    else:
-        stream = engine.astream_complete(
-            job.text, max_new_tokens=job.max_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
+    stream = await asyncio.to_thread(_stream, engine, body, job)  # tokenizing: off the loop
     pieces = aiter(stream)
     # the first piece (or the request's own error: an unknown chunk, a context too long)
     # before any byte is sent, so errors keep their status code
@@ -310,11 +298,18 @@ async def _respond(
     created = int(time.time())
 
     def finish_reason(answer: Answer) -> str:
+        """Why the answer ended: "stop" where the model ended it, "length" where it was cut,
+        at max_tokens or where the prompt and the answer filled the model's window."""
+        if answer.token_ids and answer.token_ids[-1] in engine.lm.eos_ids:
+            return "stop"
         limit = job.max_tokens or engine.config.generation.max_new_tokens
-        return "length" if len(answer.token_ids) >= limit else "stop"
+        window = answer.prompt_tokens + len(answer.token_ids) >= engine.lm.max_context
+        return "length" if len(answer.token_ids) >= limit or window else "stop"
 
     if not body.stream:
-        answer = await stream.finish()  # its text is the pieces joined, trimmed
+        answer = await _unless_gone(request, stream)  # its text is the pieces joined, trimmed
+        if answer is None:  # the client left: its request was aborted, nobody to answer
+            return Response(status_code=499)
         metrics.answered(answer)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(answer)}
         if kind == "chat.completion":
@@ -371,10 +366,60 @@ async def _respond(
             metrics.failed(status)
             failure = {"message": str(e), "type": "server_error", "code": code}
             yield f"data: {json.dumps({'error': failure})}\n\n"
+        except Exception:  # a bug: the client still learns that its stream ended in error
+            log.exception("request failed while streaming")
+            metrics.failed(500)
+            failure = {"message": INTERNAL, "type": "server_error", "code": None}
+            yield f"data: {json.dumps({'error': failure})}\n\n"
         finally:
             await stream.aclose()  # a client that left: its request is aborted
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream(
+    engine: RagKVCache, body: Sampling, job: Job
+) -> AsyncTokenStream[Answer] | FollowUpStream:
+    """The engine's answer stream for `job` (its text tokenized here: in a worker thread)."""
+    temperature, top_p, seed = body.temperature, body.top_p, body.seed
+    if job.rag:
+
+        def start(text: str) -> AsyncTokenStream[Answer]:
+            return engine.astream(
+                text,
+                job.cache_ids,
+                strategy=job.strategy,
+                max_new_tokens=job.max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+            )
+
+        return FollowUpStream(start, job) if job.earlier else start(job.text)
+    return engine.astream_complete(
+        job.text, max_new_tokens=job.max_tokens, temperature=temperature, top_p=top_p, seed=seed
+    )
+
+
+async def _unless_gone(
+    request: Request, stream: AsyncTokenStream[Answer] | FollowUpStream
+) -> Answer | None:
+    """The finished answer, or None if the client disconnected first: then its request is
+    aborted (a client that gave up on a non-streaming answer must not leave it decoding)."""
+    task = asyncio.ensure_future(stream.finish())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await stream.aclose()  # the engine's request is aborted
 
 
 def _usage(answer: Answer) -> Usage:

@@ -7,9 +7,27 @@ the `rag` extension field: without it a request is a plain completion.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# OpenAI fields this server cannot honour, with the values that ask nothing of it (what
+# clients send by default): any other value is refused, not silently ignored
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class RagOptions(BaseModel):
@@ -56,6 +74,15 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     rag: RagOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, harmless in UNSUPPORTED.items():
+                if name in data and data[name] not in harmless:
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
 
 
 class ChatRequest(Sampling):
