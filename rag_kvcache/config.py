@@ -114,6 +114,12 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.compress not in COMPRESSIONS:
             raise ConfigError(f"compress {self.compress!r} is not one of {COMPRESSIONS}")
+        if self.root is not None:
+            try:  # the catalog's URL and records hold the path as text
+                str(self.root).encode("utf-8")
+            except UnicodeEncodeError:
+                shown = str(self.root).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                raise ConfigError(f"the store path {shown!r} is not valid UTF-8") from None
         if self.cpu_bytes < 0 or self.gpu_bytes < 0:
             raise ConfigError("tier budgets must be >= 0 bytes")
         if self.policy not in ("lru", "lfu"):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_kvcache.engine import DocumentIngest, RagKVCache
+from rag_kvcache.errors import StoreError
 
 MAX_BYTES = 16 << 20  # larger files are reported and skipped (raise with --max-bytes)
 SEGMENT_CHARS = 1 << 20  # text split at a time (a file's chunks never span two segments)
@@ -70,12 +71,12 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
     skipped: list[Skipped] = []
 
     def unreadable(err: OSError) -> None:  # e.g. a path longer than the file system allows
-        skipped.append(Skipped(str(err.filename), f"cannot read: {err.strerror or err}"))
+        skipped.append(Skipped(shown(err.filename), f"cannot read: {err.strerror or err}"))
 
     for path in paths:
         try:
             if path.is_file():
-                files[path.resolve()] = None
+                _add_file(path, files, skipped)
             elif path.is_dir():
                 seen: set[Path] = set()
                 for folder, dirs, names in os.walk(path, followlinks=True, onerror=unreadable):
@@ -90,7 +91,7 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
                         if not name.startswith("."):
                             _add_file(Path(folder, name), files, skipped)
             else:
-                skipped.append(Skipped(str(path), "no such file or folder"))
+                skipped.append(Skipped(shown(path), "no such file or folder"))
         except OSError as err:
             err.filename = err.filename or str(path)
             unreadable(err)
@@ -99,12 +100,20 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
 
 def _add_file(file: Path, files: dict[Path, None], skipped: list[Skipped]) -> None:
     try:
-        if file.is_file():
-            files[file.resolve()] = None
+        if not file.is_file():
+            skipped.append(Skipped(shown(file), "not a regular file"))
+        elif shown(file) != str(file):  # the catalog keeps a source as text
+            skipped.append(Skipped(shown(file), "its name is not valid UTF-8: rename it"))
         else:
-            skipped.append(Skipped(str(file), "not a regular file"))
+            files[file.resolve()] = None
     except OSError as err:
-        skipped.append(Skipped(str(file), f"cannot read: {err.strerror or err}"))
+        skipped.append(Skipped(shown(file), f"cannot read: {err.strerror or err}"))
+
+
+def shown(path: Path | str) -> str:
+    """A path as text that can be printed and stored: bytes of its name that are not UTF-8
+    (which Python keeps as lone surrogates) written as escapes."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def read_text(path: Path, max_bytes: int = MAX_BYTES) -> tuple[str, str]:
@@ -221,6 +230,8 @@ def plan_ingest(
         except SkipFile as e:
             plan.skipped.append(Skipped(source, str(e)))
             continue
+        except StoreError:  # the store's fault (a full disk), not the file's: stop here
+            raise
         except OSError as e:
             plan.skipped.append(Skipped(source, f"cannot read: {e.strerror or e}"))
             continue
@@ -256,6 +267,8 @@ def run_ingest(
             done.append(_ingest_document(engine, plan, document, on_encoded))
         except SkipFile as e:
             plan.skipped.append(Skipped(document.source, str(e)))
+        except StoreError:  # a full disk fails every file after it too: stop, and say so
+            raise
         except OSError as e:
             plan.skipped.append(Skipped(document.source, f"cannot read: {e.strerror or e}"))
     return done
@@ -303,8 +316,9 @@ def _batches(chunks: Iterator[tuple[list[int], str]]) -> Iterator[list[tuple[lis
 
 
 def prune(engine: RagKVCache, paths: Iterable[Path]) -> list[str]:
-    """Remove documents whose file under one of `paths` no longer exists; returns their sources."""
-    roots = [p.resolve() for p in paths]
+    """Remove documents whose file under one of `paths` no longer exists; returns their sources.
+    A path that does not exist itself prunes nothing (a typo, an unmounted folder)."""
+    roots = [p.resolve() for p in paths if p.exists()]
     gone = []
     for doc in engine.corpus.catalog.documents():
         source = Path(doc.source)

@@ -2,13 +2,18 @@
 asserted: only that reports are complete and consistent)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from rag_kvcache import EngineConfig, RagKVCache
+from rag_kvcache.config import StoreConfig
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.tools.cli import main
+from rag_kvcache.tools.cli import store as cli_store
 
 
 @pytest.mark.slow  # the bench's default model is SmolLM2
@@ -470,3 +475,33 @@ def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatc
         assert len({r["context_tokens"] for r in rows}) == 1
     else:  # the first case: batch 1, both methods
         assert {(r["batch"], r["method"]) for r in rows} == {(1, "prefix tree"), (1, "duplicated")}
+
+
+def test_bad_values_and_ctrl_c_end_a_command_in_one_line(tmp_path: Path, capsys, monkeypatch):
+    """An infinite --pending-after, a store path that is not UTF-8, a question that is not
+    Unicode, Ctrl-C: each a line saying so (and an exit code), never a traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["gc", "--store", str(tmp_path), "--pending-after", "inf"])
+    assert stopped.value.code == 2 and "finite" in capsys.readouterr().err
+    bad = tmp_path / os.fsdecode(b"st\xff")
+    assert main(["stats", "--store", str(bad)]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # as rich wraps it
+    assert "is not valid UTF-8" in out and "Traceback" not in out and not bad.exists()
+
+    def interrupted(args, console) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_store, "store_command", interrupted)
+    assert main(["stats", "--store", str(tmp_path)]) == 130
+    assert "interrupted" in capsys.readouterr().out
+
+
+def test_a_question_that_is_not_unicode_is_refused(tiny32, tmp_path: Path) -> None:
+    """What a shell passes for bytes that are not UTF-8 (lone surrogates) is a ConfigError at
+    retrieval and at tokenizing, not a tokenizer's TypeError."""
+    engine = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=tiny32)
+    for ask in (lambda q: engine.retrieve(q, 1), lambda q: engine.generate(q, [])):
+        with pytest.raises(ConfigError, match="not a Unicode character"):
+            ask("owls in the barn \udcff\udcfe?")
+    with pytest.raises(ConfigError, match="the prompt is empty"):
+        engine.complete("")

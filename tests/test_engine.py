@@ -99,6 +99,9 @@ def test_bad_input(tiny_engine, tiny32) -> None:
         tiny_engine.generate("q", tiny_engine.generate_context_cache([long_doc, long_doc + " x"]))
     with pytest.raises(ContextTooLongError, match="window is 512"):
         tiny_engine.generate_context_cache([long_doc * 2])
+    short = tiny_engine.generate_context_cache(["The harbor is deep."])
+    with pytest.raises(ContextTooLongError, match="the question is .* ask a shorter question"):
+        tiny_engine.generate(" ".join(["harbor"] * 600), short)  # fewer chunks cannot help
     other = RagKVCache(lm=tiny32, store=tiny_engine.store)  # a second model sharing the store
     stranger = tiny_engine.generate_context_cache(["only the float64 model encoded this"])
     with pytest.raises(FingerprintMismatchError, match="re-encode"):

@@ -4,6 +4,7 @@ commands. Engine tests use the tiny model (SmolLM2's tokenizer); the commands us
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import re
@@ -14,12 +15,15 @@ import pytest
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
+from rag_kvcache.errors import ConfigError, StoreFullError
 from rag_kvcache.ingest import plan_ingest, prune, read_text, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.tools.cli import main
-from rag_kvcache.tools.cli.documents import counted
+from rag_kvcache.tools.cli.documents import counted, ingest_command
+
+INGEST_DEFAULTS = {"chunk_tokens": 256, "overlap": 0}
 
 DATA = Path(__file__).resolve().parents[1] / "demos" / "data"
 PARAGRAPHS = {
@@ -105,6 +109,7 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(engine, tmp_path: Pat
     (docs / "loop").symlink_to(docs)
     (docs / "dangling.md").symlink_to(tmp_path / "missing.md")
     (docs / ".hidden.md").write_text("never read")
+    (docs / os.fsdecode(b"caf\xe9.md")).write_text("A name in latin-1.")  # not UTF-8
 
     plan, done = ingest(engine, docs, tmp_path / "nowhere", max_bytes=4096)
     reasons = {Path(s.path).name: s.reason for s in plan.skipped}
@@ -117,6 +122,7 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(engine, tmp_path: Pat
     assert reasons.pop("loop").startswith("symlink loop")
     assert reasons.pop("dangling.md") == "not a regular file"
     assert reasons.pop("nowhere") == "no such file or folder"
+    assert reasons.pop("caf\\xe9.md") == "its name is not valid UTF-8: rename it"
     assert reasons == {}
     ingested = {Path(d.source).name: len(d.cache_ids) for d in done}
     assert ingested == {"bakery.md": 2, "ferry.md": 3, "league.md": 2, "scan.pdf": 1}
@@ -199,6 +205,48 @@ def test_prune_removes_documents_whose_file_is_gone(engine, tmp_path: Path) -> N
     sources = {Path(d.source).name for d in engine.corpus.catalog.documents()}
     assert sources == {"ferry.md", "bakery.md", "other.md"}
     assert all("rowing" not in h.text for h in engine.retrieve("rowing league crews", 10))
+
+
+def test_a_path_that_does_not_exist_prunes_nothing(engine, tmp_path: Path) -> None:
+    """`prune` under a folder that is not there (a typo, an unmounted disk) forgets nothing;
+    the command refuses it before anything runs."""
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    ingest(engine, docs)
+    moved = tmp_path / "moved"
+    docs.rename(moved)
+    assert prune(engine, [docs]) == []
+    assert len(engine.corpus.catalog.documents()) == len(PARAGRAPHS)
+    store = ["--store", str(tmp_path / "store")]
+    with pytest.raises(ConfigError, match="no such file or folder, so nothing was pruned"):
+        ingest_command(argparse.Namespace(paths=[docs], prune=True, **INGEST_DEFAULTS), None)
+    assert main(["ingest", str(docs), "--prune", *store]) == 1
+    assert len(engine.corpus.catalog.documents()) == len(PARAGRAPHS)
+
+
+def test_a_full_disk_stops_the_ingest_instead_of_skipping_files(
+    engine, tmp_path: Path, monkeypatch
+) -> None:
+    """Every file after a full disk would fail too: the store's error ends the run (the
+    command exits 1 with it) where a file's own fault is a skip; documents stored before it
+    stay."""
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    store = engine.cache_token_ids
+    calls = []
+
+    def full_after_one(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise StoreFullError("disk full while writing chunk x; free space")
+        return store(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "cache_token_ids", full_after_one)
+    plan = plan_ingest(engine, [docs], paragraphs)
+    with pytest.raises(StoreFullError, match="disk full"):
+        run_ingest(engine, plan)
+    assert plan.skipped == []
+    assert [Path(d.source).name for d in engine.corpus.catalog.documents()] == ["bakery.md"]
 
 
 def test_a_chunk_shared_by_two_documents_outlives_either(engine) -> None:

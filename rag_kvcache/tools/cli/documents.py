@@ -56,7 +56,19 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
             f"--overlap must be from 0 to below --chunk-tokens ({args.chunk_tokens}), "
             f"got {args.overlap}"
         )
+    missing = [str(path) for path in args.paths if not path.exists()]
+    if args.prune and missing:  # a typo or an unmounted folder must not forget its documents
+        raise ConfigError(
+            f"{', '.join(missing)}: no such file or folder, so nothing was pruned (--prune "
+            "forgets the documents under a PATH whose files are gone; for a folder you removed, "
+            "prune from a folder above it)"
+        )
     engine = open_engine(args, console, keep_hot=False)
+    if args.chunk_tokens > engine.lm.max_context:
+        raise ConfigError(
+            f"--chunk-tokens {args.chunk_tokens} is more than the model's window of "
+            f"{engine.lm.max_context} tokens"
+        )
     split = split_text(engine.lm.tokenizer, args.chunk_tokens, args.overlap)
     start = time.perf_counter()
     with Progress(

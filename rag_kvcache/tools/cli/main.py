@@ -91,3 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     except RagKVCacheError as e:  # bad input: say what and why, no traceback
         console.print(f"[red]error:[/red] {e}", highlight=False)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what was stored is kept (each write is whole)
+        console.print("[red]interrupted[/red]", highlight=False)
+        return 130

@@ -32,7 +32,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         if name == "gc":
             sub.add_argument(
                 "--pending-after",
-                type=float,
+                type=seconds,
                 default=600.0,
                 metavar="SECONDS",
                 help="an unfinished write older than this is abandoned",
@@ -147,3 +147,11 @@ def rebuild_index(store: TieredStore) -> int:
     for name in ("index.faiss", "index.ids", "index.faiss.sha256"):
         (store.root / name).unlink(missing_ok=True)
     return len(Corpus(store, store.catalog, store.root, Embedder.shared()).index)
+
+
+def seconds(text: str) -> float:
+    """--pending-after: a finite number of seconds, >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"a time in seconds, >= 0 and finite, not {text}")
+    return value
