@@ -410,6 +410,12 @@ def test_a_request_beyond_the_kv_budget_is_a_clear_400(engine, tiny32) -> None:
                 assert "kv-cache-mib" in error["message"] and "Traceback" not in response.text
             plain = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
             assert client.post("/v1/chat/completions", json=plain, headers=AUTH).status_code == 400
+            # past the model's window too: the window is what to name (no budget holds it)
+            long = {"prompt": "harbor " * 2 * small.lm.max_context, "max_tokens": 2}
+            response = client.post("/v1/completions", json=long, headers=AUTH)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+            assert "model's window" in error["message"] and "kv-cache-mib" not in error["message"]
             assert client.get("/health").status_code == 200
     finally:
         small.close()
