@@ -52,6 +52,8 @@ class PromptTemplate:
         """Chat messages as the model's chat template renders them, ready for the reply. A
         chat the template refuses (e.g. two user turns in a row, where turns must alternate) is
         a ConfigError naming the template's reason."""
+        for message in messages:  # a bad character named where the client wrote it
+            check_text(message["content"])
         if getattr(tokenizer, "chat_template", None):
             from jinja2 import TemplateError
 

@@ -238,7 +238,7 @@ def test_streams_are_server_sent_events_ending_in_done(client, engine) -> None:
         ({"messages": [{"role": "user", "content": "q"}],
           "rag": {"top_k": 1, "strategy": "legolink:2+window:" + "9" * 20}}, 400,
          "invalid_request"),
-        ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "invalid_request"),
         ({"messages": [{"role": "user", "content": "\ud800"}], "rag": {"top_k": 1}}, 400,
          "invalid_request"),
         # OpenAI fields this server cannot honour: refused, not ignored
@@ -266,12 +266,21 @@ def test_bad_requests_get_openai_errors(client, body, status, code) -> None:
         ({"prompt": "x", "echo": True}, "echo is not supported"),
         ({"prompt": "x", "best_of": 3}, "best_of is not supported"),
         ({"prompt": "x", "logprobs": 2}, "logprobs is not supported"),
+        ({"prompt": "x", "logprobs": 0}, "logprobs is not supported"),  # the sampled token's
     ],
 )
 def test_bad_completions_get_openai_errors(client, body, wanted) -> None:
     response = post_json(client, "/v1/completions", body)
     assert response.status_code == 400, response.text
     assert wanted in response.json()["error"]["message"]
+
+
+def test_a_bad_character_is_named_where_the_client_wrote_it(client) -> None:
+    """In the message's own text, not in the chat template's rendering of the messages."""
+    for rag in ({}, {"rag": {"top_k": 1}}):
+        body = {"messages": [{"role": "user", "content": "hi \ud800"}], **rag}
+        response = post_json(client, "/v1/chat/completions", body)
+        assert "at character 3," in response.json()["error"]["message"], (rag, response.text)
 
 
 def test_the_default_values_of_unsupported_fields_are_accepted(client, engine) -> None:
@@ -374,7 +383,8 @@ def test_a_non_streaming_request_whose_client_left_is_aborted(engine, monkeypatc
 
     async def scenario() -> None:
         stream = alone.astream("Who?", ids(engine), max_new_tokens=400)
-        assert await app._unless_gone(Gone(), stream) is None  # type: ignore[arg-type]
+        with pytest.raises(app.ClientGone):
+            await app._unless_gone(Gone(), stream.finish(), stream)  # type: ignore[arg-type]
         assert stream.result is None  # it never finished
         decoder = alone.serving_loop().decoder
         deadline = time.monotonic() + 10
@@ -387,6 +397,37 @@ def test_a_non_streaming_request_whose_client_left_is_aborted(engine, monkeypatc
         asyncio.run(scenario())
     finally:
         alone.close()
+
+
+def test_a_client_gone_while_its_request_waits_is_dropped_too(monkeypatch) -> None:
+    """Before its first token (waiting for room in the KV budget, or being linked) a request
+    is watched the same way: the wait is cancelled and the stream closed, which aborts it."""
+    from rag_kvcache.tools.server import app
+
+    monkeypatch.setattr(app, "DISCONNECT_POLL_S", 0.001)
+    closed, cancelled = [], []
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    class Stream:
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    async def waiting() -> None:
+        try:
+            await asyncio.Event().wait()  # room never comes
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def scenario() -> None:
+        with pytest.raises(app.ClientGone):
+            await app._unless_gone(Gone(), waiting(), Stream())  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+    assert cancelled == [True] and closed == [True]
 
 
 def test_a_request_beyond_the_kv_budget_is_a_clear_400(engine, tiny32) -> None:

@@ -15,10 +15,10 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,7 +52,8 @@ from rag_kvcache.tools.server.schema import (
 log = logging.getLogger("rag_kvcache.server")
 DEFAULT_TOP_K = 4
 INTERNAL = "internal error; the server's log has the details"
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+DISCONNECT_POLL_S = 0.25  # how often a request not yet streaming checks that its client is there
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -209,7 +210,7 @@ def create_app(
         status = "failed" if loading.error else "loading"
         return JSONResponse({"status": status, "error": loading.error}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -288,12 +289,20 @@ async def _respond(
 ) -> Response:
     stream = await asyncio.to_thread(_stream, engine, body, job)  # tokenizing: off the loop
     pieces = aiter(stream)
+
+    async def first_piece() -> str | None:
+        try:
+            return await anext(pieces)
+        except StopAsyncIteration:
+            return None
+
     # the first piece (or the request's own error: an unknown chunk, a context too long)
-    # before any byte is sent, so errors keep their status code
+    # before any byte is sent, so errors keep their status code; a request waiting for room
+    # in the KV budget waits here, and is dropped if its client leaves meanwhile
     try:
-        first: str | None = await anext(pieces)
-    except StopAsyncIteration:
-        first = None
+        first = await _unless_gone(request, first_piece(), stream)
+    except ClientGone:
+        return Response(status_code=499)
     request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
 
@@ -307,8 +316,9 @@ async def _respond(
         return "length" if len(answer.token_ids) >= limit or window else "stop"
 
     if not body.stream:
-        answer = await _unless_gone(request, stream)  # its text is the pieces joined, trimmed
-        if answer is None:  # the client left: its request was aborted, nobody to answer
+        try:  # its text is the pieces joined, trimmed
+            answer = await _unless_gone(request, stream.finish(), stream)
+        except ClientGone:  # its request was aborted: nobody to answer
             return Response(status_code=499)
         metrics.answered(answer)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(answer)}
@@ -401,19 +411,26 @@ def _stream(
     )
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
 async def _unless_gone(
-    request: Request, stream: AsyncTokenStream[Answer] | FollowUpStream
-) -> Answer | None:
-    """The finished answer, or None if the client disconnected first: then its request is
-    aborted (a client that gave up on a non-streaming answer must not leave it decoding)."""
-    task = asyncio.ensure_future(stream.finish())
+    request: Request,
+    work: Coroutine[Any, Any, T],
+    stream: AsyncTokenStream[Answer] | FollowUpStream,
+) -> T:
+    """`work`'s result, unless the client disconnects first: then ClientGone, and the stream's
+    request is aborted (a client that gave up, waiting for room or for a whole answer, must
+    not leave its request waiting or decoding for nobody)."""
+    task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 return task.result()
             if await request.is_disconnected():
-                return None
+                raise ClientGone
     finally:
         if not task.done():
             task.cancel()

@@ -80,9 +80,17 @@ class Sampling(BaseModel):
     def refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, harmless in UNSUPPORTED.items():
-                if name in data and data[name] not in harmless:
+                if name in data and not any(_same(data[name], h) for h in harmless):
                     raise ValueError(f"{name} is not supported by this server")
         return data
+
+
+def _same(value: object, harmless: object) -> bool:
+    """Equal, with booleans apart from numbers: completions' `logprobs: 0` asks for the
+    sampled token's log probability, where chat's `logprobs: false` asks for nothing."""
+    if isinstance(value, bool) or isinstance(harmless, bool):
+        return value is harmless
+    return value == harmless
 
 
 class ChatRequest(Sampling):
