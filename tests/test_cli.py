@@ -491,6 +491,10 @@ def test_bad_values_and_ctrl_c_end_a_command_in_one_line(tmp_path: Path, capsys,
     def interrupted(args, console) -> int:
         raise KeyboardInterrupt
 
+    missing = tmp_path / "[/x] store"  # text that rich would read as a closing tag
+    assert main(["stats", "--store", str(missing)]) == 1
+    assert "[/x] store" in " ".join(capsys.readouterr().out.split())
+
     monkeypatch.setattr(cli_store, "store_command", interrupted)
     assert main(["stats", "--store", str(tmp_path)]) == 130
     assert "interrupted" in capsys.readouterr().out
@@ -505,3 +509,17 @@ def test_a_question_that_is_not_unicode_is_refused(tiny32, tmp_path: Path) -> No
             ask("owls in the barn \udcff\udcfe?")
     with pytest.raises(ConfigError, match="the prompt is empty"):
         engine.complete("")
+
+
+def test_a_prompt_argument_is_a_file_or_the_prompt_itself(tmp_path: Path) -> None:
+    """A prompt too long to be a file name is the prompt (the file system's error is not an
+    answer); a file that is not UTF-8 is a MarkupError."""
+    from rag_kvcache.markup.language import MarkupError
+    from rag_kvcache.tools.cli.markup import is_file, read_file
+
+    assert not is_file('<prompt schema="travel">' + "Tell me more. " * 40 + "</prompt>")
+    binary = tmp_path / "bin.xml"
+    binary.write_bytes(b"<schema \xf0\x28\x8c\x28>")
+    assert is_file(str(binary))
+    with pytest.raises(MarkupError, match="not UTF-8 text"):
+        read_file(binary)

@@ -11,6 +11,7 @@ import torch
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import at_positions, prompt_in_position_order
+from rag_kvcache.errors import ContextTooLongError
 from rag_kvcache.markup.language import MarkupError, compile_schema
 from rag_kvcache.markup.prompt import compile_prompt
 from rag_kvcache.markup.prompt_cache import PromptCache, linked_order, schema_placement
@@ -214,6 +215,24 @@ def test_gaps_and_arguments_equal_a_prefill_with_the_same_positions(cache) -> No
     # float32 even for a float64 model; ours are rotated in float64 (see test_rope)
     torch.testing.assert_close(logits, reference[0, -1], rtol=1e-4, atol=2e-5)
     assert int(logits.argmax()) == int(reference[0, -1].argmax())
+
+
+def test_a_schema_past_the_models_window_is_refused(cache) -> None:
+    """Its last positions could never be attended: refused when added (a parameter's length
+    counts, however large), and a prompt reaching past the window is refused when served."""
+    window = cache.engine.lm.max_context
+    for length in (window, 99999999999999999999):
+        param = f'<param name="p" len="{length}"/>'
+        source = f'<schema name="big"><module name="m">hi {param}</module></schema>'
+        with pytest.raises(
+            ContextTooLongError, match=f"spans .* positions; the model's window is {window}"
+        ):
+            cache.add_schema(source)
+    assert "big" not in cache.schemas
+    cache.add_schema('<schema name="ok"><module name="m">hi</module></schema>')
+    compiled = cache.compile('<prompt schema="ok"><m/>' + "harbor " * window + "</prompt>")
+    with pytest.raises(ContextTooLongError, match="the prompt reaches position"):
+        cache.serve(compiled)
 
 
 def test_editing_a_schema_reencodes_only_what_changed(cache) -> None:

@@ -378,6 +378,10 @@ def test_a_prompt_of_modules_only_continues_the_schema(schemas, smol_tokenizer) 
             "module 'intro' has no module 'task2'",
         ),
         ('<prompt schema="reference"><intro tpoic="x"/>y</prompt>', "no parameter 'tpoic'"),
+        (  # imported twice: one of the two arguments would be lost
+            '<prompt schema="reference"><intro topic="a"/><intro topic="b"/>y</prompt>',
+            "parameter 'topic' of module 'intro' is given twice",
+        ),
     ],
 )
 def test_bad_prompts_are_refused_clearly(schemas, smol_tokenizer, prompt, message) -> None:
@@ -427,11 +431,37 @@ def schema_with(body: str) -> str:
             'name="b"><module name="d">y</module></module><scaffold modules="d"/></schema>',
             "'d' names 2 modules",
         ),
+        (schema_with('<module name="user">x</module>'), "cannot be named 'user', like a role"),
+        (schema_with("<module name='m'>" * 70 + "x" + "</module>" * 70), "nest more than 64"),
+        (
+            '<!DOCTYPE s [<!ENTITY x SYSTEM "file:///etc/hostname">]>'
+            + schema_with('<module name="m">&x;</module>'),
+            "external entities are not allowed",
+        ),
     ],
 )
 def test_bad_schemas_are_refused_clearly(smol_tokenizer, source, message) -> None:
     with pytest.raises(MarkupError, match=message):
         compile_schema(source, smol_tokenizer)
+
+
+def test_text_in_many_pieces_is_joined_whole() -> None:
+    """expat hands text over in small pieces (around every entity, across buffer ends); they
+    are joined once per run of text, not appended to one by one (which was quadratic: 2 s for
+    a 1.4 MB module, 4x per doubling)."""
+    from rag_kvcache.markup.language import Element, Text, parse
+
+    body = "ab&amp;" * 200_000
+    root = parse(schema_with(f'<module name="m">{body}<module name="n">c&lt;d</module>e</module>'))
+    module = root.children[0].children[0]
+    assert isinstance(module, Element) and [type(c) for c in module.children] == [
+        Text,
+        Element,
+        Text,
+    ]
+    assert [getattr(c, "text", None) for c in module.children] == ["ab&" * 200_000, None, "e"]
+    inner = module.children[1]
+    assert isinstance(inner, Element) and inner.children[0].text == "c<d"  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------------- never a crash

@@ -40,6 +40,7 @@ from xml.parsers import expat
 from rag_kvcache.errors import RagKVCacheError
 
 ROLES = ("system", "user", "assistant")
+MAX_DEPTH = 64  # elements nested deeper are refused (a parser's recursion, a reader's sense)
 _MARK = "\x00MARK\x00"
 
 
@@ -70,13 +71,17 @@ class Text:
 
 
 def parse(source: str) -> Element:
-    """XML -> Element tree with positions (expat; comments dropped)."""
+    """XML -> Element tree with positions (expat; comments dropped). Elements nest at most
+    MAX_DEPTH deep, and external entities (which would read files or URLs) are refused."""
     root = Element("#document", {}, 1, 1)
     stack = [root]
+    pieces: dict[int, list[str]] = {}  # a Text's pieces by id: joined once, not appended to
     parser = expat.ParserCreate()
 
     def start(tag: str, attrs: dict[str, str]) -> None:
         node = Element(tag, attrs, parser.CurrentLineNumber, parser.CurrentColumnNumber + 1)
+        if len(stack) > MAX_DEPTH:
+            raise MarkupError(f"{node.where()}: elements nest more than {MAX_DEPTH} deep")
         stack[-1].children.append(node)
         stack.append(node)
 
@@ -86,24 +91,42 @@ def parse(source: str) -> Element:
     def text(data: str) -> None:
         children = stack[-1].children
         if children and isinstance(children[-1], Text):
-            children[-1].text += data
+            pieces[id(children[-1])].append(data)  # expat gives text in many small pieces
         else:
             line, column = parser.CurrentLineNumber, parser.CurrentColumnNumber + 1
             children.append(Text(data, line, column))
+            pieces[id(children[-1])] = [data]
+
+    def external(*_: object) -> int:
+        line, column = parser.CurrentLineNumber, parser.CurrentColumnNumber + 1
+        raise MarkupError(f"line {line}, column {column}: external entities are not allowed")
 
     parser.StartElementHandler = start
     parser.EndElementHandler = end
     parser.CharacterDataHandler = text
+    parser.ExternalEntityRefHandler = external
     try:
         parser.Parse(source, True)
     except expat.ExpatError as e:
         raise MarkupError(
             f"line {e.lineno}, column {e.offset + 1}: {expat.errors.messages[e.code]}"
         ) from None
+    _join_texts(root, pieces)
     elements = [c for c in root.children if isinstance(c, Element)]
     if len(elements) != 1:
         raise MarkupError("expected one top-level element")
     return elements[0]
+
+
+def _join_texts(node: Element, pieces: dict[int, list[str]]) -> None:
+    """Each Text's pieces as its text (iteratively: the tree is at most MAX_DEPTH deep)."""
+    todo = [node]
+    while todo:
+        for child in todo.pop().children:
+            if isinstance(child, Text):
+                child.text = "".join(pieces[id(child)])
+            else:
+                todo.append(child)
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -213,6 +236,8 @@ class _Compiler:
         name = node.attrs.get("name", "")
         if not NAME.fullmatch(name):
             raise MarkupError(f"{node.where()}: <module> needs a name (letters, digits, -_.)")
+        if name in ROLES:  # a prompt's <user/> is a turn, so such a module could not be used
+            raise MarkupError(f"{node.where()}: a module cannot be named {name!r}, like a role")
         path = name if parent is None else f"{parent}/{name}"
         if path in self.modules:
             raise MarkupError(f"{node.where()}: module {path!r} is defined twice")

@@ -123,6 +123,11 @@ def import_reference(
             raise MarkupError(
                 f"{ref.where()}: module {module.path!r} has no parameter {param_name!r}"
             )
+        if (module.path, param_name) in values:  # a module imported twice: one would be lost
+            raise MarkupError(
+                f"{ref.where()}: parameter {param_name!r} of module {module.path!r} is given "
+                "twice; import the module once"
+            )
         values[(module.path, param_name)] = (value, ref)
     for child in ref.children:
         if isinstance(child, Text):

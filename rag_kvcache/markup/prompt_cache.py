@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rag_kvcache.answer import Answer, AnswerStream, Placement, Prepared, answer_steps, prepare
 from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import ContextTooLongError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.markup.language import MarkupError, Schema, Unit, compile_schema, scaffold_unit
 from rag_kvcache.markup.prompt import CompiledPrompt, compile_prompt
@@ -43,6 +44,12 @@ class PromptCache:
     def add_schema(self, source: str) -> SchemaAdded:
         """Compile a schema and encode its units (and scaffolds) that are not cached yet."""
         schema = compile_schema(source, self.engine.lm.tokenizer)
+        window = self.engine.lm.max_context
+        if schema.length > window:  # its later positions could never be attended
+            raise ContextTooLongError(
+                f"schema {schema.name!r} spans {schema.length} positions; the model's window "
+                f"is {window}"
+            )
         units = list(schema.units)
         for names in schema.scaffolds:
             covered = [u for u in schema.units if u.module is None or u.module in names]
@@ -71,6 +78,12 @@ class PromptCache:
         plain prefill of the same tokens in position order (`prefill`), for comparison."""
         compiled = self.compile(prompt) if isinstance(prompt, str) else prompt
         strategy = Strategy.parse(strategy)
+        end = max(compiled.new_positions, default=0) + 1
+        if end > self.engine.lm.max_context:  # a schema added before its window was checked
+            raise ContextTooLongError(
+                f"the prompt reaches position {end}; the model's window is "
+                f"{self.engine.lm.max_context}"
+            )
         if strategy.order != "given":
             raise MarkupError("a prompt imports its modules in its own order; drop the +order")
         lm = self.engine.lm

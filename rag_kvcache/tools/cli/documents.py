@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from rag_kvcache.chat import earlier_answers, unless_repeated
 from rag_kvcache.strategy import DEFAULT, Strategy
@@ -96,7 +97,7 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
     if plan.skipped:
         table = Table("skipped", "why", title="not ingested", title_justify="left")
         for skip in plan.skipped:
-            table.add_row(skip.path, skip.reason)
+            table.add_row(Text(skip.path), Text(skip.reason))  # names as text, not markup
         console.print(table)
     encoded = sum(d.encoded for d in done)
     encode_s = sum(d.encode_s for d in done)
@@ -125,7 +126,8 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("the question is empty; ask something")
     engine = open_engine(args, console, existing=True)
     if not engine.corpus.catalog.documents():
-        console.print(f"[red]no documents in {args.store}: run `rag-kvcache ingest PATH` first")
+        empty = f"no documents in {args.store}: run `rag-kvcache ingest PATH` first"
+        console.print(empty, style="red", markup=False)
         return 1
 
     def ask(question: str, history: list[dict[str, str]]) -> str:
@@ -161,7 +163,8 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             base = show(run(runs[-1][0], strategy.baseline))  # the prompt the answer shown had
         table = Table("score", "source", "chunk", title="sources", title_justify="left")
         for hit in hits:
-            table.add_row(f"{hit.score:.2f}", Path(hit.source or "?").name, hit.text[:70])
+            source, text = Text(Path(hit.source or "?").name), Text(hit.text[:70])
+            table.add_row(f"{hit.score:.2f}", source, text)  # documents' text is not markup
         console.print(table)
         line = (
             f"TTFT {first.ttft_s:.3f} s ({first.strategy}, {first.context_tokens} context "

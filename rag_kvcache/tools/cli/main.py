@@ -79,6 +79,8 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    from rich.markup import escape
+
     from rag_kvcache.errors import RagKVCacheError
 
     args = build_parser().parse_args(argv)
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args, console))
     except RagKVCacheError as e:  # bad input: say what and why, no traceback
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)  # text, not markup
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what was stored is kept (each write is whole)
         console.print("[red]interrupted[/red]", highlight=False)

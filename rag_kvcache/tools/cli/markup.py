@@ -6,7 +6,9 @@ import argparse
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from rag_kvcache.tools.cli.common import engine_options, open_engine
 
@@ -45,7 +47,7 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
     cache = PromptCache(engine)
     try:
         if adding:
-            added = cache.add_schema(args.file.read_text(encoding="utf-8"))
+            added = cache.add_schema(read_file(args.file))
             path = schema_path(Path(args.store), added.name)  # a hostile name is refused here
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(cache.schemas[added.name].source, encoding="utf-8")
@@ -59,15 +61,14 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
         if args.command == "schema":
             table = Table("schema", "modules", "parameters", "positions")
             for s in cache.schemas.values():
-                table.add_row(s.name, str(len(s.modules)), str(len(s.params)), str(s.length))
+                table.add_row(Text(s.name), str(len(s.modules)), str(len(s.params)), str(s.length))
             console.print(table if cache.schemas else "no schemas yet: rag-kvcache schema add FILE")
             return 0
-        source = Path(args.prompt)
-        text = source.read_text(encoding="utf-8") if source.is_file() else args.prompt
+        text = read_file(Path(args.prompt)) if is_file(args.prompt) else args.prompt
         answer = cache.serve(text, args.strategy, max_new_tokens=args.max_new_tokens)
         baseline = cache.serve(text, PREFILL, max_new_tokens=args.max_new_tokens)
     except (RagKVCacheError, OSError) as e:
-        console.print(f"[red]{e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         return 1
     console.print(answer.text, markup=False, highlight=False)
     console.print(
@@ -77,3 +78,22 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
         f"{'agree' if baseline.token_ids == answer.token_ids else 'differ'}"
     )
     return 0
+
+
+def is_file(text: str) -> bool:
+    """Whether the prompt argument names a file (else it is the prompt itself: a long prompt
+    is no file name, and the file system says so with an error)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def read_file(path: Path) -> str:
+    """A schema's or prompt's text; one that is not UTF-8 is a MarkupError."""
+    from rag_kvcache.markup.language import MarkupError
+
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MarkupError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
