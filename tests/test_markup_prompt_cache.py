@@ -432,6 +432,13 @@ def schema_with(body: str) -> str:
             "'d' names 2 modules",
         ),
         (schema_with('<module name="user">x</module>'), "cannot be named 'user', like a role"),
+        (
+            schema_with(
+                '<union><module name="m">x</module><module name="n">y</module></union>'
+                '<scaffold modules="m n"/>'
+            ),
+            "cannot hold both 'm' and 'n': they are members of one <union>",
+        ),
         (schema_with("<module name='m'>" * 70 + "x" + "</module>" * 70), "nest more than 64"),
         (
             '<!DOCTYPE s [<!ENTITY x SYSTEM "file:///etc/hostname">]>'

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -47,7 +47,7 @@ from rag_kvcache.storage.layout import (
     redis_prefix,
     schema_path,
 )
-from rag_kvcache.storage.records import VerifyReport
+from rag_kvcache.storage.records import CatalogError, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.tools.cli import main
@@ -395,6 +395,16 @@ def test_a_full_catalog_disk_is_the_store_full_error(tmp_path: Path, tiny32) -> 
         assert 0 < len(stored) < len(kvs)
         assert {r.cache_id for r in store.catalog.all_chunks("stored")} <= set(stored)
         store.close()
+
+
+def test_a_catalog_that_cannot_open_on_a_full_disk_says_the_disk_is_full(tmp_path: Path) -> None:
+    """With no byte free SQLite cannot write its journal and says only "disk I/O error" (or
+    "database or disk is full"): the error names the full disk, not the host and user."""
+    with tmpfs(tmp_path / "small", "64k") as small:
+        with suppress(OSError):
+            (small / "filler").write_bytes(bytes(1 << 20))  # fills the filesystem
+        with pytest.raises(CatalogError, match="the disk holding it is full"):
+            Catalog(path=small / "catalog.sqlite")
 
 
 def test_opening_a_missing_catalog_to_read_is_not_found(target: Target, tmp_path: Path) -> None:

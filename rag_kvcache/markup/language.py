@@ -409,6 +409,11 @@ def scaffold_unit(units: list[Unit]) -> Unit:
         raise MarkupError("a scaffold must cover some text; its modules are empty")
     units = sorted(units, key=lambda u: u.start)
     for a, b in zip(units, units[1:]):
+        if a.end > b.start:  # two members of one union start at the same position
+            raise MarkupError(
+                f"a scaffold cannot hold both {a.module!r} and {b.module!r}: they are members "
+                "of one <union> (they share positions)"
+            )
         if a.end != b.start:
             raise MarkupError(
                 f"a scaffold must cover one gapless run of positions; {a.end}..{b.start - 1} "
