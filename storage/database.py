@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
 import time
 import zlib
 from collections.abc import Iterator
@@ -151,13 +152,30 @@ def _ensure_pg_schema(url: URL, schema: str) -> None:
         engine.dispose()
 
 
-def _open_error(url: str, err: sa.exc.DBAPIError) -> CatalogError:
-    """What went wrong opening the catalog at `url`, in one line (the driver's first)."""
+def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -> CatalogError:
+    """What went wrong opening the catalog at `url`, in one line (the driver's first). SQLite
+    says "disk I/O error" when it cannot even write its journal: a full disk is named."""
     reason = str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else type(err.orig)
+    if database and _no_space(Path(database).parent):
+        return CatalogError(
+            f"cannot open the catalog at {url}: {reason}; the disk holding it is full: free "
+            "space there"
+        )
     return CatalogError(
         f"cannot open the catalog at {url}: {reason}; check the host, database, user and "
         "that the folder is writable"
     )
+
+
+def _sqlite_file(url: URL) -> str | None:
+    return url.database if url.get_backend_name() == "sqlite" else None
+
+
+def _no_space(folder: Path) -> bool:
+    try:
+        return shutil.disk_usage(folder).free == 0
+    except OSError:
+        return False
 
 
 def _disk_full(err: sa.exc.OperationalError) -> bool:
@@ -214,7 +232,7 @@ class CatalogDatabase:
                     _ensure_pg_schema(sa_url, schema)
             self._engine = create_catalog_engine(sa_url, schema)
         except sa.exc.DBAPIError as err:
-            raise _open_error(shown, err) from None
+            raise _open_error(shown, err, _sqlite_file(sa_url)) from None
         self._sqlite = self._engine.dialect.name == "sqlite"
         self._schema = schema
         # SQLite: writers take the write lock up front (waiting on busy_timeout) instead of
@@ -228,7 +246,7 @@ class CatalogDatabase:
             self._upgrade_when_free(create)
         except sa.exc.DBAPIError as err:
             self._engine.dispose()
-            raise _open_error(shown, err) from None
+            raise _open_error(shown, err, _sqlite_file(sa_url)) from None
         except BaseException:
             self._engine.dispose()
             raise
