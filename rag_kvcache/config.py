@@ -92,6 +92,18 @@ class GenerationConfig:
             raise ConfigError(f"seed must be a 64-bit integer, got {self.seed}")
 
 
+def printable_path(path: Path | str) -> str:
+    """A path as text that can be printed and stored: the bytes of a name that are not UTF-8
+    (which Python keeps as lone surrogates) written as escapes. Equal to `str(path)` exactly
+    when the path is valid UTF-8."""
+    text = str(path)
+    try:
+        raw = text.encode("utf-8", "surrogateescape")  # the file system's own bytes
+    except UnicodeEncodeError:  # a lone surrogate no file system name decodes to
+        raw = text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Where chunk KV lives. `root` None keeps it in process memory only; otherwise a tiered
@@ -114,12 +126,9 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.compress not in COMPRESSIONS:
             raise ConfigError(f"compress {self.compress!r} is not one of {COMPRESSIONS}")
-        if self.root is not None:
-            try:  # the catalog's URL and records hold the path as text
-                str(self.root).encode("utf-8")
-            except UnicodeEncodeError:
-                shown = str(self.root).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-                raise ConfigError(f"the store path {shown!r} is not valid UTF-8") from None
+        if self.root is not None and printable_path(self.root) != str(self.root):
+            # the catalog's URL and records hold the path as text
+            raise ConfigError(f"the store path {printable_path(self.root)!r} is not valid UTF-8")
         if self.cpu_bytes < 0 or self.gpu_bytes < 0:
             raise ConfigError("tier budgets must be >= 0 bytes")
         if self.policy not in ("lru", "lfu"):

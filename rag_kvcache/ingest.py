@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rag_kvcache.config import printable_path
 from rag_kvcache.engine import DocumentIngest, RagKVCache
 from rag_kvcache.errors import StoreError
 
@@ -71,7 +72,7 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
     skipped: list[Skipped] = []
 
     def unreadable(err: OSError) -> None:  # e.g. a path longer than the file system allows
-        skipped.append(Skipped(shown(err.filename), f"cannot read: {err.strerror or err}"))
+        skipped.append(Skipped(printable_path(err.filename), f"cannot read: {err.strerror or err}"))
 
     for path in paths:
         try:
@@ -91,7 +92,7 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
                         if not name.startswith("."):
                             _add_file(Path(folder, name), files, skipped)
             else:
-                skipped.append(Skipped(shown(path), "no such file or folder"))
+                skipped.append(Skipped(printable_path(path), "no such file or folder"))
         except OSError as err:
             err.filename = err.filename or str(path)
             unreadable(err)
@@ -101,19 +102,13 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
 def _add_file(file: Path, files: dict[Path, None], skipped: list[Skipped]) -> None:
     try:
         if not file.is_file():
-            skipped.append(Skipped(shown(file), "not a regular file"))
-        elif shown(file) != str(file):  # the catalog keeps a source as text
-            skipped.append(Skipped(shown(file), "its name is not valid UTF-8: rename it"))
+            skipped.append(Skipped(printable_path(file), "not a regular file"))
+        elif printable_path(file) != str(file):  # the catalog keeps a source as text
+            skipped.append(Skipped(printable_path(file), "its name is not valid UTF-8: rename it"))
         else:
             files[file.resolve()] = None
     except OSError as err:
-        skipped.append(Skipped(shown(file), f"cannot read: {err.strerror or err}"))
-
-
-def shown(path: Path | str) -> str:
-    """A path as text that can be printed and stored: bytes of its name that are not UTF-8
-    (which Python keeps as lone surrogates) written as escapes."""
-    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        skipped.append(Skipped(printable_path(file), f"cannot read: {err.strerror or err}"))
 
 
 def read_text(path: Path, max_bytes: int = MAX_BYTES) -> tuple[str, str]:

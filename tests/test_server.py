@@ -327,11 +327,11 @@ def test_an_answer_cut_by_the_models_window_says_length(client, engine) -> None:
     assert choice["text"] == alone.text and choice["finish_reason"] == "length"
 
 
-def another(engine: RagKVCache) -> RagKVCache:
-    """An engine over the same model and store (a test whose app closes it, or whose requests
-    must not share the module's engine loop)."""
-    config = EngineConfig(generation=GenerationConfig(max_new_tokens=6))
-    return RagKVCache(config, lm=engine.lm, store=engine.store)
+def another(engine: RagKVCache, **config: Any) -> RagKVCache:
+    """An engine over the same model and store, with `config`'s EngineConfig fields (a test
+    whose app closes it, or whose requests must not share the module's engine loop)."""
+    settings = EngineConfig(generation=GenerationConfig(max_new_tokens=6), **config)
+    return RagKVCache(settings, lm=engine.lm, store=engine.store)
 
 
 def test_the_key_and_the_body_size_are_checked_before_the_body_is_read(engine) -> None:
@@ -430,14 +430,10 @@ def test_a_client_gone_while_its_request_waits_is_dropped_too(monkeypatch) -> No
     assert cancelled == [True] and closed == [True]
 
 
-def test_a_request_beyond_the_kv_budget_is_a_clear_400(engine, tiny32) -> None:
+def test_a_request_beyond_the_kv_budget_is_a_clear_400(engine) -> None:
     """A server whose KV budget cannot hold one request: a 400 context_length_exceeded that
     names the budget, whole and streamed, and the server goes on answering."""
-    small = RagKVCache(
-        EngineConfig(generation=GenerationConfig(max_new_tokens=6), kv_cache_bytes=1 << 10),
-        lm=tiny32,
-        store=engine.store,
-    )
+    small = another(engine, kv_cache_bytes=1 << 10)
     body = {"messages": [{"role": "user", "content": "q"}], "rag": {"cache_ids": ids(engine)}}
     try:
         with served(small) as client:

@@ -42,12 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.errors import (
-    ContextTooLongError,
-    KVBudgetError,
-    RagKVCacheError,
-    StrategyError,
-)
+from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, check_chunks, link, linked_layers
 from rag_kvcache.model.adapter import (
@@ -60,7 +55,7 @@ from rag_kvcache.model.adapter import (
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.serving.batch_kv import BatchKV, inlined
 from rag_kvcache.serving.cascade import PrivateKV, SharedKV, cascade_attention
-from rag_kvcache.serving.decoding import finished, next_token, prefill
+from rag_kvcache.serving.decoding import check_window, finished, next_token, prefill
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, nodes_bias, path_to
 from rag_kvcache.serving.questions import fit_together, prefill_questions
 from rag_kvcache.serving.text import TextPieces
@@ -373,11 +368,7 @@ class BatchDecoder:
         chunks = self.fetch(list(waiting.path))
         room = len(question) + config.max_new_tokens  # its own tokens: question, answer
         context = sum(c.num_tokens for c in chunks)
-        if context + len(question) > self.lm.max_context:  # before the budget: no budget helps
-            raise ContextTooLongError(
-                f"{context + len(question)} prompt tokens exceed the model's window of "
-                f"{self.lm.max_context}"
-            )
+        check_window(self.lm, context + len(question))  # before the budget: none would help
         if not strategy.uses_cache:
             return self.prefilled(waiting, chunks) if self.make_room((), context + room) else None
         in_full = [False, *strategy.in_full(len(chunks) - 1)]

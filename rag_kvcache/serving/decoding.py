@@ -16,16 +16,21 @@ from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.timing import STAGE_CHOOSE, STAGE_FORWARD, stage
 
 
+def check_window(lm: LoadedModel, prompt_tokens: int) -> None:
+    """A prompt of this many tokens fits the model's window (else a ContextTooLongError)."""
+    if prompt_tokens > lm.max_context:
+        raise ContextTooLongError(
+            f"{prompt_tokens} prompt tokens exceed the model's window of {lm.max_context}"
+        )
+
+
 def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Cache, torch.Tensor]:
     """Plain causal prefill of token_ids: (cache, next-token logits [vocab]).
 
     The cache is the same preallocated kind the linker makes (with `reserve` free slots), so
     baseline and linked answers decode at the same speed.
     """
-    if len(token_ids) > lm.max_context:
-        raise ContextTooLongError(
-            f"{len(token_ids)} prompt tokens exceed the model's window of {lm.max_context}"
-        )
+    check_window(lm, len(token_ids))
     with stage(STAGE_FORWARD):
         ids = torch.tensor([token_ids], device=lm.device)  # [1, T]
         keys, values = new_buffers(lm, len(token_ids) + reserve)
