@@ -235,6 +235,26 @@ def test_a_schema_past_the_models_window_is_refused(cache) -> None:
         cache.serve(compiled)
 
 
+def test_a_folder_with_a_bad_schema_still_loads_the_others(cache, tmp_path: Path) -> None:
+    """One schema file that no longer compiles or fits (edited by hand, or stored before the
+    window was checked) is skipped with its reason; the folder's other schemas still serve."""
+    window = cache.engine.lm.max_context
+    (tmp_path / "a-good.xml").write_text(CHAIN, encoding="utf-8")
+    too_long = f'<schema name="big"><module name="m">hi <param name="p" len="{window}"/></module>'
+    (tmp_path / "big.xml").write_text(too_long + "</schema>", encoding="utf-8")
+    (tmp_path / "broken.xml").write_text('<schema name="broken"><module>', encoding="utf-8")
+    (tmp_path / "latin1.xml").write_bytes('<schema name="caf\xe9"/>'.encode("latin-1"))
+    (tmp_path / "folder.xml").mkdir()
+    loaded = cache.load_folder(tmp_path)
+    assert [a.name for a in loaded.added] == list(cache.schemas) == ["chain"]
+    reasons = {path.name: why for path, why in loaded.skipped}
+    assert sorted(reasons) == ["big.xml", "broken.xml", "folder.xml", "latin1.xml"]
+    assert "the model's window" in reasons["big.xml"]
+    assert "not UTF-8" in reasons["latin1.xml"]
+    assert "cannot read it" in reasons["folder.xml"]
+    assert cache.serve('<prompt schema="chain"><harbor/>How deep?</prompt>').token_ids
+
+
 def test_editing_a_schema_reencodes_only_what_changed(cache) -> None:
     first = cache.add_schema(CHAIN)
     again = cache.add_schema(CHAIN)
@@ -318,8 +338,12 @@ def test_schema_and_prompt_commands(tmp_path: Path, capsys, monkeypatch) -> None
     assert "16 modules" in capsys.readouterr().out
     assert main(["schema", "add", str(SCHEMAS / "personalization.xml"), *store]) == 0
     assert "0 encoded now" in capsys.readouterr().out  # a second add reuses every unit
-    assert main(["schema", "list", *store]) == 0
-    assert "personalization" in capsys.readouterr().out
+    from rag_kvcache.storage.layout import SCHEMAS_FOLDER
+
+    (tmp_path / "store" / SCHEMAS_FOLDER / "edited.xml").write_text("<schema name=", "utf-8")
+    assert main(["schema", "list", *store]) == 0  # a broken file is named, the rest listed
+    out = capsys.readouterr().out
+    assert "personalization" in out and "skipped edited.xml" in out
     prompt = (
         '<prompt schema="personalization"><grade-adult/><level-beginner/><style-verbal/>'
         "<interest-cooking/><goal-curiosity/><pace-slow/>Explain what a fraction is.</prompt>"

@@ -34,6 +34,12 @@ class SchemaAdded:
     encoded: int  # units encoded now (the rest were cached: unchanged since last time)
 
 
+@dataclass(frozen=True)
+class SchemasLoaded:
+    added: list[SchemaAdded]
+    skipped: list[tuple[Path, str]]  # (file, why): left out, the rest loaded
+
+
 class PromptCache:
     """Schemas compiled for one engine's model; their units live in the engine's store."""
 
@@ -58,11 +64,24 @@ class PromptCache:
         self.schemas[schema.name] = schema
         return SchemaAdded(schema.name, len(schema.modules), len(units), encoded)
 
-    def load_folder(self, folder: Path) -> list[SchemaAdded]:
-        """Add every `*.xml` schema in a folder (the CLI keeps them under the store root)."""
-        return [
-            self.add_schema(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("*.xml"))
-        ]
+    def load_folder(self, folder: Path) -> SchemasLoaded:
+        """Add every `*.xml` schema in a folder (the CLI keeps them under the store root).
+
+        A file that no longer compiles or fits (edited by hand, or stored before a check
+        existed) is skipped with its reason, so one bad schema does not take the others'
+        prompts down with it; a store that fails (a full disk) still raises."""
+        added: list[SchemaAdded] = []
+        skipped: list[tuple[Path, str]] = []
+        for path in sorted(folder.glob("*.xml")):
+            try:
+                added.append(self.add_schema(path.read_text(encoding="utf-8")))
+            except (MarkupError, ContextTooLongError) as e:
+                skipped.append((path, str(e)))
+            except UnicodeDecodeError as e:
+                skipped.append((path, f"not UTF-8 text (invalid byte at offset {e.start})"))
+            except OSError as e:
+                skipped.append((path, f"cannot read it: {e.strerror or e}"))
+        return SchemasLoaded(added, skipped)
 
     def compile(self, prompt: str) -> CompiledPrompt:
         return compile_prompt(prompt, self.schemas, self.engine.lm.tokenizer)

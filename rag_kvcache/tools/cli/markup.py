@@ -57,7 +57,10 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
             )
             return 0
         if folder.exists():
-            cache.load_folder(folder)
+            for path, why in cache.load_folder(folder).skipped:
+                console.print(
+                    Text.assemble(("skipped ", "yellow"), f"{path.name}: {why}"), highlight=False
+                )
         if args.command == "schema":
             table = Table("schema", "modules", "parameters", "positions")
             for s in cache.schemas.values():
