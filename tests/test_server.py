@@ -267,6 +267,8 @@ def test_bad_requests_get_openai_errors(client, body, status, code) -> None:
         ({"prompt": "x", "best_of": 3}, "best_of is not supported"),
         ({"prompt": "x", "logprobs": 2}, "logprobs is not supported"),
         ({"prompt": "x", "logprobs": 0}, "logprobs is not supported"),  # the sampled token's
+        ({"prompt": "x", "temperature": float("nan")}, "finite number"),  # JSON's NaN
+        ({"prompt": "x", "top_p": float("nan")}, "finite number"),
     ],
 )
 def test_bad_completions_get_openai_errors(client, body, wanted) -> None:

@@ -66,8 +66,8 @@ class Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stop: None = Field(None, description="stop sequences are not supported")
