@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -629,12 +629,27 @@ def test_eval_needle_mode_tries_several_needles_per_length_and_depth(tmp_path: P
     assert main([*args, "--needles", str(len(NEEDLES) + 1), "--out", str(out)]) == 2
 
 
-def _report(path: Path, right: dict[str, dict[str, bool]], **settings: object) -> Path:
+def _report(
+    path: Path,
+    right: dict[str, dict[str, bool]],
+    tokens: int = 10,
+    seconds: dict[str, float] | None = None,
+    **settings: object,
+) -> Path:
     """An eval report as `eval` writes it: `right[item][strategy]` says which answers hold the
-    gold answer."""
+    gold answer; every item `tokens` long, each strategy's TTFT `seconds[strategy]` (prefill's
+    is the prefill TTFT)."""
     strategies = list(next(iter(right.values())))
+    seconds = seconds or {}
     rows = [
-        asdict(_result(item, strategy, ok))
+        asdict(
+            replace(
+                _result(item, strategy, ok),
+                ttft_s=seconds.get(strategy, 1.0),
+                prefill_ttft_s=seconds.get("prefill", 2.0),
+                context_tokens=tokens,
+            )
+        )
         for item, answers in right.items()
         for strategy, ok in answers.items()
     ]
@@ -699,3 +714,31 @@ def test_reports_of_one_setup_are_combined_into_one_run(tmp_path: Path, capsys) 
         assert message in " ".join(capsys.readouterr().out.split())
         assert not (tmp_path / "no").exists()
     assert main(["eval", str(one), "--combine", str(two), "--out", str(out)]) == 2
+
+
+def test_a_combined_report_times_each_length_apart(tmp_path: Path) -> None:
+    """TTFT grows with the context, so a median over 1K and 4K items together describes
+    neither: the combined table shows the longest report's speed, and each report's below."""
+    P, R, C = "prefill", "prefill+reversed", "naive+reversed"
+    short = _report(
+        tmp_path / "1k.json",
+        {i: {P: True, R: True, C: True} for i in "abc"},
+        tokens=1000,
+        seconds={P: 1.0, C: 0.5},
+    )
+    long = _report(
+        tmp_path / "4k.json",
+        {i: {P: True, R: True, C: False} for i in "de"},
+        tokens=4000,
+        seconds={P: 4.0, C: 0.4},
+    )
+    out = tmp_path / "both"
+    assert main(["eval", "--combine", str(short), str(long), "--out", str(out)]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    cache = next(s for s in report["summary"] if s["strategy"] == C)
+    assert (cache["speedup"], cache["ttft_s"], cache["timed_tokens"]) == (10.0, 0.4, 4000)
+    assert (cache["items"], round(cache["contains"], 1)) == (5, 60.0)  # answers: every item
+    assert report["timed_report"] == str(long)
+    table = (out / "eval.md").read_text()
+    assert "| strategy | 1k.json, 1000 tokens | 4k.json, 4000 tokens |" in table
+    assert f"| {C} | 2.0x (0.500 s) | 10.0x (0.400 s) |" in table

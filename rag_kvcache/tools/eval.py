@@ -22,7 +22,7 @@ import json
 import math
 import re
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -111,9 +111,10 @@ class StrategySummary:
     exact_match: float
     kl: float
     top1: float
-    ttft_s: float  # median
-    speedup: float  # median prefill TTFT / median TTFT
+    ttft_s: float  # median, over the timed items (all, but in a combined report)
+    speedup: float  # median prefill TTFT / median TTFT, over the same items
     recomputed_fraction: float  # recomputed / context tokens, over all items
+    timed_tokens: int  # the timed items' median context, in tokens
 
 
 def load_dataset(path: Path) -> list[EvalItem]:
@@ -249,15 +250,19 @@ class Evaluator:
         return [known.get(str(s)) or measured[str(s)] for s in strategies]
 
 
-def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[StrategySummary]:
+def summarize(
+    results: list[ItemResult], strategies: list[Strategy], timed: Collection[str] | None = None
+) -> list[StrategySummary]:
     """Per strategy: accuracy and "kept" (against prefill with the same placement, on the same
     items) with 95% bootstrap intervals, F1 / EM beside them, fidelity (KL, top-1 vs full),
-    TTFT and recompute share."""
+    TTFT and recompute share. TTFT and speedup are medians over the `timed` items (default:
+    all): a median over items of 1K and 4K tokens together would describe neither."""
     right_by = {(r.strategy, r.item): r.contains for r in results}
     out = []
     for strategy in strategies:
         rows = [r for r in results if r.strategy == str(strategy)]
-        ttft = statistics.median(r.ttft_s for r in rows)
+        clocked = [r for r in rows if timed is None or r.item in timed]
+        ttft = statistics.median(r.ttft_s for r in clocked)
         right = [r.contains for r in rows]
         acc = accuracy(right)
         base = str(baseline(strategy))
@@ -279,9 +284,10 @@ def summarize(results: list[ItemResult], strategies: list[Strategy]) -> list[Str
                 kl=statistics.fmean(r.kl for r in rows),
                 top1=statistics.fmean(r.top1 for r in rows),
                 ttft_s=ttft,
-                speedup=statistics.median(r.prefill_ttft_s for r in rows) / ttft,
+                speedup=statistics.median(r.prefill_ttft_s for r in clocked) / ttft,
                 recomputed_fraction=sum(r.recomputed_tokens for r in rows)
                 / sum(r.context_tokens for r in rows),
+                timed_tokens=round(statistics.median(r.context_tokens for r in clocked)),
             )
         )
     return out
@@ -498,6 +504,35 @@ class Combined:
     strategies: list[Strategy]  # those every report measured, in the first report's order
     dropped: list[str]  # strategies some report lacks: left out
     facts: dict[str, object]  # the shared settings, and which reports were combined
+    parts: list[tuple[str, frozenset[str]]]  # each report's path and items, in order
+
+    def longest(self) -> tuple[str, frozenset[str]]:
+        """The report whose items have the longest contexts: whose TTFT the combined table
+        shows (a median over every length would describe none of them)."""
+        size = {r.item: r.context_tokens for r in self.results}
+        return max(self.parts, key=lambda part: statistics.median(size[i] for i in part[1]))
+
+    def speed_by_report(self) -> str:
+        """Markdown: each strategy's speedup (and TTFT) over each report's own items."""
+        names = [Path(path).name for path, _ in self.parts]
+        if len(set(names)) < len(names):  # reports named alike (eval.json): by their folders
+            names = [f"{Path(path).parent.name}/{Path(path).name}" for path, _ in self.parts]
+        columns = []
+        for name, (_, items) in zip(names, self.parts, strict=True):
+            summary = summarize(self.results, self.strategies, items)
+            columns.append((f"{name}, {summary[0].timed_tokens} tokens", summary))
+        longest = names[self.parts.index(self.longest())]
+        lines = [
+            "\nSpeed by report: medians over each report's own items; the table above shows "
+            f"{longest}'s. A report that reused another's rows timed them in that run, with "
+            "whatever else the machine was doing; `bench ttft` times strategies side by side.\n",
+            "| strategy | " + " | ".join(name for name, _ in columns) + " |",
+            "|---|" + "---:|" * len(columns),
+        ]
+        for i, strategy in enumerate(self.strategies):
+            cells = [f"{s[i].speedup:.1f}x ({s[i].ttft_s:.3f} s)" for _, s in columns]
+            lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
 
 
 def combined(reports: Sequence[Path]) -> Combined:
@@ -546,7 +581,8 @@ def combined(reports: Sequence[Path]) -> Combined:
         **{n: first.get(n) for n in COMBINE_SETTINGS if n in first and n != "benchmark"},
         "strategies": common,
     }
-    return Combined(results, strategies, [n for n in every if n not in common], facts)
+    parts = [(str(path), frozenset(r.item for r in rows)) for path, _, rows, _ in loaded]
+    return Combined(results, strategies, [n for n in every if n not in common], facts, parts)
 
 
 def baseline(strategy: Strategy) -> Strategy:
@@ -742,7 +778,8 @@ def plot_pareto(summary: list[StrategySummary], path: Path) -> None:
             )
             ax.legend(loc="lower left", fontsize=8)
         ax.set_xscale("log")
-        ax.set_xlabel("TTFT speedup over prefill (median, log scale)")
+        tokens = summary[0].timed_tokens if summary else 0
+        ax.set_xlabel(f"TTFT speedup over prefill (median, items of ~{tokens} tokens, log scale)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.suptitle("speed vs answer quality per strategy (95% bootstrap intervals)")

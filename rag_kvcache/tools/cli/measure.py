@@ -395,12 +395,14 @@ def combine_command(args: argparse.Namespace, console: Console) -> int:
     both = ev.combined(args.combine)
     if both.dropped:
         console.print(f"left out, not in every report: {', '.join(both.dropped)}", markup=False)
-    summary = ev.summarize(both.results, both.strategies)
-    facts = dict(both.facts)
+    timed_report, timed_items = both.longest()
+    summary = ev.summarize(both.results, both.strategies, timed_items)
+    facts = {**both.facts, "timed_report": timed_report}
     other = ev.other_run(args.kept_against) if args.kept_against else None
     if other is not None:
         facts["kept_against"] = kept_against_other(both.results, other, console)
     sections, compared = ev.comparisons(both.results, both.strategies, other=other)
+    sections += both.speed_by_report()
     report = ev.report_dict("eval", both.results, summary, **facts, **compared)
     ev.save_eval(args.out, "eval", report, summary, sections)
     console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
