@@ -43,6 +43,7 @@ from rag_kvcache.integrations.llama_index import (
     token_splitter,
 )
 from rag_kvcache.integrations.llama_index.llm import chat_question
+from rag_kvcache.integrations.llama_index.transform import cache_ids_of
 from rag_kvcache.model.loading import LoadedModel
 
 pytestmark = pytest.mark.slow
@@ -171,10 +172,31 @@ def test_transform_show_progress_shows_the_encoding_bar(engine, capsys) -> None:
     assert "KV-encoding chunks" in capsys.readouterr().err
 
 
-def test_pipeline_cache_key_names_the_model(engine, tiny32) -> None:
-    """Nodes tagged for one model must not come back from the pipeline cache for another."""
-    other = RagKVCache(lm=tiny32)
-    assert KVCacheTransform(engine).to_dict() != KVCacheTransform(other).to_dict()
+def test_a_pipeline_cache_never_skips_the_store(engine) -> None:
+    """IngestionPipeline hands back the nodes it cached for a step without calling the step
+    again: the chunks must reach the store on every run (here one left it between runs)."""
+    pipeline = IngestionPipeline(transformations=[KVCacheTransform(engine)])
+
+    def doc() -> list[Document]:  # read afresh each run, as a reader would
+        return [Document(text="The Orrin Vale ferry leaves at 7:40 every morning.", id_="ferry")]
+
+    cache_id = pipeline.run(documents=doc())[0].metadata["cache_id"]
+    assert engine.expire_cache(cache_id) and not engine.store.contains(cache_id)
+    again = pipeline.run(documents=doc())
+    assert again[0].metadata["cache_id"] == cache_id and engine.store.contains(cache_id)
+
+
+def test_a_tag_names_the_text_it_was_given_for(engine) -> None:
+    """A node whose text was replaced after tagging (a sentence window, say) is the new
+    text's chunk; a tag that is no cache ID at all is replaced, never an error."""
+    node = TextNode(text="Brindle Hill has a stone tower.")
+    first = cache_ids_of(engine, [node])
+    assert first == engine.generate_context_cache([node.text]) == [node.metadata["cache_id"]]
+    node.set_content("Brindle Hill has a stone tower. The tower is 31 meters tall.")
+    assert cache_ids_of(engine, [node]) == engine.generate_context_cache([node.text]) != first
+    for bad in (123, "   ", ["x"], "../../x", None):
+        node.metadata["cache_id"] = bad
+        assert cache_ids_of(engine, [node]) == engine.generate_context_cache([node.text])
 
 
 # ----------------------------------------------------------------------------- answering
@@ -697,13 +719,20 @@ def test_the_ingestion_recipe_run_again_upserts_documents(smol, tmp_path: Path) 
     assert len(before) == len(set(before)) == len(DOCS)
     assert ingest() == [] and texts() == before and len(durable.store) == stored  # nothing new
 
-    (folder / "harbor.md").write_text("Velmora's harbor was dredged to 19 meters in 1990.")
+    harbor_19 = "Velmora's harbor was dredged to 19 meters in 1990."
+    (folder / "harbor.md").write_text(harbor_19)
     changed = ingest()
     assert len(changed) == 1  # only the changed file went through the pipeline
     after = texts()
     assert len(after) == len(DOCS) and not any("14 meters" in t for t in after)
     assert any("19 meters" in t for t in after)
     assert "19 meters" in durable.retrieve("How deep is the harbor?", top_k=1)[0].text
+    # edited back and forth: the pipeline's cache holds each version's nodes from an earlier
+    # run, and the store must still end up with the file as it is now
+    edited = after
+    for text, now in ((DOCS["harbor"], before), (harbor_19, edited), (DOCS["harbor"], before)):
+        (folder / "harbor.md").write_text(text)
+        assert len(ingest()) == 1 and sorted(texts()) == sorted(now)
 
     # documents named at random (a reader without filename_as_id) would pile up: said once
     again = IngestionPipeline(transformations=pipeline.transformations)

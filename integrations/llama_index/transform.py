@@ -3,6 +3,7 @@ cache ID, so retrieval can hand the LLM cache IDs instead of text to prefill."""
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -13,8 +14,10 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 from tqdm.auto import tqdm
 
 from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import InvalidNameError
 
 CACHE_ID_KEY = "cache_id"
+TAGGED_TEXT_KEY = "cache_id_text"  # a hash of the text the cache ID was given for
 
 
 def node_text(node: BaseNode) -> str:
@@ -26,24 +29,43 @@ def node_text(node: BaseNode) -> str:
 
 
 def attach_cache_id(node: BaseNode, cache_id: str) -> BaseNode:
-    """Record `cache_id` in the node's metadata, hidden from embedding and from LLM prompts (it is
-    a hash: it would only add noise to the vector and tokens to a prompt)."""
+    """Record `cache_id` in the node's metadata, with a hash of the text it was given for (a
+    node whose text is replaced later, e.g. by a sentence window, is no longer that chunk),
+    both hidden from embedding and from LLM prompts (hashes: they would only add noise to the
+    vector and tokens to a prompt)."""
+    for key in (CACHE_ID_KEY, TAGGED_TEXT_KEY):
+        for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
+            if key not in excluded:
+                excluded.append(key)
     node.metadata[CACHE_ID_KEY] = cache_id
-    for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
-        if CACHE_ID_KEY not in excluded:
-            excluded.append(CACHE_ID_KEY)
+    node.metadata[TAGGED_TEXT_KEY] = text_hash(node_text(node))
     return node
 
 
+def text_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def tagged_id(engine: RagKVCache, node: BaseNode) -> str | None:
+    """The node's cache ID, if it still names this node's text in this engine's store: not
+    when the text changed since it was tagged, or the chunk is gone (expired, another store or
+    model), or the tag is not an ID at all."""
+    cache_id = node.metadata.get(CACHE_ID_KEY)
+    if not isinstance(cache_id, str) or node.metadata.get(TAGGED_TEXT_KEY) != text_hash(
+        node_text(node)
+    ):
+        return None
+    try:
+        return cache_id if engine.store.contains(cache_id) else None
+    except InvalidNameError:
+        return None
+
+
 def cache_ids_of(engine: RagKVCache, nodes: Sequence[BaseNode]) -> list[str]:
-    """The nodes' cache IDs in order. Nodes without one, or naming a chunk this engine's store
-    lacks (expired, another store or model), are encoded from their text now and (re)tagged;
-    IDs are content hashes, so an expired chunk gets its old ID back."""
-    todo = [
-        node
-        for node in nodes
-        if not (cache_id := node.metadata.get(CACHE_ID_KEY)) or not engine.store.contains(cache_id)
-    ]
+    """The nodes' cache IDs in order. Nodes without a usable one (`tagged_id`) are encoded from
+    their text now and (re)tagged; IDs are content hashes, so an expired chunk gets its old ID
+    back, and a chunk already cached costs only its tokenizing."""
+    todo = [node for node in nodes if tagged_id(engine, node) is None]
     if todo:
         new_ids = engine.generate_context_cache([node_text(node) for node in todo])
         for node, cache_id in zip(todo, new_ids, strict=True):
@@ -65,8 +87,7 @@ class KVCacheTransform(TransformComponent):
 
     model: str = Field(
         default="",
-        description="Fingerprint of the model whose KV the cache IDs name. Part of the "
-        "pipeline's cache key, so nodes tagged for one model are never reused for another.",
+        description="Fingerprint of the model whose KV the cache IDs name.",
     )
     index_documents: bool = Field(
         default=False,
@@ -93,6 +114,14 @@ class KVCacheTransform(TransformComponent):
     @classmethod
     def class_name(cls) -> str:
         return "KVCacheTransform"
+
+    def to_dict(self, **kwargs: Any) -> dict[str, Any]:
+        """With a fresh nonce: an IngestionPipeline keys its cache by this dict and the nodes,
+        and on a hit it hands back the nodes without calling the step, so the store would
+        never get them (an edit reverted would serve the edit; a new store would stay empty).
+        The step's work is that side effect: it always runs, and chunks already cached cost
+        only their tokenizing."""
+        return {**super().to_dict(**kwargs), "run": uuid.uuid4().hex}
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         texts = [node_text(node) for node in nodes]
