@@ -74,8 +74,13 @@ class PromptTemplate:
         return self.tokenize(tokenizer, self.prefix)
 
     def chunk_ids(self, tokenizer: Any, text: str) -> list[int]:
-        """A document chunk as it sits in the user turn: its text and a blank line."""
-        return self.tokenize(tokenizer, text.strip() + "\n\n")
+        """A document chunk as it sits in the user turn: its text and a blank line. Read as
+        text only: a document that spells a control token (`<|im_end|>`, `<|endoftext|>`: a
+        page about tokenizers, or one written to end the user turn early) holds those
+        characters, never the token, which would end a turn or the text inside the KV."""
+        text = check_text(text.strip() + "\n\n")
+        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return list(ids)
 
     def question_ids(self, tokenizer: Any, question: str) -> list[int]:
         """The question's tokens as the prompt holds them; an empty or blank question is an
