@@ -103,6 +103,9 @@ def prepare(
     strategies (the model's trained link tokens).
     """
     context = sum(c.num_tokens for c in chunks)
+    # an answer stops at the window: slots past it would never be written (a reserve of 10^9
+    # tokens asked for hundreds of GB)
+    reserve = max(0, min(reserve, lm.max_context - context - len(new_ids)))
     if strategy.kind == "positions" and placement is None:
         raise StrategyError("`positions` needs schema positions: it serves markup prompts")
     if placement is not None and strategy.uses_cache and strategy.kind != "positions":

@@ -388,6 +388,35 @@ def test_sampling_settings_reach_the_engine_and_unknown_arguments_are_refused(
         KVCacheLLM(engine, temprature=0.5)
     with pytest.raises(RagKVCacheError, match="temperature"):
         KVCacheLLM(engine, temperature=-1.0)
+    window = engine.lm.max_context
+    for length in (0, window, 10**9):  # LlamaIndex leaves the prompt the window less these
+        with pytest.raises(ValueError, match=f"below the model's window of {window}"):
+            KVCacheLLM(engine, max_new_tokens=length)
+    with pytest.raises(RagKVCacheError, match="max_new_tokens must be >= 1"):
+        KVCacheLLM(engine).complete(question, max_new_tokens=0)  # not the default instead
+    with pytest.raises(TypeError, match="not one string"):
+        KVCacheLLM(engine).complete(question, cache_ids=cache_ids[0])
+    # a huge length asked per call stops at the window, like any other: no slots reserved
+    # past it (it asked the allocator for hundreds of GB)
+    assert KVCacheLLM(engine).complete(question, max_new_tokens=10**9, cache_ids=cache_ids).text
+
+
+def test_messages_holding_more_than_text_are_refused(engine) -> None:
+    """The model reads text only: answering an image's caption alone would answer another
+    question, so a message with an image (or audio, a document) is refused, not trimmed."""
+    from llama_index.core.base.llms.types import ImageBlock, TextBlock
+
+    png = bytes.fromhex("89504e470d0a1a0a")  # a PNG's signature is enough: it is never read
+    image = ChatMessage(
+        role=MessageRole.USER,
+        blocks=[TextBlock(text="What is in this image?"), ImageBlock(image=png)],
+    )
+    llm = KVCacheLLM(engine)
+    for call in (lambda: llm.chat([image]), lambda: llm.chat([image], cache_ids=[])):
+        with pytest.raises(ValueError, match="holds ImageBlock content: this LLM reads text only"):
+            call()
+    texts = ChatMessage(role=MessageRole.USER, blocks=[TextBlock(text="Say"), TextBlock(text="hi")])
+    assert llm.chat([texts], max_new_tokens=2).message.content is not None
 
 
 def test_the_llm_pickles_as_its_engine_configuration(smol, tiny32, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from llama_index.core.schema import NodeWithScore
 from llama_index.core.settings import Settings
 
 from rag_kvcache.chat import HISTORY_TURNS, aunless_repeated, earlier_answers, unless_repeated
-from rag_kvcache.integrations.llama_index.llm import KVCacheLLM
+from rag_kvcache.integrations.llama_index.llm import KVCacheLLM, message_text
 from rag_kvcache.integrations.llama_index.synthesizer import KVCacheSynthesizer
 
 
@@ -112,7 +112,7 @@ class FollowUpSynthesizer(KVCacheSynthesizer):
         super().__init__(llm, **kwargs)
         self._alone = {k: v for k, v in kwargs.items() if k != "chat_history"}
         history = kwargs.get("chat_history") or []
-        turns = [{"role": m.role.value, "content": m.content or ""} for m in history]
+        turns = [{"role": m.role.value, "content": message_text(m)} for m in history]
         self._earlier = earlier_answers(turns, None)  # the chat engine has cut the history
 
     def synthesize(

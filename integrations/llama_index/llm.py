@@ -30,6 +30,7 @@ from llama_index.core.base.llms.generic_utils import (
     stream_completion_response_to_chat_response,
 )
 from llama_index.core.base.llms.types import (
+    CachePoint,
     ChatMessage,
     ChatResponse,
     ChatResponseAsyncGen,
@@ -39,6 +40,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
+    TextBlock,
 )
 from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
@@ -64,6 +66,19 @@ def strategy_name(strategy: str | Strategy) -> str:
     return str(Strategy.parse(strategy))
 
 
+def message_text(message: ChatMessage) -> str:
+    """A message's text. One that holds anything else (an image, audio, a document) is a
+    ValueError: the model reads text only, and answering the text alone would answer another
+    question than the one asked."""
+    for block in message.blocks:
+        if not isinstance(block, TextBlock | CachePoint):  # a cache point holds nothing
+            raise ValueError(
+                f"a {message.role.value} message holds {type(block).__name__} content: this "
+                "LLM reads text only"
+            )
+    return message.content or ""
+
+
 def chat_question(
     messages: Sequence[ChatMessage], engine: RagKVCache, history_turns: int | None = None
 ) -> str:
@@ -73,7 +88,7 @@ def chat_question(
     has cut them already)."""
     if not messages:
         raise ValueError("a linked chat needs at least one message")
-    turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+    turns = [{"role": m.role.value, "content": message_text(m)} for m in messages]
     return engine.chat_question(turns, history_turns)
 
 
@@ -175,8 +190,12 @@ class KVCacheLLM(CustomLLM):
     ):
         if strategy is not None:  # a bad name fails here, not at the first question
             strategy = strategy_name(strategy)
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        window = engine.lm.max_context
+        if max_new_tokens is not None and not 1 <= max_new_tokens < window:
+            raise ValueError(  # LlamaIndex leaves the prompt the window less the output
+                f"max_new_tokens must be >= 1 and below the model's window of {window}, got "
+                f"{max_new_tokens}"
+            )
         unknown = sorted(set(kwargs) - set(type(self).model_fields))
         if unknown:  # pydantic would drop them silently
             where = (
@@ -310,7 +329,7 @@ class KVCacheLLM(CustomLLM):
     # ------------------------------------------------------------------ internals
 
     def _render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        turns = [{"role": m.role.value, "content": message_text(m)} for m in messages]
         return self._engine.chat_prompt(turns)
 
     def _render_user_turn(self, prompt: str) -> str:
@@ -326,12 +345,12 @@ class KVCacheLLM(CustomLLM):
         if kwargs.get("cache_ids") is not None:
             return chat_question(messages, self._engine)
         if self._retrieved is not None:
-            found = [(m, self._retrieved.find(m.content or "")) for m in messages]
+            found = [(m, self._retrieved.find(message_text(m))) for m in messages]
             nodes = [p.node for _, placed in found for p in placed]
             if nodes:
                 kwargs["cache_ids"] = cache_ids_of(self._engine, nodes)
                 rest = [
-                    ChatMessage(role=m.role, content=without(m.content or "", placed))
+                    ChatMessage(role=m.role, content=without(message_text(m), placed))
                     for m, placed in found
                 ]
                 return chat_question(rest, self._engine)
@@ -406,10 +425,14 @@ class KVCacheLLM(CustomLLM):
 
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[list[str] | None, Strategy, int | None]:
         """(cache IDs or None for a plain prompt, strategy, max_new_tokens) of one call."""
-        max_new_tokens = kwargs.get("max_new_tokens") or self.max_new_tokens
+        max_new_tokens = kwargs.get("max_new_tokens")
+        if max_new_tokens is None:  # 0 is the engine's to refuse, not a default
+            max_new_tokens = self.max_new_tokens
         cache_ids = kwargs.get("cache_ids")
         if cache_ids is None:
             return None, PREFILL, max_new_tokens
+        if isinstance(cache_ids, str | bytes):  # would be read one character at a time
+            raise TypeError("cache_ids is a list of cache IDs, not one string")
         strategy = kwargs.get("strategy") or self.strategy or self._engine.config.strategy
         return list(cache_ids), Strategy.parse(strategy), max_new_tokens
 
