@@ -233,6 +233,8 @@ class RagKVCache:
         """Cache a document's chunk texts, record them as `source`'s chunks (replacing what it
         had: stale chunks are removed) and index them for retrieval. Re-ingesting is cheap:
         chunks already cached are not encoded again."""
+        for chunk in chunks:  # a bad character is named here, before anything is hashed
+            check_text(chunk)
         if content_hash is None:
             content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
         start = time.perf_counter()

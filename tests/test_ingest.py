@@ -260,6 +260,15 @@ def test_a_chunk_shared_by_two_documents_outlives_either(engine) -> None:
     assert engine.retrieve("ferries cancelled festival", 1)[0].source == "b.md"
 
 
+def test_a_chunk_that_is_not_unicode_is_refused_before_anything_is_stored(engine) -> None:
+    """A lone surrogate (what a JSON `\\ud800` escape decodes to) is named, not a codec error
+    from hashing the document, and the document's other chunks are not stored either."""
+    before = len(engine.store)
+    with pytest.raises(ConfigError, match="not a Unicode character"):
+        engine.ingest_document("odd.md", ["A fine chunk.", "abc\ud800"])
+    assert len(engine.store) == before and engine.corpus.catalog.document("odd.md") is None
+
+
 # ----------------------------------------------------------------------------- the index
 
 
