@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,22 +142,43 @@ def ingest_paths(
     return IngestReport(documents, plan.unchanged, plan.skipped)
 
 
+NAME_CHARS = 120  # an upload's file name at most (file systems stop at 255 bytes)
+
+
 def safe_name(name: str) -> str:
-    """A plain file name for an upload: no folders, no leading dot, no odd characters."""
+    """A plain file name for an upload: no folders, no leading dot, no odd characters, not
+    longer than NAME_CHARS (the extension kept)."""
     base = re.sub(r"[^\w.\- ]", "_", Path(name.replace("\\", "/")).name).strip().lstrip(".")
+    if len(base) > NAME_CHARS:
+        stem, extension = os.path.splitext(base)
+        base = stem[: NAME_CHARS - 16].rstrip(". ") + extension[:16]
     return base or "upload.txt"
 
 
-def save_uploads(folder: Path, files: Iterable[tuple[str, bytes]]) -> list[Path]:
-    """Write uploads to files, so they are ingested like any file; the path is the document's
-    key, so uploading a changed file of the same name updates that document."""
+def save_uploads(
+    folder: Path, files: Iterable[tuple[str, bytes]]
+) -> tuple[list[Path], list[Skipped]]:
+    """Write uploads to files, so they are ingested like any file: (paths written, uploads
+    that could not be). The path is the document's key, so uploading a changed file of the
+    same name updates that document; two uploads of one batch whose names come out the same
+    (`a:b.md` and `a?b.md`) are both kept, the later as `a_b (2).md`."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths: list[Path] = []
+    failed: list[Skipped] = []
     for name, data in files:
-        path = folder / safe_name(name)
-        path.write_bytes(data)
+        base = safe_name(name)
+        path, copy = folder / base, 1
+        while path in paths:
+            copy += 1
+            stem, extension = os.path.splitext(base)
+            path = folder / f"{stem} ({copy}){extension}"
+        try:
+            path.write_bytes(data)
+        except OSError as e:  # this upload only: the others are still saved and ingested
+            failed.append(Skipped(name, f"cannot save it: {e.strerror or e}"))
+            continue
         paths.append(path)
-    return paths
+    return paths, failed
 
 
 def ingest_uploads(
@@ -166,7 +187,9 @@ def ingest_uploads(
     """Ingest uploaded (name, bytes) pairs; they are kept under the store's uploads/ folder."""
     root = engine.config.store.root
     assert root is not None, "the app always opens a durable store"
-    return ingest_paths(engine, save_uploads(root / "uploads", files), on_progress)
+    paths, failed = save_uploads(root / "uploads", files)
+    report = ingest_paths(engine, paths, on_progress)
+    return replace(report, skipped=[*failed, *report.skipped])
 
 
 # ----------------------------------------------------------------------------- messages
@@ -180,6 +203,8 @@ def friendly(error: Exception) -> str:
             "removed). Ingest its document again on the **Ingest** page, then ask again."
         )
     if isinstance(error, ContextTooLongError):
+        if "shorter question" in str(error):  # the question alone does not fit
+            return f"The question is too long for the model: ask a shorter one. ({error})"
         return f"Too much text for the model: retrieve fewer chunks in the sidebar. ({error})"
     if isinstance(error, RagKVCacheError | RemoteError):
         return f"That did not work: {error}"
@@ -338,11 +363,33 @@ class Server:
         }
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         url = f"{self.url.rstrip('/')}/v1/chat/completions"
+        try:
+            yield from self._events(url, body, headers, done, cache_ids)
+        except httpx.HTTPError as e:  # down, refused, timed out, cut off
+            raise RemoteError(f"no answer from the server at {self.url} ({e})") from e
+        except (json.JSONDecodeError, KeyError, TypeError) as e:  # a proxy's page, say
+            raise RemoteError(f"the server at {self.url} answered something else: {e}") from e
+
+    def _events(
+        self,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        done: list[Answer],
+        cache_ids: list[str],
+    ) -> Iterable[str]:
+        """`stream`'s request and its events; errors in the server's own words."""
+        import httpx
+
         start, text, rag, usage = time.perf_counter(), "", None, None
         with httpx.stream("POST", url, json=body, headers=headers, timeout=600) as response:
             if response.status_code != 200:
                 response.read()
-                raise RemoteError(response.json().get("error", {}).get("message", response.text))
+                try:
+                    message = response.json()["error"]["message"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    message = f"HTTP {response.status_code}: {response.text[:200]}"
+                raise RemoteError(message)
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -354,7 +401,8 @@ class Server:
                     if piece := choice["delta"].get("content"):
                         text += piece
                         yield piece
-        assert rag is not None and usage is not None, "the server's stream ended early"
+        if rag is None or usage is None:
+            raise RemoteError("the server's answer ended before its usage was sent")
         total = time.perf_counter() - start
         decode_s = max(total - rag["ttft_s"], 1e-9)
         done.append(
@@ -422,7 +470,9 @@ def ask_page(engine: RagKVCache | Server) -> None:
             else:
                 with engine_lock():
                     answer_live(engine, turn, strategy, compare, top_k, max_new)
-        except (RagKVCacheError, RemoteError) as e:
+        except Exception as e:  # the turn stays in the chat with its error
+            if not isinstance(e, RagKVCacheError | RemoteError):
+                log.exception("answering failed")  # the traceback goes to the terminal
             turn.error = friendly(e)
             st.error(turn.error)
     turns.append(turn)

@@ -235,6 +235,34 @@ def test_ingest_uploads_keeps_files_under_the_store_and_reports_bad_ones(
     engine.store.close()
 
 
+def test_uploads_named_alike_are_all_kept_and_one_that_cannot_be_saved_is_named(
+    smol, tmp_path: Path
+) -> None:
+    """Names that come out the same once made safe (`a:b.md`, `a?b.md`) must not overwrite one
+    another, a name too long for the file system is shortened, and an upload that cannot be
+    written is reported while the others are ingested."""
+    app = app_module()
+    engine = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=smol)
+    (tmp_path / "uploads" / "taken.md").mkdir(parents=True)  # where a file cannot be written
+    files = [
+        ("a:b.md", b"The red ferry leaves at six."),
+        ("a?b.md", b"The blue ferry leaves at seven."),
+        ("x" * 300 + ".md", b"The green ferry leaves at eight."),
+        ("taken.md", b"The grey ferry leaves at nine."),
+    ]
+    report = app.ingest_uploads(engine, files)
+    names = sorted(Path(d.source).name for d in report.documents)
+    assert names == ["a_b (2).md", "a_b.md", "x" * (app.NAME_CHARS - 16) + ".md"]
+    [(name, why)] = [(s.path, s.reason) for s in report.skipped]
+    assert name == "taken.md" and why.startswith("cannot save it")
+    texts = {
+        Path(d.source).name: engine.corpus.catalog.document_chunks(d.source)
+        for d in report.documents
+    }
+    assert len(set(map(tuple, texts.values()))) == 3  # three documents, none overwritten
+    engine.store.close()
+
+
 def test_an_expired_cache_entry_is_a_friendly_message(
     smol, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -395,3 +423,14 @@ def test_in_a_real_browser_ingest_ask_and_screenshot() -> None:
             colors = image.convert("RGB").getcolors(maxcolors=1 << 20)
         assert colors is not None and len(colors) > 500  # a drawn page, not a blank one
         assert (SCREENSHOTS / name).stat().st_size > 50_000
+
+
+def test_a_question_too_long_alone_is_told_to_be_shorter() -> None:
+    """Fewer chunks cannot make room for a question that does not fit by itself."""
+    from rag_kvcache.errors import ContextTooLongError
+
+    app = app_module()
+    alone = ContextTooLongError("a question of 9000 tokens ... : ask a shorter question")
+    assert app.friendly(alone).startswith("The question is too long for the model")
+    chunks = ContextTooLongError("9000 prompt tokens exceed the model's window of 8192")
+    assert app.friendly(chunks).startswith("Too much text for the model: retrieve fewer")

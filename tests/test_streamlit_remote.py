@@ -69,3 +69,17 @@ def test_a_server_error_is_a_friendly_message(server_url, monkeypatch) -> None:
     assert not at.exception
     (error,) = [e.value for e in at.error]
     assert error.startswith("That did not work:") and "cacheblend" in error
+
+
+def test_a_server_that_cannot_be_reached_is_named_and_the_turn_stays(monkeypatch) -> None:
+    """Nothing listens on port 9: the error names the server, not a raw ConnectError, and the
+    question stays in the chat when the next one is asked."""
+    monkeypatch.setenv("RAG_KVCACHE_APP_SERVER", "http://127.0.0.1:9")
+    at = AppTest.from_file(str(APP), default_timeout=120).run()
+    for question in (QUESTION, "And when was it lit?"):
+        at = at.chat_input[0].set_value(question).run()
+        assert not at.exception
+    questions = [m.markdown[0].value for m in at.chat_message if m.name == "user"]
+    assert questions == [QUESTION, "And when was it lit?"]
+    errors = [e.value for e in at.error]
+    assert errors and all("no answer from the server at http://127.0.0.1:9" in e for e in errors)
