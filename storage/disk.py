@@ -13,6 +13,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,6 +24,21 @@ from rag_kvcache.storage.layout import is_name, make_folder, named_path
 
 __all__ = ["DiskTier", "StoreFullError"]
 TEMPORARY_PREFIX = ".tmp-"
+
+
+def open_regular(path: Path) -> int | None:
+    """A read-only descriptor of the regular file at `path`, or None: missing, or damage in
+    its place (a folder, a FIFO or device, a symlink loop, a file that cannot be opened), which
+    the store then treats as a lost blob and re-encodes. Opened without blocking, so a FIFO
+    cannot hang the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 class DiskTier:
@@ -64,19 +80,20 @@ class DiskTier:
             os.close(dir_fd)
 
     def get(self, cache_id: str) -> bytearray | None:
-        """The blob's bytes, read into a mutable buffer that the parsed tensors then share."""
-        try:
-            with open(self.path(cache_id), "rb", buffering=0) as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                view, read = memoryview(data), 0
-                while read < len(data):  # one read() returns at most ~2 GiB, or less
-                    got = f.readinto(view[read:])
-                    if not got:
-                        break
-                    read += got
-                view.release()
-        except (FileNotFoundError, IsADirectoryError):  # a folder in its place: damage
+        """The blob's bytes, read into a mutable buffer that the parsed tensors then share;
+        None where no readable file is (`open_regular`)."""
+        fd = open_regular(self.path(cache_id))
+        if fd is None:
             return None
+        with open(fd, "rb", buffering=0) as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            view, read = memoryview(data), 0
+            while read < len(data):  # one read() returns at most ~2 GiB, or less
+                got = f.readinto(view[read:])
+                if not got:
+                    break
+                read += got
+            view.release()
         return data if read == len(data) else data[:read]  # shrank while read: fails checks
 
     def contains(self, cache_id: str) -> bool:

@@ -46,6 +46,7 @@ from rag_kvcache.storage.blob import (
     checksum_matches,
     parse_safetensors,
 )
+from rag_kvcache.storage.disk import open_regular
 from rag_kvcache.storage.records import ChunkRow
 
 BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory on common file systems
@@ -128,9 +129,8 @@ def open_blob(path: Path, row: ChunkRow) -> _Blob | None:
     """Open a blob for layer-by-layer reading: its header read and parsed, its tensors views
     of a buffer still to be filled. None when it cannot stream (missing, unreadable, int8,
     odd layout): the caller reads it whole, which also tells missing from corrupt."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    fd = open_regular(path)
+    if fd is None:
         return None
     try:
         size = os.fstat(fd).st_size

@@ -520,6 +520,35 @@ def test_a_folder_where_a_blob_belongs_and_a_bad_row_do_not_crash_verify_or_gc(
     store.close()
 
 
+def test_a_fifo_or_a_symlink_loop_where_a_blob_belongs_is_damage_not_a_hang(
+    tmp_path: Path, tiny32
+) -> None:
+    """Opening a FIFO blocks until a writer comes: a blob's place holding one hung every read
+    and `verify`. Both are lost blobs: found, re-encoded, replaced by files."""
+    store = TieredStore(tmp_path / "s", reencode=reencoder(tiny32))
+    engine = _engine(store, tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    fifo, loop = (store.durable.path(cid) for cid in ids)  # type: ignore[attr-defined]
+    fifo.unlink()
+    os.mkfifo(fifo)
+    loop.unlink()
+    loop.symlink_to(loop.name)  # a link to itself: ELOOP
+    for tier in store.hot:
+        for cid in ids:
+            tier.remove(cid)
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("a blob read hung"))
+    signal.alarm(60)
+    try:
+        assert store.verify(repair=False).missing == sorted(ids)
+        assert engine.generate("When?", ids).token_ids  # read through the streamed fetch
+        assert fifo.is_file() and loop.is_file() and not loop.is_symlink()
+        assert store.verify(repair=False) == VerifyReport(3, [], [], 0)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    store.close()
+
+
 def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(
     tmp_path: Path, tiny32, capsys
 ) -> None:
