@@ -80,3 +80,4 @@ class VerifyReport:
     unreadable: list[str] = field(default_factory=list)  # rows with damaged values (dropped
     # when repairing: nothing can re-encode them; their documents are re-ingested next time)
     orphans: list[str] = field(default_factory=list)  # blobs no row names (dropped by repair)
+    other_model: list[str] = field(default_factory=list)  # bad, but not this model's to repair

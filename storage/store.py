@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from rag_kvcache.config import COMPRESSIONS
 from rag_kvcache.errors import (
     ConfigError,
+    FingerprintMismatchError,
     StoreDamagedError,
     StoreNotFoundError,
     UnknownCacheIdError,
@@ -533,6 +534,7 @@ class TieredStore:
                     self.durable.remove(cid)
         corrupt: list[str] = []
         missing: list[str] = []
+        other_model: list[str] = []
         repaired = upgraded = 0
         for row in rows:
             data = self.durable.get(row.cache_id)
@@ -552,12 +554,16 @@ class TieredStore:
             if repair and self.reencode is not None:
                 for tier in self.hot:
                     tier.remove(row.cache_id)
-                self._repair(row, "missing" if data is None else "corrupt")
-                repaired += 1
+                try:
+                    self._repair(row, "missing" if data is None else "corrupt")
+                    repaired += 1
+                except FingerprintMismatchError:  # the rest are still checked and repaired
+                    other_model.append(row.cache_id)
             if on_checked:
                 on_checked()
+        checked = len(rows) + len(unreadable)
         return VerifyReport(
-            len(rows) + len(unreadable), corrupt, missing, repaired, upgraded, unreadable, orphans
+            checked, corrupt, missing, repaired, upgraded, unreadable, orphans, other_model
         )
 
     def _readable_rows(self, cache_ids: set[str]) -> tuple[list[ChunkRow], list[str]]:

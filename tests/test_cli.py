@@ -207,6 +207,30 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
 
 
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+def test_verify_repairs_with_the_model_that_encoded_the_chunks(tmp_path: Path, capsys) -> None:
+    """A store ingested with --model is repaired with that model; repairing with another one
+    reports the blobs it cannot rebuild and still checks and repairs the rest."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("The Orrin Vale ferry leaves at 7:40 every morning.")
+    (docs / "b.md").write_text("Brindle Hill has a stone tower of 31 meters.")
+    store = ["--store", str(tmp_path / "kv")]
+    assert main(["ingest", str(docs), *store, "--model", "random:tiny"]) == 0
+    opened = TieredStore(tmp_path / "kv", create=False)
+    ids = sorted(opened.catalog.documented_ids())
+    for cache_id in ids:
+        opened.durable.put(cache_id, b"garbage")
+    opened.close()
+    capsys.readouterr()
+    assert main(["verify", *store, "--repair"]) == 1  # the default model: none are its own
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{len(ids)} corrupt" in out and "0 repaired" in out and "another model" in out
+    assert main(["verify", *store, "--repair", "--model", "random:tiny"]) == 0
+    assert f"{len(ids)} repaired" in " ".join(capsys.readouterr().out.split())
+    assert main(["verify", *store]) == 0
+
+
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
 def test_bench_prefix_reports_both_methods_and_their_kv_bytes(tmp_path: Path) -> None:
     args = ["bench", "prefix", "--model", "random:tiny", "--prefixes", "512"]
     args += ["--batches", "1,4", "--new-tokens", "4", "--repeats", "2", "--out", str(tmp_path)]

@@ -111,7 +111,7 @@ def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStor
     """The existing store under --store (never a new one); `with_model`: able to re-encode bad
     blobs (loads the model)."""
     from rag_kvcache.config import ModelConfig, StoreConfig
-    from rag_kvcache.storage.store import Reencode, TieredStore
+    from rag_kvcache.storage.store import TieredStore
 
     config = StoreConfig(
         args.store,
@@ -119,20 +119,26 @@ def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStor
         redis_url=args.redis_url,
         compress=store_compress(args),  # how `verify --repair` writes the blobs it re-encodes
     )
-    reencode: Reencode | None = None
-    if with_model:
-        from rag_kvcache.engine import reencoder
-        from rag_kvcache.model.loading import load_model
-
-        reencode = reencoder(load_model(ModelConfig()))
-    return TieredStore(
+    store = TieredStore(
         config.root or Path(),
         catalog_url=config.catalog_url,
         redis_url=config.redis_url,
         compress=config.compress,
-        reencode=reencode,
         create=False,
     )
+    if with_model:  # the model the command names (its flags: `engine_options`)
+        from rag_kvcache.engine import reencoder
+        from rag_kvcache.model.loading import load_model
+
+        model = ModelConfig(
+            path=args.model, dtype=args.dtype, quantization=args.quantization, lora=args.lora
+        )
+        try:
+            store.reencode = reencoder(load_model(model, stored_adapter=store.adapter))
+        except BaseException:
+            store.close()
+            raise
+    return store
 
 
 def store_compress(args: argparse.Namespace) -> str | None:

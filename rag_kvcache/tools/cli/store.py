@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from rag_kvcache.tools.cli.common import open_store, store_options
+from rag_kvcache.tools.cli.common import engine_options, open_store, store_options
 
 if TYPE_CHECKING:
     from rag_kvcache.storage.store import TieredStore
@@ -25,9 +25,16 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         ("gc", "remove expired chunks, dead writers' rows, orphan blobs and temporaries"),
     ]:
         sub = commands.add_parser(name, help=text)
-        store_options(sub)
-        if name == "verify":
-            sub.add_argument("--repair", action="store_true", help="loads the model")
+        if name == "verify":  # repairing re-encodes with the model (and writes as told)
+            engine_options(sub)
+            sub.add_argument(
+                "--repair",
+                action="store_true",
+                help="loads the model given with --model/--dtype/--lora (the one that encoded "
+                "the chunks)",
+            )
+        else:
+            store_options(sub)
         sub.set_defaults(run=store_command)
         if name == "gc":
             sub.add_argument(
@@ -78,6 +85,12 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
             f"{len(report.unreadable)} unreadable rows, {len(report.orphans)} orphan blobs"
             + (" (both dropped)" if args.repair else "")
         )
+        if report.other_model:
+            console.print(
+                f"{len(report.other_model)} bad blobs belong to another model than the one "
+                "loaded: repair them with that model's --model / --dtype / --lora",
+                highlight=False,
+            )
         bad = (len(report.corrupt) + len(report.missing)) - report.repaired
         kept = [c for c in report.orphans if store.durable.contains(c)]
         bad += len(kept) + (0 if args.repair else len(report.unreadable))
