@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
-from rag_kvcache.errors import ConfigError, RagKVCacheError
+from rag_kvcache.errors import ConfigError, RagKVCacheError, StoreFullError
 from rag_kvcache.extras import LazyModule
 from rag_kvcache.storage.layout import checked_name, is_name
 
@@ -21,6 +22,15 @@ else:  # the `redis` extra, imported when a RedisTier is first made
     redis = LazyModule("redis", extra="redis", purpose="the Redis blob tier")
 
 T = TypeVar("T")
+
+
+def without_password(url: str) -> str:
+    """A Redis URL as messages may show it: its password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 class StoreUnavailableError(RagKVCacheError, ConnectionError):
@@ -43,12 +53,24 @@ class RedisTier:
         self._call(self._redis.ping)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, Redis's errors as the store's (its URL named without a password)."""
+        where = without_password(self.url)
         try:
             return fn(*args)
+        except redis.AuthenticationError as err:
+            raise StoreUnavailableError(
+                f"Redis at {where} refused the credentials ({err}); check the Redis URL"
+            ) from err
         except (redis.ConnectionError, redis.TimeoutError) as err:
             raise StoreUnavailableError(
-                f"Redis at {self.url} is unreachable ({err}); start it or use the disk tier"
+                f"Redis at {where} is unreachable ({err}); start it or use the disk tier"
             ) from err
+        except redis.OutOfMemoryError as err:
+            raise StoreFullError(
+                f"Redis at {where} is full ({err}): raise its maxmemory, or use the disk tier"
+            ) from err
+        except redis.ResponseError as err:  # read-only replica, no permission, ...
+            raise StoreUnavailableError(f"Redis at {where} refused the command ({err})") from err
 
     def key(self, cache_id: str) -> str:
         return self.prefix + checked_name("cache ID", cache_id)
@@ -57,7 +79,12 @@ class RedisTier:
         self._call(self._redis.set, self.key(cache_id), data)
 
     def get(self, cache_id: str) -> bytearray | None:
-        value = self._call(self._redis.get, self.key(cache_id))
+        try:
+            value = self._call(self._redis.get, self.key(cache_id))
+        except StoreUnavailableError as err:
+            if not str(err.__cause__).startswith("WRONGTYPE"):
+                raise
+            return bytearray()  # another kind of value under our key: a corrupt blob
         return bytearray(value) if value is not None else None  # type: ignore[arg-type]
 
     def contains(self, cache_id: str) -> bool:

@@ -41,7 +41,7 @@ from rag_kvcache.storage.blob import (
     to_blob,
 )
 from rag_kvcache.storage.catalog import Catalog
-from rag_kvcache.storage.disk import DiskTier, StoreFullError
+from rag_kvcache.storage.disk import DiskTier
 from rag_kvcache.storage.hot import MemoryTier
 from rag_kvcache.storage.layout import (
     BLOBS_FOLDER,
@@ -272,8 +272,10 @@ class TieredStore:
         data = to_blob(kv, self.compress)
         try:
             self.durable.put(kv.cache_id, data)
-        except StoreFullError:
-            self.catalog.remove_chunk(kv.cache_id)  # nothing half-recorded
+        except BaseException:  # a full disk, Redis gone, killed: nothing half-recorded
+            # and our claim gone, so the next writer of this chunk need not wait it out
+            with contextlib.suppress(Exception):  # a catalog that is down too: gc drops it
+                self.catalog.remove_chunk(kv.cache_id)
             raise
         self.catalog.commit_chunk(kv.cache_id, len(data), checksum(data), self.durable.name)
         return as_stored(kv, self.compress)

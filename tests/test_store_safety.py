@@ -240,6 +240,52 @@ def test_two_stores_sharing_one_redis_database_never_touch_each_others_blobs(
             store.close()
 
 
+def test_redis_errors_are_the_stores_and_never_show_the_password(
+    redis_namespace: str, tmp_path: Path, tiny32
+) -> None:  # redis_namespace: skips without a Redis
+    """A password the server refuses is named as such without being repeated; a full Redis
+    is the store's full error, with nothing recorded and nothing for the next writer to wait
+    out; a value of another type under one of the store's keys is a corrupt blob."""
+    import redis
+
+    with pytest.raises(StoreUnavailableError) as refused:
+        RedisTier("redis://nobody:hunter2@127.0.0.1:6379/0", prefix=redis_namespace)
+    assert "hunter2" not in str(refused.value) and "nobody:***@127.0.0.1:6379" in str(refused.value)
+
+    store = TieredStore(tmp_path / "s", redis_url=REDIS_URL, reencode=reencoder(tiny32))
+    tier = store.durable
+    assert isinstance(tier, RedisTier)
+    engine = _engine(store, tiny32)
+    [first] = engine.generate_context_cache(DOCS[:1])
+
+    def full(*_: object) -> None:
+        raise redis.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'")
+
+    real_set = tier._redis.set
+    tier._redis.set = full  # type: ignore[method-assign]
+    with pytest.raises(StoreFullError, match="is full"):
+        engine.generate_context_cache(DOCS[1:])
+    [kv] = encode_chunks(tiny32, [engine.template.chunk_ids(tiny32.tokenizer, DOCS[1])])
+    assert store.catalog.chunk(kv.cache_id) is None  # no claim left behind
+    tier._redis.set = real_set  # type: ignore[method-assign]
+    started = time.monotonic()
+    [second] = engine.generate_context_cache(DOCS[1:])
+    assert second == kv.cache_id and time.monotonic() - started < 10  # no dead claim waited on
+
+    for cid in (first, second):
+        tier._redis.delete(tier.key(cid))
+        tier._redis.lpush(tier.key(cid), b"not a blob")
+    for hot in store.hot:
+        for cid in (first, second):
+            hot.remove(cid)
+    report = store.verify(repair=True)
+    assert sorted(report.corrupt) == sorted([first, second]) and report.repaired == 2
+    assert engine.generate("When?", [first, second]).token_ids
+    for cid in list(tier.ids()):
+        tier.remove(cid)
+    store.close()
+
+
 # ----------------------------------------------------------------------------- item 7: errors
 
 
