@@ -421,13 +421,19 @@ class Catalog(CatalogDatabase):
             return set(conn.scalars(stmt))
 
     def touch(self, cache_ids: Iterable[str]) -> None:
-        """Record a use of each chunk (LRU time and LFU count) in one UPDATE."""
-        ids = list(dict.fromkeys(cache_ids))
+        """Record a use of each chunk (LRU time and LFU count) in one UPDATE. The rows are
+        locked first in ID order: two requests touching overlapping chunks would otherwise
+        lock them in whatever order each UPDATE meets them, and PostgreSQL would find them
+        deadlocked (SQLite has one writer at a time and no row locks)."""
+        ids = sorted(set(cache_ids))
         if not ids:
             return
         now = utc_now()
         with self._write() as conn:
             for batch in _batches(ids):
+                if not self._sqlite:
+                    rows = select(Chunk.cache_id).where(Chunk.cache_id.in_(batch))
+                    conn.execute(rows.order_by(Chunk.cache_id).with_for_update())
                 conn.execute(
                     update(Chunk)
                     .where(Chunk.cache_id.in_(batch))

@@ -167,6 +167,17 @@ def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -
     )
 
 
+def _failed(url: str, err: sa.exc.OperationalError) -> CatalogError:
+    """A call to an open catalog that the database could not answer (the server went away,
+    the connection was cut, a lock was not granted), in one line: its transaction was rolled
+    back, so nothing is half-recorded."""
+    reason = str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else type(err.orig)
+    return CatalogError(
+        f"the catalog at {url} did not answer ({reason}); nothing was half-recorded: check "
+        "that the database is up, then try again"
+    )
+
+
 def _sqlite_file(url: URL) -> str | None:
     return url.database if url.get_backend_name() == "sqlite" else None
 
@@ -335,12 +346,15 @@ class CatalogDatabase:
                     f"the catalog's disk is full ({self.url}); nothing was recorded: free "
                     "space, or run `rag-kvcache gc`"
                 ) from err
-            raise
+            raise _failed(self.url, err) from err
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with self._engine.connect() as conn:
-            yield conn
+        try:
+            with self._engine.connect() as conn:
+                yield conn
+        except sa.exc.OperationalError as err:
+            raise _failed(self.url, err) from err
 
     def _insert(self, table: Any) -> Any:
         """The dialect's INSERT, which has `on_conflict_do_nothing/update` on both backends."""

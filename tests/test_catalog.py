@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,51 @@ def test_touch_counts_hits_and_moves_last_used(cat: Catalog) -> None:
     assert after["b"].last_used_at > before["b"].last_used_at
     assert after["a"].last_used_at >= after["b"].last_used_at
     assert after["c"].last_used_at == before["c"].last_used_at
+
+
+def test_concurrent_touches_of_overlapping_chunks_never_deadlock(target: Target) -> None:
+    """Every answer touches its chunks. Four workers touching random overlapping sets, each on
+    its own connection: PostgreSQL found some of them deadlocked (a raw error, and a 1 s stall
+    each) while the rows were locked in whatever order each UPDATE met them."""
+    first = target.open()
+    first.register_model(FP, "tiny", "float32", 3, 2, 16)
+    ids = [f"{i:032x}" for i in range(30)]
+    for cid in ids:
+        begin(first, cid)
+    catalogs = [target.open() for _ in range(4)]
+
+    def work(seed: int) -> int:
+        rng = random.Random(seed)
+        for _ in range(60):
+            catalogs[seed].touch(rng.sample(ids, 16))
+        return 60 * 16
+
+    with ThreadPoolExecutor(len(catalogs)) as pool:
+        touched = sum(pool.map(work, range(len(catalogs))))  # re-raises any worker's error
+    assert sum(row.hit_count for row in first.chunks(ids).values()) == touched
+    for cat in (first, *catalogs):
+        cat.close()
+
+
+@pytest.mark.parametrize("target", ["postgresql"], indirect=True)
+def test_a_connection_cut_mid_call_is_one_clear_error(target: Target) -> None:
+    """The database restarted, or an admin cut the connection: the call's transaction is rolled
+    back and named in one line (it was a page of driver traceback), and the next call works."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    cat = target.open()
+    admin = create_engine(str(target.url), poolclass=NullPool)
+    cut = pytest.raises(CatalogError, match="did not answer .*check that the database is up")
+    with cut, cat._write() as conn:  # the connection any write runs on
+        pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        with admin.begin() as other:
+            other.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+        conn.exec_driver_sql("SELECT 1")
+    admin.dispose()
+    cat.register_model(FP, "tiny", "float32", 3, 2, 16)  # a fresh connection from the pool
+    assert begin(cat, "a" * 32) and cat.chunk("a" * 32) is not None
+    cat.close()
 
 
 def test_pins(cat: Catalog) -> None:
