@@ -131,6 +131,15 @@ def _parsed(row: ChunkRow, data: bytes | bytearray) -> ChunkKV | str:
         return "corrupt"
 
 
+MAX_TTL_S = 100 * 365.25 * 86400  # a chunk's time to live, at most
+
+
+def _shown(name: object) -> str:
+    """A caller's name as an error quotes it: a megabyte of it says no more than 80 chars."""
+    shown = repr(name)
+    return shown if len(shown) <= 80 else f"{shown[:77]}..."
+
+
 def _wholesale(orphans: list[str], listed: set[str]) -> bool:
     """Orphan blobs are few (writers killed at the wrong moment); more of them than chunks in
     the catalog means the catalog is lost, old or another store's, not that they are garbage."""
@@ -230,8 +239,11 @@ class TieredStore:
         pinned: bool = False,
         ttl_s: float | None = None,
     ) -> None:
-        """Store kv durably (once, whoever else stores the same chunk) and keep it hot."""
+        """Store kv durably (once, whoever else stores the same chunk) and keep it hot;
+        `ttl_s`: seconds until it expires (None: never), at most MAX_TTL_S."""
         checked_name("cache ID", kv.cache_id)
+        if ttl_s is not None and not 0 < ttl_s <= MAX_TTL_S:  # NaN too
+            raise ConfigError(f"ttl_s must be > 0 and <= {MAX_TTL_S:.0f} (100 years), got {ttl_s}")
         expires = datetime.now(UTC) + timedelta(seconds=ttl_s) if ttl_s else None
         claimed = self.catalog.begin_chunk(
             kv.cache_id,
@@ -381,7 +393,7 @@ class TieredStore:
     ) -> tuple[dict[str, ChunkRow], dict[str, ChunkKV], list[str]]:
         """The chunks' catalog rows, those found in a hot tier, and the misses (each once);
         unknown or expired IDs raise, all at once. Counts the hot tiers' hits."""
-        malformed = [repr(c) for c in cache_ids if not is_name("cache ID", c)]
+        malformed = [_shown(c) for c in cache_ids if not is_name("cache ID", c)]
         if malformed:  # names no chunk: unknown, before any lookup
             raise UnknownCacheIdError(malformed)
         rows = self.catalog.chunks(cache_ids)
@@ -588,7 +600,14 @@ class TieredStore:
                     continue
                 if row is not None:
                     rows.append(row)
-        return rows, unreadable
+        settled = []
+        for row in rows:  # the encode settings are read with the blob: damage shows here
+            try:
+                EncodeSettings.from_key(row.encode_settings)
+                settled.append(row)
+            except (ValueError, TypeError):
+                unreadable.append(row.cache_id)
+        return settled, unreadable
 
     def nbytes(self) -> int:
         """Bytes of every stored blob (counted in SQL from the durable tier's placements)."""

@@ -5,6 +5,7 @@ damage that must be reported rather than read as emptiness."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from sqlalchemy import text as sql_text
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.engine import reencoder
 from rag_kvcache.errors import (
+    ConfigError,
     InvalidNameError,
     StoreDamagedError,
     StoreError,
@@ -563,6 +565,35 @@ def test_a_folder_where_a_blob_belongs_and_a_bad_row_do_not_crash_verify_or_gc(
     assert store.catalog.chunk_ids() == {engine.prefix_id, ids[0]}
     assert blob.is_file() and store.verify(repair=False) == VerifyReport(2, [], [], 0)
     assert engine.generate("When?", ids[:1]).token_ids
+    store.close()
+
+
+def test_damaged_encode_settings_are_an_unreadable_row_and_huge_ids_a_short_error(
+    tmp_path: Path, tiny32
+) -> None:
+    """`verify` named rows with damaged token IDs but crashed on damaged encode settings (read
+    only with the blob); an unknown ID of a megabyte was quoted whole in its error."""
+    store = TieredStore(tmp_path / "s", reencode=reencoder(tiny32))
+    engine = _engine(store, tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    with store.catalog.engine.begin() as conn:
+        conn.execute(
+            sql_text("UPDATE chunks SET encode_settings = '{bad' WHERE cache_id = :c"),
+            {"c": ids[0]},
+        )
+    assert store.verify(repair=False).unreadable == [ids[0]]
+    assert store.verify(repair=True).unreadable == [ids[0]]  # dropped: its document re-ingests
+    assert (
+        engine.generate_context_cache(DOCS) == ids and store.verify(repair=False).unreadable == []
+    )
+    with pytest.raises(UnknownCacheIdError) as unknown:
+        store.get(["A" * 10**6])
+    assert len(str(unknown.value)) < 300
+    [kv] = encode_chunks(tiny32, random_chunks([4], seed=5))
+    for ttl in (0.0, -1.0, math.nan, math.inf, 1e12):  # raw ValueErrors, or born expired
+        with pytest.raises(ConfigError, match="ttl_s must be > 0"):
+            store.put(kv, "t", ttl_s=ttl)
+    assert store.catalog.chunk(kv.cache_id) is None
     store.close()
 
 
