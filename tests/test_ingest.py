@@ -166,6 +166,21 @@ def test_editing_one_file_reencodes_only_its_changed_chunks(engine, tmp_path: Pa
     assert (plan.todo, third, len(plan.unchanged)) == ([], [], 3)
 
 
+def test_ingesting_again_with_another_model_encodes_for_it(engine, tiny64, tmp_path) -> None:
+    """Unchanged files whose chunks another model encoded are not "unchanged" for this one:
+    skipping them left a store no question could be answered from with the new model."""
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    ingest(engine, docs)
+    other = RagKVCache(engine.config, lm=tiny64)
+    plan, done = ingest(other, docs)
+    assert (len(plan.todo), plan.unchanged) == (3, [])
+    assert sum(d.encoded for d in done) == 7
+    hits = other.retrieve("How much does a ferry ticket cost?", 2)
+    assert other.generate("How much?", [h.cache_id for h in hits]).token_ids
+    assert ingest(other, docs)[0].unchanged  # and then unchanged for it
+
+
 def test_an_interrupted_run_resumes_without_reencoding(engine, tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     write_docs(docs)
