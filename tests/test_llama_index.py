@@ -186,6 +186,15 @@ def test_a_pipeline_cache_never_skips_the_store(engine) -> None:
     assert again[0].metadata["cache_id"] == cache_id and engine.store.contains(cache_id)
 
 
+def test_the_transform_says_it_cannot_go_to_worker_processes(engine) -> None:
+    """`pipeline.run(num_workers=2)` pickles the steps: a worker would get this one without
+    its engine (an AttributeError deep in the worker); it is refused with what to do."""
+    import pickle
+
+    with pytest.raises(TypeError, match="num_workers=1"):
+        pickle.dumps(KVCacheTransform(engine))
+
+
 def test_a_tag_names_the_text_it_was_given_for(engine) -> None:
     """A node whose text was replaced after tagging (a sentence window, say) is the new
     text's chunk; a tag that is no cache ID at all is replaced, never an error."""

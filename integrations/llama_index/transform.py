@@ -115,6 +115,14 @@ class KVCacheTransform(TransformComponent):
     def class_name(cls) -> str:
         return "KVCacheTransform"
 
+    def __getstate__(self) -> dict[Any, Any]:
+        """Refused: worker processes (`pipeline.run(num_workers=N)`) would get the step
+        without its engine, which holds the model and the store."""
+        raise TypeError(
+            "KVCacheTransform runs in the process that holds its engine: run the pipeline "
+            "with num_workers=1 (the engine's model already uses every core)"
+        )
+
     def to_dict(self, **kwargs: Any) -> dict[str, Any]:
         """With a fresh nonce: an IngestionPipeline keys its cache by this dict and the nodes,
         and on a hit it hands back the nodes without calling the step, so the store would
