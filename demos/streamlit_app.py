@@ -14,6 +14,7 @@ retrieves from its own store; documents are added there with `rag-kvcache ingest
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -155,23 +156,36 @@ def safe_name(name: str) -> str:
     return base or "upload.txt"
 
 
+def upload_path(folder: Path, name: str) -> Path:
+    """Where an upload is kept: its safe name, with a short hash of the name it came with when
+    that had to change, so two uploads share a file only when they share a name (`a:b.md` and
+    `a?b.md` would both be `a_b.md`, in this batch or across batches)."""
+    given = Path(name.replace("\\", "/")).name  # what a browser sends is a name, not a path
+    safe = safe_name(given)
+    if safe != given:
+        stem, extension = os.path.splitext(safe)
+        tag = hashlib.sha256(given.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        safe = f"{stem}-{tag}{extension}"
+    return folder / safe
+
+
 def save_uploads(
     folder: Path, files: Iterable[tuple[str, bytes]]
 ) -> tuple[list[Path], list[Skipped]]:
     """Write uploads to files, so they are ingested like any file: (paths written, uploads
-    that could not be). The path is the document's key, so uploading a changed file of the
-    same name updates that document; two uploads of one batch whose names come out the same
-    (`a:b.md` and `a?b.md`) are both kept, the later as `a_b (2).md`."""
+    not kept). The path is the document's key, so uploading a changed file of the same name
+    updates that document; of two uploads of one name in a batch, the later is kept and the
+    earlier reported."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths: list[Path] = []
+    chosen: dict[Path, tuple[str, bytes]] = {}
     failed: list[Skipped] = []
     for name, data in files:
-        base = safe_name(name)
-        path, copy = folder / base, 1
-        while path in paths:
-            copy += 1
-            stem, extension = os.path.splitext(base)
-            path = folder / f"{stem} ({copy}){extension}"
+        path = upload_path(folder, name)
+        if path in chosen:
+            failed.append(Skipped(chosen[path][0], "a later upload of this batch has its name"))
+        chosen[path] = (name, data)
+    paths: list[Path] = []
+    for path, (name, data) in chosen.items():
         try:
             path.write_bytes(data)
         except OSError as e:  # this upload only: the others are still saved and ingested

@@ -82,8 +82,9 @@ class GenerationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        count = self.max_new_tokens
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, a whole number; got {count!r}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

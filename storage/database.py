@@ -161,10 +161,8 @@ def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -
             f"cannot open the catalog at {url}: {reason}; the disk holding it is full: free "
             "space there"
         )
-    return CatalogError(
-        f"cannot open the catalog at {url}: {reason}; check the host, database, user and "
-        "that the folder is writable"
-    )
+    check = "that its folder is writable" if database else "the host, database and user"
+    return CatalogError(f"cannot open the catalog at {url}: {reason}; check {check}")
 
 
 def _failed(url: str, err: sa.exc.OperationalError) -> CatalogError:

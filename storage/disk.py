@@ -135,9 +135,15 @@ class DiskTier:
         removed = 0
         for tmp in self.root.glob(f"*/{TEMPORARY_PREFIX}*"):
             try:
-                if time.time() - tmp.stat().st_mtime < older_than_s:
+                info = tmp.lstat()  # a symlink is not followed
+                if time.time() - info.st_mtime < older_than_s:
                     continue
-                fd = os.open(tmp, os.O_RDONLY)
+                if not stat.S_ISREG(info.st_mode):  # no writer makes these: damage (and a
+                    if not self._clear_non_file(tmp):  # FIFO would block the open below)
+                        tmp.unlink()
+                    removed += 1
+                    continue
+                fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
             except FileNotFoundError:  # renamed by its writer meanwhile
                 continue
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from rag_kvcache.errors import ConfigError, RagKVCacheError, StoreFullError
 from rag_kvcache.extras import LazyModule
@@ -25,12 +25,14 @@ T = TypeVar("T")
 
 
 def without_password(url: str) -> str:
-    """A Redis URL as messages may show it: its password replaced by ***."""
+    """A Redis URL as messages may show it: its password, in the user part or the query
+    (`?password=`, which redis-py reads too), replaced by ***."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)]
+    return urlunsplit(parts._replace(query=urlencode(query, safe="*")))
 
 
 class StoreUnavailableError(RagKVCacheError, ConnectionError):

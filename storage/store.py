@@ -126,6 +126,13 @@ def _parsed(row: ChunkRow, data: bytes | bytearray) -> ChunkKV | str:
     assert row.checksum is not None
     try:
         sinks = EncodeSettings.from_key(row.encode_settings).sink_ids
+    except ValueError:  # (verify finds such rows first, and names them unreadable)
+        raise StoreDamagedError(
+            f"the catalog row of chunk {row.cache_id} is damaged (its encode settings cannot "
+            "be read): `rag-kvcache verify --repair` drops it, and the next ingest of its "
+            "document encodes it again"
+        ) from None
+    try:
         return from_blob(data, row.checksum, row.cache_id, row.fingerprint, row.token_ids, sinks)
     except CorruptBlobError:
         return "corrupt"
@@ -242,8 +249,11 @@ class TieredStore:
         """Store kv durably (once, whoever else stores the same chunk) and keep it hot;
         `ttl_s`: seconds until it expires (None: never), at most MAX_TTL_S."""
         checked_name("cache ID", kv.cache_id)
-        if ttl_s is not None and not 0 < ttl_s <= MAX_TTL_S:  # NaN too
-            raise ConfigError(f"ttl_s must be > 0 and <= {MAX_TTL_S:.0f} (100 years), got {ttl_s}")
+        number = isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
+        if ttl_s is not None and not (number and 0 < ttl_s <= MAX_TTL_S):  # NaN too
+            raise ConfigError(
+                f"ttl_s must be > 0 and <= {MAX_TTL_S:.0f} (100 years), got {_shown(ttl_s)}"
+            )
         expires = datetime.now(UTC) + timedelta(seconds=ttl_s) if ttl_s else None
         claimed = self.catalog.begin_chunk(
             kv.cache_id,

@@ -581,6 +581,10 @@ def test_damaged_encode_settings_are_an_unreadable_row_and_huge_ids_a_short_erro
             sql_text("UPDATE chunks SET encode_settings = '{bad' WHERE cache_id = :c"),
             {"c": ids[0]},
         )
+    for tier in store.hot:
+        tier.remove(ids[0])
+    with pytest.raises(StoreDamagedError, match="verify --repair"):  # was a raw ValueError
+        store.get(ids[:1])
     assert store.verify(repair=False).unreadable == [ids[0]]
     assert store.verify(repair=True).unreadable == [ids[0]]  # dropped: its document re-ingests
     assert (
@@ -590,7 +594,7 @@ def test_damaged_encode_settings_are_an_unreadable_row_and_huge_ids_a_short_erro
         store.get(["A" * 10**6])
     assert len(str(unknown.value)) < 300
     [kv] = encode_chunks(tiny32, random_chunks([4], seed=5))
-    for ttl in (0.0, -1.0, math.nan, math.inf, 1e12):  # raw ValueErrors, or born expired
+    for ttl in (0.0, -1.0, math.nan, math.inf, 1e12, True, "5"):  # raw errors, born expired
         with pytest.raises(ConfigError, match="ttl_s must be > 0"):
             store.put(kv, "t", ttl_s=ttl)
     assert store.catalog.chunk(kv.cache_id) is None
@@ -624,6 +628,45 @@ def test_a_fifo_or_a_symlink_loop_where_a_blob_belongs_is_damage_not_a_hang(
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     store.close()
+
+
+def test_gc_clears_damage_named_like_a_temporary_without_hanging(tmp_path: Path) -> None:
+    """No writer makes a FIFO, a folder or a symlink loop: gc removes them as damage, where
+    it hung on the FIFO's open or crashed on the others."""
+    store = TieredStore(tmp_path / "s")
+    folder = store.durable.root / "4b"  # type: ignore[attr-defined]
+    folder.mkdir(parents=True, exist_ok=True)
+    fifo, loop, dir_ = (folder / f".tmp-999999-{kind}" for kind in "fld")
+    os.mkfifo(fifo)
+    loop.symlink_to(loop.name)
+    (dir_ / "inside").mkdir(parents=True)
+    old = time.time() - 7200
+    for path in (fifo, loop, dir_):
+        os.utime(path, (old, old), follow_symlinks=False)
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("gc hung"))
+    signal.alarm(60)
+    try:
+        assert store.gc(pending_after_s=600).temporaries == 3
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert list(folder.iterdir()) == []
+    store.close()
+
+
+def test_redis_urls_are_shown_without_passwords() -> None:
+    from rag_kvcache.storage.redis_tier import without_password
+
+    for url, shown in [
+        ("redis://:pw@h:6379/3", "redis://:***@h:6379/3"),
+        ("redis://bob:pw@h:6379/3", "redis://bob:***@h:6379/3"),
+        (
+            "redis://h:6379/3?password=pw&socket_timeout=3",
+            "redis://h:6379/3?password=***&socket_timeout=3",
+        ),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ]:
+        assert without_password(url) == shown
 
 
 def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(

@@ -213,14 +213,12 @@ def test_ingest_uploads_keeps_files_under_the_store_and_reports_bad_ones(
     ]
     report = app.ingest_uploads(engine, files, lambda *p: progress.append(p))
     uploads = tmp_path / "uploads"
-    assert sorted(p.name for p in uploads.iterdir()) == [
-        "broken.pdf",
-        "empty.txt",
-        "ferry.md",
-        "hidden.txt",
-        "latin1.txt",
-    ]
-    assert sorted(Path(d.source).name for d in report.documents) == ["ferry.md", "hidden.txt"]
+    hidden = app.upload_path(uploads, ".hidden.txt").name  # renamed: tagged with a hash
+    assert hidden.startswith("hidden-") and hidden.endswith(".txt")
+    assert sorted(p.name for p in uploads.iterdir()) == sorted(
+        ["broken.pdf", "empty.txt", "ferry.md", hidden, "latin1.txt"]
+    )
+    assert sorted(Path(d.source).name for d in report.documents) == sorted(["ferry.md", hidden])
     assert report.encoded == report.chunks == 2 and report.chunks_per_s > 0
     reasons = {Path(s.path).name: s.reason for s in report.skipped}
     assert reasons["empty.txt"] == "empty file"
@@ -239,27 +237,38 @@ def test_uploads_named_alike_are_all_kept_and_one_that_cannot_be_saved_is_named(
     smol, tmp_path: Path
 ) -> None:
     """Names that come out the same once made safe (`a:b.md`, `a?b.md`) must not overwrite one
-    another, a name too long for the file system is shortened, and an upload that cannot be
-    written is reported while the others are ingested."""
+    another, in one batch or across batches, while the same name again updates its document;
+    a name too long for the file system is shortened; an upload that cannot be written, or
+    one replaced by a later upload of its name in the batch, is reported."""
     app = app_module()
     engine = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=smol)
-    (tmp_path / "uploads" / "taken.md").mkdir(parents=True)  # where a file cannot be written
+    uploads = tmp_path / "uploads"
+    app.upload_path(uploads, "taken.md").mkdir(parents=True)  # where no file can be written
     files = [
         ("a:b.md", b"The red ferry leaves at six."),
         ("a?b.md", b"The blue ferry leaves at seven."),
         ("x" * 300 + ".md", b"The green ferry leaves at eight."),
         ("taken.md", b"The grey ferry leaves at nine."),
+        ("twice.md", b"The first version."),
+        ("twice.md", b"The white ferry leaves at ten."),
     ]
     report = app.ingest_uploads(engine, files)
-    names = sorted(Path(d.source).name for d in report.documents)
-    assert names == ["a_b (2).md", "a_b.md", "x" * (app.NAME_CHARS - 16) + ".md"]
-    [(name, why)] = [(s.path, s.reason) for s in report.skipped]
-    assert name == "taken.md" and why.startswith("cannot save it")
-    texts = {
-        Path(d.source).name: engine.corpus.catalog.document_chunks(d.source)
-        for d in report.documents
-    }
-    assert len(set(map(tuple, texts.values()))) == 3  # three documents, none overwritten
+    named = {Path(d.source).name for d in report.documents}
+    assert len(named) == 4 and "twice.md" in named
+    long = app.upload_path(uploads, "x" * 300 + ".md").name
+    assert long in named and len(long) <= app.NAME_CHARS + 9
+    assert sorted((s.path, s.reason.split(":")[0]) for s in report.skipped) == [
+        ("taken.md", "cannot save it"),
+        ("twice.md", "a later upload of this batch has its name"),
+    ]
+    # a later batch: `a_b.md` as itself is another document than `a:b.md`; `a?b.md` again
+    # updates its own
+    later = [("a_b.md", b"The mill grinds on Tuesdays."), ("a?b.md", b"The blue ferry is late.")]
+    app.ingest_uploads(engine, later)
+    sources = [Path(d.source).name for d in engine.corpus.catalog.documents()]
+    assert len(sources) == 5 and "a_b.md" in sources
+    texts = " ".join(h.text for h in engine.retrieve("ferry mill", 10))
+    assert "red ferry" in texts and "blue ferry is late" in texts and "seven" not in texts
     engine.store.close()
 
 

@@ -73,6 +73,9 @@ class PromptCache:
         added: list[SchemaAdded] = []
         skipped: list[tuple[Path, str]] = []
         for path in sorted(folder.glob("*.xml")):
+            if not path.is_file():  # a folder, or a FIFO, whose read would never end
+                skipped.append((path, "not a regular file"))
+                continue
             try:
                 added.append(self.add_schema(path.read_text(encoding="utf-8")))
             except (MarkupError, ContextTooLongError) as e:
