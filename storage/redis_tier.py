@@ -52,11 +52,12 @@ class RedisTier:
             raise ConfigError(
                 f"the Redis URL cannot be parsed ({err}); use redis://host:port/db"
             ) from None
+        self.where = without_password(url)  # how errors name the server
         self._call(self._redis.ping)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, Redis's errors as the store's (its URL named without a password)."""
-        where = without_password(self.url)
+        where = self.where
         try:
             return fn(*args)
         except redis.AuthenticationError as err:
@@ -81,13 +82,16 @@ class RedisTier:
         self._call(self._redis.set, self.key(cache_id), data)
 
     def get(self, cache_id: str) -> bytearray | None:
+        value = self._call(self._value, self.key(cache_id))
+        return bytearray(value) if value is not None else None
+
+    def _value(self, key: str) -> bytes | None:
         try:
-            value = self._call(self._redis.get, self.key(cache_id))
-        except StoreUnavailableError as err:
-            if not str(err.__cause__).startswith("WRONGTYPE"):
-                raise
-            return bytearray()  # another kind of value under our key: a corrupt blob
-        return bytearray(value) if value is not None else None  # type: ignore[arg-type]
+            return self._redis.get(key)  # type: ignore[return-value]
+        except redis.ResponseError as err:
+            if str(err).startswith("WRONGTYPE"):  # another kind of value under our key:
+                return b""  # a corrupt blob, rebuilt like any other
+            raise
 
     def contains(self, cache_id: str) -> bool:
         return bool(self._call(self._redis.exists, self.key(cache_id)))
