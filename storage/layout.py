@@ -62,8 +62,13 @@ def checked_name(kind: str, value: object) -> str:
     if is_name(kind, value):
         return value  # type: ignore[return-value]  # is_name checked it is a str
     rule = RULES[kind]
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    raise InvalidNameError(f"not a {kind}: {shown} (expected {rule.allowed})")
+    raise InvalidNameError(f"not a {kind}: {shown_name(value)} (expected {rule.allowed})")
+
+
+def shown_name(value: object) -> str:
+    """A caller's name as an error quotes it: a megabyte of it says no more than 80 chars."""
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def is_name(kind: str, value: object) -> bool:

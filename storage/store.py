@@ -53,6 +53,7 @@ from rag_kvcache.storage.layout import (
     open_folder,
     read_marker,
     redis_prefix,
+    shown_name,
     write_marker,
 )
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
@@ -139,12 +140,6 @@ def _parsed(row: ChunkRow, data: bytes | bytearray) -> ChunkKV | str:
 
 
 MAX_TTL_S = 100 * 365.25 * 86400  # a chunk's time to live, at most
-
-
-def _shown(name: object) -> str:
-    """A caller's name as an error quotes it: a megabyte of it says no more than 80 chars."""
-    shown = repr(name)
-    return shown if len(shown) <= 80 else f"{shown[:77]}..."
 
 
 def _wholesale(orphans: list[str], listed: set[str]) -> bool:
@@ -252,7 +247,7 @@ class TieredStore:
         number = isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
         if ttl_s is not None and not (number and 0 < ttl_s <= MAX_TTL_S):  # NaN too
             raise ConfigError(
-                f"ttl_s must be > 0 and <= {MAX_TTL_S:.0f} (100 years), got {_shown(ttl_s)}"
+                f"ttl_s must be > 0 and <= {MAX_TTL_S:.0f} (100 years), got {shown_name(ttl_s)}"
             )
         expires = datetime.now(UTC) + timedelta(seconds=ttl_s) if ttl_s else None
         claimed = self.catalog.begin_chunk(
@@ -403,7 +398,7 @@ class TieredStore:
     ) -> tuple[dict[str, ChunkRow], dict[str, ChunkKV], list[str]]:
         """The chunks' catalog rows, those found in a hot tier, and the misses (each once);
         unknown or expired IDs raise, all at once. Counts the hot tiers' hits."""
-        malformed = [_shown(c) for c in cache_ids if not is_name("cache ID", c)]
+        malformed = [shown_name(c) for c in cache_ids if not is_name("cache ID", c)]
         if malformed:  # names no chunk: unknown, before any lookup
             raise UnknownCacheIdError(malformed)
         rows = self.catalog.chunks(cache_ids)
