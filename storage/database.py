@@ -155,7 +155,7 @@ def _ensure_pg_schema(url: URL, schema: str) -> None:
 def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -> CatalogError:
     """What went wrong opening the catalog at `url`, in one line (the driver's first). SQLite
     says "disk I/O error" when it cannot even write its journal: a full disk is named."""
-    reason = str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else type(err.orig)
+    reason = _reason(err)
     if database and _no_space(Path(database).parent):
         return CatalogError(
             f"cannot open the catalog at {url}: {reason}; the disk holding it is full: free "
@@ -169,11 +169,16 @@ def _failed(url: str, err: sa.exc.OperationalError) -> CatalogError:
     """A call to an open catalog that the database could not answer (the server went away,
     the connection was cut, a lock was not granted), in one line: its transaction was rolled
     back, so nothing is half-recorded."""
-    reason = str(err.orig).strip().splitlines()[0] if str(err.orig).strip() else type(err.orig)
     return CatalogError(
-        f"the catalog at {url} did not answer ({reason}); nothing was half-recorded: check "
+        f"the catalog at {url} did not answer ({_reason(err)}); nothing was half-recorded: check "
         "that the database is up, then try again"
     )
+
+
+def _reason(err: sa.exc.DBAPIError) -> str:
+    """The driver's reason for an error, its first line (or its type, when it says nothing)."""
+    text = str(err.orig).strip()
+    return text.splitlines()[0] if text else str(type(err.orig))
 
 
 def _sqlite_file(url: URL) -> str | None:
