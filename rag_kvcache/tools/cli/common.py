@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from rag_kvcache.config import EngineConfig
+    from rag_kvcache.config import EngineConfig, ModelConfig
     from rag_kvcache.engine import RagKVCache
     from rag_kvcache.storage.store import TieredStore
 
@@ -82,7 +82,7 @@ def open_engine(
 def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConfig:
     """The engine's config from a command's flags (`engine_options`, and a command's own
     --max-new-tokens, --strategy, --kv-cache-mib where it has them)."""
-    from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig, StoreConfig
+    from rag_kvcache.config import EngineConfig, GenerationConfig, StoreConfig
     from rag_kvcache.strategy import DEFAULT as DEFAULT_STRATEGY
 
     kv_mib = getattr(args, "kv_cache_mib", None)
@@ -90,9 +90,7 @@ def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConf
     if hasattr(args, "link_budget_ms"):  # serve: milliseconds, or None
         link = None if args.link_budget_ms is None else args.link_budget_ms / 1000
     return EngineConfig(
-        model=ModelConfig(
-            path=args.model, dtype=args.dtype, quantization=args.quantization, lora=args.lora
-        ),
+        model=model_config(args),
         store=StoreConfig(
             args.store,
             catalog_url=args.catalog_url,
@@ -107,10 +105,19 @@ def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConf
     )
 
 
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The model a command's flags name (`engine_options`)."""
+    from rag_kvcache.config import ModelConfig
+
+    return ModelConfig(
+        path=args.model, dtype=args.dtype, quantization=args.quantization, lora=args.lora
+    )
+
+
 def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStore:
     """The existing store under --store (never a new one); `with_model`: able to re-encode bad
     blobs (loads the model)."""
-    from rag_kvcache.config import ModelConfig, StoreConfig
+    from rag_kvcache.config import StoreConfig
     from rag_kvcache.storage.store import TieredStore
 
     config = StoreConfig(
@@ -130,11 +137,8 @@ def open_store(args: argparse.Namespace, with_model: bool = False) -> TieredStor
         from rag_kvcache.engine import reencoder
         from rag_kvcache.model.loading import load_model
 
-        model = ModelConfig(
-            path=args.model, dtype=args.dtype, quantization=args.quantization, lora=args.lora
-        )
         try:
-            store.reencode = reencoder(load_model(model, stored_adapter=store.adapter))
+            store.reencode = reencoder(load_model(model_config(args), stored_adapter=store.adapter))
         except BaseException:
             store.close()
             raise
