@@ -214,14 +214,14 @@ def plan_ingest(
         try:
             digest = _file_digest(path, max_bytes)
             known = catalog.document(source)
-            if known is not None and known.content_hash == digest:
-                chunks = catalog.document_chunks(source)
-                rows = catalog.chunks(chunks).values()  # this model's KV, not another's
-                if len(chunks) == known.chunk_count and all(
-                    row.fingerprint == engine.lm.fingerprint for row in rows
-                ):
-                    plan.unchanged.append(source)
-                    continue
+            if (
+                known is not None
+                and known.content_hash == digest
+                and len(catalog.document_chunks(source)) == known.chunk_count
+                and catalog.document_models(source) <= {engine.lm.fingerprint}  # not another's
+            ):
+                plan.unchanged.append(source)
+                continue
             count = sum(1 for _ in iter_chunks(path, split, max_bytes, hashlib.sha256()))
         except SkipFile as e:
             plan.skipped.append(Skipped(source, str(e)))

@@ -238,6 +238,19 @@ class Catalog(CatalogDatabase):
         with self._read() as conn:
             return list(conn.scalars(stmt))
 
+    def document_models(self, source: str) -> set[str]:
+        """The fingerprints of the models that encoded a document's chunks (reading nothing
+        else of their rows)."""
+        stmt = (
+            select(Chunk.fingerprint)
+            .join(DocumentChunk, DocumentChunk.cache_id == Chunk.cache_id)
+            .join(Document, Document.id == DocumentChunk.document_id)
+            .where(Document.source == source)
+            .distinct()
+        )
+        with self._read() as conn:
+            return set(conn.scalars(stmt))
+
     def documented_ids(self) -> set[str]:
         """Every chunk that belongs to at least one document (what retrieval may return)."""
         with self._read() as conn:

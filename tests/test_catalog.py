@@ -384,6 +384,7 @@ def test_set_document_lists_chunks_and_returns_orphans(cat: Catalog) -> None:
     assert cat.document_chunks("a.txt") == ["a0", "a1", "shared"]
     assert cat.documented_ids() == {"a0", "a1", "shared", "b0"}
     assert cat.sources(["shared", "b0", "a2"]) == {"shared": "a.txt", "b0": "b.txt"}
+    assert cat.document_models("a.txt") == {FP} and cat.document_models("none.txt") == set()
 
     # a.txt changes: a1 is dropped (orphan), a2 is new, shared stays (b.txt lists it too)
     again, orphans = cat.set_document("a.txt", "3" * 64, ["a0", "a2", "shared"])
