@@ -233,13 +233,11 @@ class RagKVCache:
         """Cache a document's chunk texts, record them as `source`'s chunks (replacing what it
         had: stale chunks are removed) and index them for retrieval. Re-ingesting is cheap:
         chunks already cached are not encoded again."""
-        for chunk in chunks:  # a bad character is named here, before anything is hashed
-            check_text(chunk)
-        if content_hash is None:
-            content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
         start = time.perf_counter()
-        ids, encoded = self._cache_texts(chunks, on_encoded, source)
+        ids, encoded = self._cache_texts(chunks, on_encoded, source)  # checks every text first
         encode_s = time.perf_counter() - start
+        if content_hash is None:  # (hashed after: a bad character is named, not a codec error)
+            content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
         removed = self.corpus.set_document(source, content_hash, ids)
         return DocumentIngest(source, tuple(ids), encoded, len(removed), encode_s)
 
