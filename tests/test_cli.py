@@ -538,12 +538,12 @@ def test_a_question_that_is_not_unicode_is_refused(tiny32, tmp_path: Path) -> No
 def test_a_prompt_argument_is_a_file_or_the_prompt_itself(tmp_path: Path) -> None:
     """A prompt too long to be a file name is the prompt (the file system's error is not an
     answer); a file that is not UTF-8 is a MarkupError."""
-    from rag_kvcache.markup.language import MarkupError
-    from rag_kvcache.tools.cli.markup import is_file, read_file
+    from rag_kvcache.markup.language import MarkupError, read_source
+    from rag_kvcache.tools.cli.markup import is_file
 
     assert not is_file('<prompt schema="travel">' + "Tell me more. " * 40 + "</prompt>")
     binary = tmp_path / "bin.xml"
     binary.write_bytes(b"<schema \xf0\x28\x8c\x28>")
     assert is_file(str(binary))
     with pytest.raises(MarkupError, match="not UTF-8 text"):
-        read_file(binary)
+        read_source(binary)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from xml.parsers import expat
 
@@ -68,6 +69,14 @@ class Text:
     text: str
     line: int
     column: int
+
+
+def read_source(path: Path) -> str:
+    """A schema's or prompt's text from its file; one that is not UTF-8 is a MarkupError."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MarkupError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
 
 
 def parse(source: str) -> Element:

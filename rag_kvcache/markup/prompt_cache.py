@@ -19,7 +19,14 @@ from rag_kvcache.answer import Answer, AnswerStream, Placement, Prepared, answer
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import ContextTooLongError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
-from rag_kvcache.markup.language import MarkupError, Schema, Unit, compile_schema, scaffold_unit
+from rag_kvcache.markup.language import (
+    MarkupError,
+    Schema,
+    Unit,
+    compile_schema,
+    read_source,
+    scaffold_unit,
+)
 from rag_kvcache.markup.prompt import CompiledPrompt, compile_prompt
 from rag_kvcache.strategy import Strategy
 
@@ -77,11 +84,9 @@ class PromptCache:
                 skipped.append((path, "not a regular file"))
                 continue
             try:
-                added.append(self.add_schema(path.read_text(encoding="utf-8")))
+                added.append(self.add_schema(read_source(path)))
             except (MarkupError, ContextTooLongError) as e:
                 skipped.append((path, str(e)))
-            except UnicodeDecodeError as e:
-                skipped.append((path, f"not UTF-8 text (invalid byte at offset {e.start})"))
             except OSError as e:
                 skipped.append((path, f"cannot read it: {e.strerror or e}"))
         return SchemasLoaded(added, skipped)

@@ -37,6 +37,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 def schema_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.errors import RagKVCacheError
+    from rag_kvcache.markup.language import read_source
     from rag_kvcache.markup.prompt_cache import PromptCache
     from rag_kvcache.storage.layout import SCHEMAS_FOLDER, schema_path
     from rag_kvcache.strategy import PREFILL
@@ -47,7 +48,7 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
     cache = PromptCache(engine)
     try:
         if adding:
-            added = cache.add_schema(read_file(args.file))
+            added = cache.add_schema(read_source(args.file))
             path = schema_path(Path(args.store), added.name)  # a hostile name is refused here
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(cache.schemas[added.name].source, encoding="utf-8")
@@ -67,7 +68,7 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
                 table.add_row(Text(s.name), str(len(s.modules)), str(len(s.params)), str(s.length))
             console.print(table if cache.schemas else "no schemas yet: rag-kvcache schema add FILE")
             return 0
-        text = read_file(Path(args.prompt)) if is_file(args.prompt) else args.prompt
+        text = read_source(Path(args.prompt)) if is_file(args.prompt) else args.prompt
         answer = cache.serve(text, args.strategy, max_new_tokens=args.max_new_tokens)
         baseline = cache.serve(text, PREFILL, max_new_tokens=args.max_new_tokens)
     except (RagKVCacheError, OSError) as e:
@@ -90,13 +91,3 @@ def is_file(text: str) -> bool:
         return Path(text).is_file()
     except (OSError, ValueError):
         return False
-
-
-def read_file(path: Path) -> str:
-    """A schema's or prompt's text; one that is not UTF-8 is a MarkupError."""
-    from rag_kvcache.markup.language import MarkupError
-
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise MarkupError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
