@@ -345,13 +345,14 @@ class KVCacheLLM(CustomLLM):
         if kwargs.get("cache_ids") is not None:
             return chat_question(messages, self._engine)
         if self._retrieved is not None:
-            found = [(m, self._retrieved.find(message_text(m))) for m in messages]
-            nodes = [p.node for _, placed in found for p in placed]
+            texts = [message_text(m) for m in messages]
+            found = [(m, text, self._retrieved.find(text)) for m, text in zip(messages, texts)]
+            nodes = [p.node for *_, placed in found for p in placed]
             if nodes:
                 kwargs["cache_ids"] = cache_ids_of(self._engine, nodes)
                 rest = [
-                    ChatMessage(role=m.role, content=without(message_text(m), placed))
-                    for m, placed in found
+                    ChatMessage(role=m.role, content=without(text, placed))
+                    for m, text, placed in found
                 ]
                 return chat_question(rest, self._engine)
         assert self.messages_to_prompt is not None  # set in __init__ or by the caller
