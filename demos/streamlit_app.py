@@ -147,9 +147,9 @@ NAME_CHARS = 120  # an upload's file name at most (file systems stop at 255 byte
 
 
 def safe_name(name: str) -> str:
-    """A plain file name for an upload: no folders, no leading dot, no odd characters, not
-    longer than NAME_CHARS (the extension kept)."""
-    base = re.sub(r"[^\w.\- ]", "_", Path(name.replace("\\", "/")).name).strip().lstrip(".")
+    """A plain file name for an upload's name (`upload_path` took off any folders): no
+    leading dot, no odd characters, not longer than NAME_CHARS (the extension kept)."""
+    base = re.sub(r"[^\w.\- ]", "_", name).strip().lstrip(".")
     if len(base) > NAME_CHARS:
         stem, extension = os.path.splitext(base)
         base = stem[: NAME_CHARS - 16].rstrip(". ") + extension[:16]
