@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from rag_kvcache.errors import StoreFullError
+from rag_kvcache.errors import StoreError, StoreFullError
 from rag_kvcache.storage.layout import is_name, make_folder, named_path
 
 __all__ = ["DiskTier", "StoreFullError"]
@@ -72,28 +72,40 @@ class DiskTier:
                     f"disk full while writing chunk {cache_id} under {self.root}; "
                     "free space or run `rag-kvcache gc`"
                 ) from err
-            raise
+            raise StoreError(
+                f"cannot write chunk {cache_id} under {self.root}: {err.strerror or err}; "
+                "nothing was stored (check the disk)"
+            ) from err
         dir_fd = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
 
-    def get(self, cache_id: str) -> bytearray | None:
+    def get(self, cache_id: str, nbytes: int | None = None) -> bytearray | None:
         """The blob's bytes, read into a mutable buffer that the parsed tensors then share;
-        None where no readable file is (`open_regular`)."""
+        None where no readable file is (`open_regular`). Damage reads as empty bytes, which
+        fail every check: a file of another size than `nbytes` (the catalog's; not read, so
+        a blob replaced by a huge file costs nothing), or a read the disk fails (EIO)."""
         fd = open_regular(self.path(cache_id))
         if fd is None:
             return None
         with open(fd, "rb", buffering=0) as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
+            size = os.fstat(f.fileno()).st_size
+            if nbytes is not None and size != nbytes:
+                return bytearray()
+            data = bytearray(size)
             view, read = memoryview(data), 0
-            while read < len(data):  # one read() returns at most ~2 GiB, or less
-                got = f.readinto(view[read:])
-                if not got:
-                    break
-                read += got
-            view.release()
+            try:
+                while read < len(data):  # one read() returns at most ~2 GiB, or less
+                    got = f.readinto(view[read:])
+                    if not got:
+                        break
+                    read += got
+            except OSError:
+                read = 0
+            finally:
+                view.release()
         return data if read == len(data) else data[:read]  # shrank while read: fails checks
 
     def contains(self, cache_id: str) -> bool:

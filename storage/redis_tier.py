@@ -81,9 +81,12 @@ class RedisTier:
     def put(self, cache_id: str, data: bytes) -> None:
         self._call(self._redis.set, self.key(cache_id), data)
 
-    def get(self, cache_id: str) -> bytearray | None:
+    def get(self, cache_id: str, nbytes: int | None = None) -> bytearray | None:
+        """The blob's bytes, or None; empty where they are not `nbytes` long (damage)."""
         value = self._call(self._value, self.key(cache_id))
-        return bytearray(value) if value is not None else None
+        if value is None:
+            return None
+        return bytearray(value) if nbytes is None or len(value) == nbytes else bytearray()
 
     def _value(self, key: str) -> bytes | None:
         try:

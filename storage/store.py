@@ -73,7 +73,7 @@ class BlobTier(Protocol):
     name: str
 
     def put(self, cache_id: str, data: bytes) -> None: ...
-    def get(self, cache_id: str) -> bytes | bytearray | None: ...
+    def get(self, cache_id: str, nbytes: int | None = None) -> bytes | bytearray | None: ...
     def contains(self, cache_id: str) -> bool: ...
     def remove(self, cache_id: str) -> bool: ...
     def ids(self) -> Iterator[str]: ...
@@ -439,7 +439,7 @@ class TieredStore:
 
     def _load(self, row: ChunkRow) -> ChunkKV | str:
         """The chunk from the durable tier, or why it cannot be used ('missing', 'corrupt')."""
-        data = self.durable.get(row.cache_id)
+        data = self.durable.get(row.cache_id, row.nbytes)
         if data is None or row.checksum is None:
             return "missing"
         return _parsed(row, data)
@@ -556,7 +556,7 @@ class TieredStore:
         other_model: list[str] = []
         repaired = upgraded = 0
         for row in rows:
-            data = self.durable.get(row.cache_id)
+            data = self.durable.get(row.cache_id, row.nbytes)
             if data is None:
                 missing.append(row.cache_id)
             elif row.checksum is None or isinstance(_parsed(row, data), str):

@@ -134,6 +134,8 @@ def open_blob(path: Path, row: ChunkRow) -> _Blob | None:
         return None
     try:
         size = os.fstat(fd).st_size
+        if size != row.nbytes:  # damage: read whole, it is reported as corrupt unread
+            raise CorruptBlobError("size")
         head = os.pread(fd, 8, 0)
         if len(head) < 8 or row.checksum is None:
             raise CorruptBlobError("short")

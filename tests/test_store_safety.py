@@ -630,6 +630,89 @@ def test_a_fifo_or_a_symlink_loop_where_a_blob_belongs_is_damage_not_a_hang(
     store.close()
 
 
+def test_a_blob_replaced_by_a_huge_file_is_not_read_before_it_is_found_corrupt(
+    tmp_path: Path, tiny32
+) -> None:
+    """A blob's place holding a link to a 6 GiB file was read whole (6 GiB allocated) before
+    its checksum failed. Its size disagrees with the catalog's: damage, found without reading,
+    re-encoded, by `get`, the streamed fetch and `verify` alike."""
+    import resource
+
+    store = TieredStore(tmp_path / "s", reencode=reencoder(tiny32))
+    engine = _engine(store, tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    expected = engine.generate("When?", ids).token_ids
+    huge = tmp_path / "huge"
+    with huge.open("wb") as f:
+        f.truncate(6 * 2**30)  # sparse: costs no disk
+    paths = [store.durable.path(cid) for cid in ids]  # type: ignore[attr-defined]
+
+    def replace_blobs() -> None:
+        for path in paths:
+            path.unlink()
+            path.symlink_to(huge)
+        for tier in store.hot:
+            for cid in ids:
+                tier.remove(cid)
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    replace_blobs()
+    assert store.verify(repair=False).corrupt == sorted(ids)
+    assert [kv.cache_id for kv in store.get(ids)] == ids  # re-encoded
+    replace_blobs()
+    assert engine.generate("When?", ids).token_ids == expected  # streamed, then re-encoded
+    assert all(p.is_file() and not p.is_symlink() for p in paths)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 2**20  # < 1 GiB more
+    assert store.verify(repair=False) == VerifyReport(3, [], [], 0)
+    store.close()
+
+
+def test_a_disk_error_reading_or_writing_a_blob_is_damage_or_a_clear_error(
+    tmp_path: Path, tiny32, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EIO while reading a blob escaped raw; it is damage, re-encoded like a corrupt blob.
+    An EIO while writing one is a StoreError that names the chunk, the folder and the cause
+    (nothing stored), where it was a raw OSError. Faults injected where the disk answers."""
+    import errno
+    import io
+
+    import rag_kvcache.storage.disk as disk
+
+    store = TieredStore(tmp_path / "s", reencode=reencoder(tiny32))
+    engine = _engine(store, tiny32)
+    ids = engine.generate_context_cache(DOCS)
+    for tier in store.hot:
+        for cid in ids:
+            tier.remove(cid)
+
+    class FailingFile(io.FileIO):
+        def readinto(self, buffer):  # type: ignore[no-untyped-def,override]
+            raise OSError(errno.EIO, "Input/output error")
+
+    def failing_open(fd: int, mode: str, buffering: int) -> io.FileIO:
+        return FailingFile(fd, mode)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(disk, "open", failing_open, raising=False)
+        corrupt = store.verify(repair=False).corrupt  # every read fails: the system's too
+        assert len(corrupt) == 3 and set(ids) <= set(corrupt)
+        assert [kv.cache_id for kv in store.get(ids)] == ids  # re-encoded, and written
+        assert store.catalog.stats().counters["reencoded:corrupt"] == 2
+    assert store.verify(repair=False) == VerifyReport(3, [], [], 0)
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    kv = encode_chunks(tiny32, random_chunks([6], seed=9))[0]
+    with monkeypatch.context() as patch:
+        patch.setattr(disk.os, "fsync", failing_fsync)
+        with pytest.raises(StoreError, match=r"cannot write chunk .* Input/output error"):
+            store.put(kv, "w")
+    assert store.catalog.chunk(kv.cache_id) is None  # nothing half-recorded
+    assert not list(store.durable.root.glob("*/.tmp-*"))  # type: ignore[attr-defined]
+    store.close()
+
+
 def test_gc_clears_damage_named_like_a_temporary_without_hanging(tmp_path: Path) -> None:
     """No writer makes a FIFO, a folder or a symlink loop: gc removes them as damage, where
     it hung on the FIFO's open or crashed on the others."""
