@@ -81,3 +81,4 @@ class VerifyReport:
     # when repairing: nothing can re-encode them; their documents are re-ingested next time)
     orphans: list[str] = field(default_factory=list)  # blobs no row names (dropped by repair)
     other_model: list[str] = field(default_factory=list)  # bad, but not this model's to repair
+    full: str | None = None  # the store filled up while repairing: why the rest were not

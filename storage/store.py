@@ -28,6 +28,7 @@ from rag_kvcache.errors import (
     ConfigError,
     FingerprintMismatchError,
     StoreDamagedError,
+    StoreFullError,
     StoreNotFoundError,
     UnknownCacheIdError,
 )
@@ -555,6 +556,7 @@ class TieredStore:
         missing: list[str] = []
         other_model: list[str] = []
         repaired = upgraded = 0
+        full: str | None = None  # why repairing stopped: each repair after would fail too
         for row in rows:
             data = self.durable.get(row.cache_id, row.nbytes)
             if data is None:
@@ -570,7 +572,7 @@ class TieredStore:
                 if on_checked:
                     on_checked()
                 continue
-            if repair and self.reencode is not None:
+            if repair and self.reencode is not None and full is None:
                 for tier in self.hot:
                     tier.remove(row.cache_id)
                 try:
@@ -578,11 +580,13 @@ class TieredStore:
                     repaired += 1
                 except FingerprintMismatchError:  # the rest are still checked and repaired
                     other_model.append(row.cache_id)
+                except StoreFullError as err:  # the rest are still checked, and reported
+                    full = str(err)
             if on_checked:
                 on_checked()
         checked = len(rows) + len(unreadable)
         return VerifyReport(
-            checked, corrupt, missing, repaired, upgraded, unreadable, orphans, other_model
+            checked, corrupt, missing, repaired, upgraded, unreadable, orphans, other_model, full
         )
 
     def _readable_rows(self, cache_ids: set[str]) -> tuple[list[ChunkRow], list[str]]:

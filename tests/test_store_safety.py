@@ -455,6 +455,39 @@ def test_a_catalog_that_cannot_open_on_a_full_disk_says_the_disk_is_full(tmp_pat
             Catalog(path=small / "catalog.sqlite")
 
 
+def test_verify_repair_on_a_full_disk_checks_everything_and_says_why_it_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`verify --repair` on a store whose disk is full stopped at the first repair with the
+    error alone. It now checks every blob, reports the count, and says repairing stopped for a
+    full disk; once space is freed the same command repairs them. A real 8 MiB filesystem."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("The Orrin Vale ferry leaves at 7:40 every morning.")
+    (docs / "b.md").write_text("Brindle Hill has a stone tower of 31 meters.")
+    with tmpfs(tmp_path / "small", "8m") as small:
+        store = ["--store", str(small / "kv"), "--model", "random:tiny"]
+        assert main(["ingest", str(docs), *store]) == 0
+        opened = TieredStore(small / "kv", create=False)
+        ids = sorted(opened.catalog.documented_ids())
+        for cache_id in ids:
+            opened.durable.path(cache_id).unlink()  # type: ignore[attr-defined]
+        opened.close()
+        with suppress(OSError), (small / "filler").open("wb") as filler:
+            while True:
+                filler.write(bytes(1 << 16))
+                filler.flush()
+        capsys.readouterr()
+        assert main(["verify", "--repair", *store]) == 1
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"{len(ids)} missing, 0 repaired" in out, out
+        assert "repairing stopped when the store filled up" in out and "disk is full" in out
+        (small / "filler").unlink()
+        assert main(["verify", "--repair", *store]) == 0
+        assert f"{len(ids)} repaired" in " ".join(capsys.readouterr().out.split())
+        assert main(["verify", *store]) == 0
+
+
 def test_opening_a_missing_catalog_to_read_is_not_found(target: Target, tmp_path: Path) -> None:
     if target.kind == "sqlite":
         with pytest.raises(StoreNotFoundError, match="no catalog at"):

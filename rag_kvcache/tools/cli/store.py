@@ -91,6 +91,13 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
                 "loaded: repair them with that model's --model / --dtype / --lora",
                 highlight=False,
             )
+        if report.full:
+            console.print(
+                f"repairing stopped when the store filled up ({report.full}); the blobs "
+                "after it were checked, not repaired: run `verify --repair` again once "
+                "there is room",
+                highlight=False,
+            )
         bad = (len(report.corrupt) + len(report.missing)) - report.repaired
         kept = [c for c in report.orphans if store.durable.contains(c)]
         bad += len(kept) + (0 if args.repair else len(report.unreadable))
