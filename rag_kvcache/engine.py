@@ -35,7 +35,7 @@ from rag_kvcache.kv import ChunkKV, EncodeSettings, Fetched, KVStore, make_cache
 from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.model.adapter import release_buffers
-from rag_kvcache.model.loading import LoadedModel, load_model
+from rag_kvcache.model.loading import LoadedModel, check_model_source, load_model
 from rag_kvcache.prompt import PromptTemplate, check_text
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
@@ -132,6 +132,8 @@ class RagKVCache:
         self.config = config or EngineConfig()
         opened = store is None  # a store given here was built with its own hook (reencode=...)
         if store is None:  # opened first: the model's LoRA adapter may be kept in it
+            if lm is None:  # a mistyped model fails before its store is made
+                check_model_source(self.config.model)
             store = open_store(self.config.store, lambda row: reencoder(self.lm)(row))
         self.store = store
         try:

@@ -70,6 +70,25 @@ def test_what_is_not_a_model_is_one_clear_error(tmp_path) -> None:
         load_model(ModelConfig(path=str(fake), cache_dir=tmp_path / "cache"))
 
 
+@pytest.mark.parametrize("bad", ["missing", "notes", "fake.gguf", "random:huge"])
+def test_a_model_that_cannot_load_leaves_no_store_behind(bad: str, tmp_path, capsys) -> None:
+    """`ingest --model <typo>` made the store folder (catalog, marker) before the model
+    failed. The model is checked first: one error line, and no folder."""
+    from rag_kvcache.tools.cli import main
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("not a model")
+    (tmp_path / "fake.gguf").write_bytes(b"\x7fELF" + bytes(64))
+    (tmp_path / "doc.md").write_text("The ferry leaves at dawn.")
+    model = bad if bad.startswith("random:") else str(tmp_path / bad)
+    store = tmp_path / "kv"
+    assert main(["ingest", str(tmp_path / "doc.md"), "--store", str(store), "--model", model]) == 1
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
+    assert out.startswith("error:") and "Traceback" not in out, out
+    assert not store.exists()
+
+
 def test_static_rope_variants_are_accepted() -> None:
     for rope in ({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, None):
         config = tiny_config(vocab_size=64, **({"rope_parameters": rope} if rope else {}))

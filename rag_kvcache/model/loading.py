@@ -292,11 +292,8 @@ RANDOM_PREFIX = "random:"
 
 def random_model(shapes: str, config: ModelConfig) -> LoadedModel:
     """A Llama with RANDOM_SHAPES[shapes] and random weights (seed 0), built straight on
-    config.device: for TTFT and throughput at real model sizes; its answers mean nothing."""
-    if config.quantization:
-        raise ConfigError("random-weight models are not quantized; drop quantization")
-    if shapes not in RANDOM_SHAPES:
-        raise ConfigError(f"unknown random model shapes {shapes!r}; one of {sorted(RANDOM_SHAPES)}")
+    config.device: for TTFT and throughput at real model sizes; its answers mean nothing.
+    (`check_model_source` has checked `shapes` and the config.)"""
     source = default_model_path()  # a GGUF, or (RAG_KVCACHE_MODEL) a folder with its tokenizer
     tokenizer = AutoTokenizer.from_pretrained(
         source if source.is_dir() else convert_gguf(source, config.cache_dir)
@@ -348,6 +345,36 @@ def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
         )
 
 
+def check_model_source(config: ModelConfig) -> Path | None:
+    """What `config` names, checked without loading weights: its path (None for a random
+    model), which exists and reads as a model (a GGUF file's magic bytes; a folder's
+    config.json, of a model that can be linked). Made before anything is created for the model
+    (the engine's store), so a mistyped --model leaves nothing behind."""
+    if config.path and config.path.startswith(RANDOM_PREFIX):
+        if config.lora:
+            raise ConfigError("random-weight models take no LoRA adapter; drop lora")
+        if config.quantization:
+            raise ConfigError("random-weight models are not quantized; drop quantization")
+        if (shapes := config.path.removeprefix(RANDOM_PREFIX)) not in RANDOM_SHAPES:
+            raise ConfigError(
+                f"unknown random model shapes {shapes!r}; one of {sorted(RANDOM_SHAPES)}"
+            )
+        return None
+    if config.lora and config.quantization:
+        raise ConfigError("a LoRA adapter merges into full-precision weights; drop quantization")
+    path = Path(config.path) if config.path else default_model_path()
+    if not path.exists():
+        raise ConfigError(f"no model at {path}: give a model folder (config.json) or a .gguf file")
+    with unreadable_model(path):
+        if path.suffix == ".gguf":
+            with path.open("rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ValueError("not a GGUF file (no GGUF magic bytes)")
+        else:
+            check_config(AutoConfig.from_pretrained(path))
+    return path
+
+
 def load_model(
     config: ModelConfig | None = None,
     stored_adapter: Callable[[str], bytes | None] | None = None,
@@ -358,15 +385,10 @@ def load_model(
     config = config or ModelConfig()
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.path and config.path.startswith(RANDOM_PREFIX):
-        if config.lora:
-            raise ConfigError("random-weight models take no LoRA adapter; drop lora")
+    path = check_model_source(config)
+    if path is None:
+        assert config.path is not None
         return random_model(config.path.removeprefix(RANDOM_PREFIX), config)
-    if config.lora and config.quantization:
-        raise ConfigError("a LoRA adapter merges into full-precision weights; drop quantization")
-    path = Path(config.path) if config.path else default_model_path()
-    if not path.exists():
-        raise ConfigError(f"no model at {path}: give a model folder (config.json) or a .gguf file")
     if path.suffix == ".gguf":
         with unreadable_model(path):
             path = convert_gguf(path, config.cache_dir)
@@ -392,7 +414,7 @@ def load_model(
         )
         kwargs["device_map"] = config.device
     with unreadable_model(path):
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path)  # (a converted GGUF's, checked here)
     check_config(hf_config)  # before the weights load
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if not config.quantization:
