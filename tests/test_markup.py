@@ -358,9 +358,20 @@ def test_schema_and_prompt_commands(tmp_path: Path, capsys, monkeypatch) -> None
     hostile = tmp_path / "hostile.xml"
     module = '<module name="m">Hi.</module>'
     hostile.write_text(f'<schema name="../../escape"><user>{module}</user></schema>')
+    from rag_kvcache.storage.store import TieredStore
+
+    def chunks_stored() -> int:
+        opened = TieredStore(tmp_path / "store", create=False)
+        try:
+            return len(opened)
+        finally:
+            opened.close()
+
+    before = chunks_stored()
     assert main(["schema", "add", str(hostile), *store]) == 1  # the name never becomes a path
     assert "schema name" in capsys.readouterr().out
     assert not list(tmp_path.rglob("escape*"))
+    assert chunks_stored() == before  # refused before its units were encoded
     missing = ["--store", str(tmp_path / "typo")]
     assert main(["schema", "list", *missing]) == 1  # reading a store never creates one
     assert not (tmp_path / "typo").exists()

@@ -56,6 +56,11 @@ class PromptCache:
 
     def add_schema(self, source: str) -> SchemaAdded:
         """Compile a schema and encode its units (and scaffolds) that are not cached yet."""
+        return self.add(self.checked_schema(source))
+
+    def checked_schema(self, source: str) -> Schema:
+        """A schema compiled for this model, nothing encoded yet (a caller may check its name
+        first); refused if its positions pass the model's window."""
         schema = compile_schema(source, self.engine.lm.tokenizer)
         window = self.engine.lm.max_context
         if schema.length > window:  # its later positions could never be attended
@@ -63,6 +68,10 @@ class PromptCache:
                 f"schema {schema.name!r} spans {schema.length} positions; the model's window "
                 f"is {window}"
             )
+        return schema
+
+    def add(self, schema: Schema) -> SchemaAdded:
+        """Encode a compiled schema's units (and scaffolds) that are not cached yet."""
         units = list(schema.units)
         for names in schema.scaffolds:
             covered = [u for u in schema.units if u.module is None or u.module in names]

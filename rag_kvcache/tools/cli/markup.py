@@ -48,8 +48,9 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
     cache = PromptCache(engine)
     try:
         if adding:
-            added = cache.add_schema(read_source(args.file))
-            path = schema_path(Path(args.store), added.name)  # a hostile name is refused here
+            schema = cache.checked_schema(read_source(args.file))
+            path = schema_path(Path(args.store), schema.name)  # a hostile name: nothing encoded
+            added = cache.add(schema)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(cache.schemas[added.name].source, encoding="utf-8")
             console.print(
