@@ -455,7 +455,12 @@ def test_prefetch_reads_cold_chunks_ahead_into_the_hot_tier(store, tiny64) -> No
         tier.remove(ids[1])  # two cold chunks, one hot
     reads: list[str] = []
     get = store.durable.get
-    store.durable.get = lambda cid: reads.append(cid) or get(cid)  # type: ignore[method-assign]
+
+    def counted(cid: str, nbytes: int | None = None) -> bytes | bytearray | None:
+        reads.append(cid)
+        return get(cid, nbytes)
+
+    store.durable.get = counted  # type: ignore[method-assign]
     store.prefetch([*ids, "0" * 32, "../not-a-name"])  # unknown and malformed: ignored here
     fetched = store.fetch(ids)  # waits for the reads in flight, if any
     fetched.settle()
