@@ -4,9 +4,11 @@ engine or a store from them (heavy imports inside, so `--help` stays light)."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -21,6 +23,59 @@ MODEL_HELP = "HF folder, .gguf, or random:llama-3-8b (random weights) (default S
 def csv_list(text: str) -> list[str]:
     """A comma-separated flag value as a list ("a, b," -> ["a", "b"])."""
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def whole(least: int) -> Callable[[str], int]:
+    """A flag's whole number of at least `least`: argparse names the flag in the error (a zero
+    count hung `bench serve`, and others failed with a traceback after loading the model)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a whole number, not {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"at least {least}, not {value}")
+        return value
+
+    return parse
+
+
+def wholes(least: int) -> Callable[[str], list[int]]:
+    """Comma-separated whole numbers of at least `least`, each once."""
+    one = whole(least)
+    return lambda text: _distinct(text, [one(t) for t in csv_list(text)])
+
+
+def fractions(text: str) -> list[float]:
+    """Comma-separated numbers from 0 to 1 (needle depths), each once."""
+    return _distinct(text, [_number(t, 0.0, 1.0) for t in csv_list(text)])
+
+
+def sizes(text: str) -> list[float]:
+    """Comma-separated finite numbers above 0 (file sizes in MB), each once."""
+    return _distinct(text, [_number(t, 0.0, math.inf, above=True) for t in csv_list(text)])
+
+
+def _number(text: str, low: float, high: float, above: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number, not {text!r}") from None
+    if not (low < value if above else low <= value) or not value <= high:  # NaN fails too
+        bound = f"above {low:g}" if above else f"from {low:g}"
+        raise argparse.ArgumentTypeError(
+            f"{bound}" + (f" to {high:g}" if high < math.inf else " and finite") + f", not {text}"
+        )
+    return value
+
+
+def _distinct(text: str, values: list[Any]) -> list[Any]:
+    if not values:
+        raise argparse.ArgumentTypeError(f"no values in {text!r}")
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"a value is given twice in {text!r}")
+    return values
 
 
 def strategy_list(text: str) -> list[str]:

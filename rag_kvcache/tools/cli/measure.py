@@ -11,10 +11,21 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from rag_kvcache.tools.cli.common import MODEL_HELP, csv_list, strategy_list
+from rag_kvcache.tools.cli.common import (
+    MODEL_HELP,
+    csv_list,
+    fractions,
+    sizes,
+    strategy_list,
+    whole,
+    wholes,
+)
 
 if TYPE_CHECKING:
     from rag_kvcache.tools.eval import ItemResult, OtherRun
+
+
+CHUNK = 256  # tokens in a chunk of `bench ttft` and `bench store`: a context holds one or more
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -23,14 +34,16 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ttft = kinds.add_parser("ttft", help="TTFT of full prefill vs each link strategy")
     ttft.add_argument("--out", type=Path, default=Path("bench-results"))
     ttft.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
-    ttft.add_argument("--contexts", type=csv_list, default=["1024", "2048", "4096"])
+    ttft.add_argument(
+        "--contexts", type=wholes(CHUNK), default=[1024, 2048, 4096], help="context tokens"
+    )
     ttft.add_argument(
         "--strategies",
         type=strategy_list,
         default=["naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15"],
         help="link strategies, comma-separated",
     )
-    ttft.add_argument("--repeats", type=int, default=3)
+    ttft.add_argument("--repeats", type=whole(1), default=3)
     ttft.add_argument("--model", default=None, help=MODEL_HELP)
     ttft.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     ttft.add_argument(
@@ -42,7 +55,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     ttft.add_argument(
         "--decode-tokens",
-        type=int,
+        type=whole(1),
         default=1,
         help="tokens each request decodes (TTFT counts to the first); the rows then give "
         "decoding speed too",
@@ -50,10 +63,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
     store.add_argument("--out", type=Path, default=Path("bench-results"))
     store.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
-    store.add_argument("--contexts", type=csv_list, default=["4096"])
+    store.add_argument("--contexts", type=wholes(CHUNK), default=[4096], help="context tokens")
     store.add_argument("--model", default=None, help=MODEL_HELP)
     store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    store.add_argument("--repeats", type=int, default=3)
+    store.add_argument("--repeats", type=whole(1), default=3)
     store.add_argument(
         "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for the Redis tier"
     )
@@ -63,14 +76,17 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     prefix = kinds.add_parser("prefix", help="decode with a shared prefix vs duplicated KV")
     prefix.add_argument("--out", type=Path, default=Path("bench-results"))
     prefix.add_argument(
-        "--prefixes", type=csv_list, default=["1024", "2048"], help="shared prefix tokens"
+        "--prefixes", type=wholes(1), default=[1024, 2048], help="shared prefix tokens"
     )
     prefix.add_argument(
-        "--batches", type=csv_list, default=["1", "8", "32"], help="requests decoded at once"
+        "--batches", type=wholes(1), default=[1, 8, 32], help="requests decoded at once"
     )
-    prefix.add_argument("--new-tokens", type=int, default=64)
+    prefix.add_argument("--new-tokens", type=whole(1), default=64)
     prefix.add_argument(
-        "--repeats", type=int, default=1, help="runs of each case, alternating; the best counts"
+        "--repeats",
+        type=whole(1),
+        default=1,
+        help="runs of each case, alternating; the best counts",
     )
     prefix.add_argument("--dtype", default="float32")
     prefix.add_argument("--model", default=None, help=MODEL_HELP)
@@ -78,22 +94,20 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
     ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
     ingest_bench.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
-    ingest_bench.add_argument("--chunk-tokens", type=int, default=256, help="chunk size")
-    ingest_bench.add_argument("--repeats", type=int, default=3)
+    ingest_bench.add_argument("--chunk-tokens", type=whole(1), default=256, help="chunk size")
+    ingest_bench.add_argument("--repeats", type=whole(1), default=3)
     ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
     serve = kinds.add_parser("serve", help="the HTTP server under concurrent clients")
     serve.add_argument("--out", type=Path, default=Path("bench-results"))
-    serve.add_argument("--clients", type=int, default=32, help="at once (default 32)")
-    serve.add_argument("--requests", type=int, default=32, help="per case (default 32)")
-    serve.add_argument("--context-tokens", type=int, default=2048, help="shared context")
-    serve.add_argument("--new-tokens", type=int, default=32)
+    serve.add_argument("--clients", type=whole(1), default=32, help="at once (default 32)")
+    serve.add_argument("--requests", type=whole(1), default=32, help="per case (default 32)")
+    serve.add_argument("--context-tokens", type=whole(1), default=2048, help="shared context")
+    serve.add_argument("--new-tokens", type=whole(1), default=32)
     serve.add_argument("--model", default=None, help=MODEL_HELP)
     serve.add_argument("--dtype", default="float32")
     memory = kinds.add_parser("memory", help="peak memory of `ingest` against the file's size")
     memory.add_argument("--out", type=Path, default=Path("bench-results"))
-    memory.add_argument(
-        "--sizes-mb", type=csv_list, default=["0.1", "0.5"], help="(default 0.1,0.5)"
-    )
+    memory.add_argument("--sizes-mb", type=sizes, default=[0.1, 0.5], help="(default 0.1,0.5)")
     memory.add_argument("--model", default="default", help=MODEL_HELP)
     memory.add_argument("--dtype", default="float32")
 
@@ -103,7 +117,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     dataset.add_argument("--out", type=Path, default=Path("qa-sets"), help="(default qa-sets)")
     dataset.add_argument(
-        "--repeats", type=int, default=4, help="items per design cell, 54 cells (default 4)"
+        "--repeats", type=whole(1), default=4, help="items per design cell, 54 cells (default 4)"
     )
     dataset.set_defaults(run=dataset_command)
     evaluate = commands.add_parser(
@@ -115,26 +129,26 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--strategies", type=strategy_list, default=None, help="link strategies (default: a set)"
     )
     evaluate.add_argument(
-        "--lengths", type=csv_list, default=["1024", "2048", "4096"], help="needle contexts"
+        "--lengths", type=wholes(1), default=[1024, 2048, 4096], help="needle contexts"
     )
     evaluate.add_argument(
         "--depths",
-        type=csv_list,
-        default=["0", "0.25", "0.5", "0.75", "1"],
+        type=fractions,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
         help="needle depths (0 = start, 1 = end)",
     )
-    evaluate.add_argument("--chunk-tokens", type=int, default=256, help="needle mode chunks")
+    evaluate.add_argument("--chunk-tokens", type=whole(1), default=256, help="needle mode chunks")
     evaluate.add_argument(
         "--needles",
-        type=int,
+        type=whole(1),
         default=1,
         help="needle mode: how many different needles at each length and depth (1-5)",
     )
-    evaluate.add_argument("--limit", type=int, default=None, help="first N items only")
-    evaluate.add_argument("--max-new-tokens", type=int, default=32)
+    evaluate.add_argument("--limit", type=whole(1), default=None, help="first N items only")
+    evaluate.add_argument("--max-new-tokens", type=whole(1), default=32)
     evaluate.add_argument(
         "--teacher-tokens",
-        type=int,
+        type=whole(0),
         default=16,
         help="KL / top-1 steps (0: no KL and no `full` run, 2x faster)",
     )
@@ -205,16 +219,18 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     diagnose.add_argument("dataset", type=Path, help="JSONL QA set (with meta.answer_document)")
     diagnose.add_argument("--strategy", default="legolink:2", help="(default legolink:2)")
     diagnose.add_argument("--out", type=Path, default=Path("diagnosis"), help="(default diagnosis)")
-    diagnose.add_argument("--limit", type=int, default=None, help="scan at most N items")
-    diagnose.add_argument("--max-items", type=int, default=15, help="failed items (default 15)")
-    diagnose.add_argument("--controls", type=int, default=5, help="kept items too (default 5)")
+    diagnose.add_argument("--limit", type=whole(1), default=None, help="scan at most N items")
+    diagnose.add_argument(
+        "--max-items", type=whole(1), default=15, help="failed items (default 15)"
+    )
+    diagnose.add_argument("--controls", type=whole(0), default=5, help="kept items too (default 5)")
     diagnose.add_argument(
         "--sink-tokens",
         type=int,
         default=None,
         help="a chunk's first tokens counted as its sink (default 4)",
     )
-    diagnose.add_argument("--max-new-tokens", type=int, default=24)
+    diagnose.add_argument("--max-new-tokens", type=whole(1), default=24)
     diagnose.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     diagnose.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     diagnose.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -224,9 +240,6 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 def dataset_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.tools.qa_set import write_sets
 
-    if args.repeats < 1:
-        console.print("[red]--repeats must be >= 1")
-        return 2
     for split, path in write_sets(args.out, args.repeats).items():
         console.print(f"{split}: {sum(1 for _ in path.open())} items -> {path}")
     console.print("tune on dev; report test (eval DATASET.jsonl)")
@@ -250,14 +263,14 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         return 2
     if args.needle:
         strategies = args.strategies or ["full", "naive", "legolink:2", "legolink0"]
-        lm = load_model(
-            ModelConfig(path=args.model, dtype=args.dtype, device=args.device, lora=args.lora)
-        )
         if not 1 <= args.needles <= len(ev.NEEDLES):
             console.print(f"[red]--needles takes 1 to {len(ev.NEEDLES)}")
             return 2
+        lm = load_model(
+            ModelConfig(path=args.model, dtype=args.dtype, device=args.device, lora=args.lora)
+        )
         items = [
-            ev.needle_item(lm, int(n), float(d), args.chunk_tokens, k)
+            ev.needle_item(lm, n, d, args.chunk_tokens, k)
             for n in args.lengths
             for d in args.depths
             for k in range(args.needles)
@@ -456,8 +469,8 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
 
         report = run_prefix_bench(
             args.out,
-            [int(p) for p in args.prefixes],
-            [int(b) for b in args.batches],
+            args.prefixes,
+            args.batches,
             args.new_tokens,
             args.dtype,
             model_path=args.model,
@@ -513,8 +526,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
     elif args.kind == "memory":
         from rag_kvcache.tools.bench.memory import run_memory_bench
 
-        sizes = [float(size) for size in args.sizes_mb]
-        report = run_memory_bench(args.out, sizes, args.model, args.dtype)
+        report = run_memory_bench(args.out, args.sizes_mb, args.model, args.dtype)
         columns = {
             "model": lambda r: r["model"],
             "dtype": lambda r: r["dtype"],
@@ -531,7 +543,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
         report = run_store_bench(
             args.out,
             args.dtypes,
-            [int(c) for c in args.contexts],
+            args.contexts,
             repeats=args.repeats,
             redis_url=args.redis_url,
             model_path=args.model,
@@ -556,7 +568,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
         report = run_ttft_bench(
             args.out,
             args.dtypes,
-            [int(c) for c in args.contexts],
+            args.contexts,
             args.strategies,
             repeats=args.repeats,
             model_path=args.model,
