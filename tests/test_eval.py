@@ -161,6 +161,43 @@ def test_load_dataset_reports_the_bad_line(tmp_path: Path) -> None:
     assert load_dataset(path) == [EvalItem("a", ("x",), "q", ("x",))]
 
 
+@pytest.mark.parametrize(
+    ("change", "phrase"),
+    [
+        ({"answers": "Anna"}, "answers must be a list"),  # was read as A, n, n, a
+        ({"answers": ["The"]}, "empty once normalised"),  # could never be right
+        ({"question": ["Who", "built"]}, "the question must be a string"),
+        ({"documents": [{"id": "d", "text": None}]}, "a document's text must be a string"),
+        ({"id": ["a"]}, "id must be a string or a number"),
+    ],
+)
+def test_load_dataset_refuses_values_of_the_wrong_kind(tmp_path: Path, change, phrase) -> None:
+    """Values were passed through str(): a string of answers became its letters (an answer "4"
+    then matched any output with a 4 in it), a list question its repr, a null text "None"."""
+    good = {"id": "a", "documents": [{"id": "d", "text": "x"}], "question": "q", "answers": ["x"]}
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps({**good, **change}) + "\n")
+    with pytest.raises(ConfigError, match=rf"set.jsonl:1: .*{phrase}"):
+        load_dataset(path)
+
+
+def test_load_dataset_refuses_an_id_twice_and_unreadable_files(tmp_path: Path) -> None:
+    """Rows are matched by item id: a second item of one id silently took the first one's place
+    in "kept" (and, resuming, its answers). Unreadable files were raw tracebacks."""
+    good = {"id": "a", "documents": [{"id": "d", "text": "x"}], "question": "q", "answers": ["x"]}
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "question": "q2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"set.jsonl:2: id 'a' is already line 1's"):
+        load_dataset(path)
+    path.write_bytes(b"\xff\xfe binary")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_dataset(path)
+    with pytest.raises(ConfigError, match="cannot read .*missing.jsonl"):
+        load_dataset(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_dataset(tmp_path)
+
+
 def test_the_development_set_is_well_formed() -> None:
     items = load_dataset(DEV_SET)
     assert len(items) >= 30 and len({i.id for i in items}) == len(items)
@@ -340,7 +377,7 @@ def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:
     assert (estimate.n, round(estimate.value, 1)) == (3, 66.7)  # a and d of a, b, d
     with pytest.raises(ConfigError, match="no prefill answer"):
         kept_against([*ours, _result("e", "prefill", True)], theirs_run)
-    with pytest.raises(ConfigError, match="not an eval report"):
+    with pytest.raises(ConfigError, match="cannot read .*missing.json"):
         other_run(tmp_path / "missing.json")
 
 
@@ -510,7 +547,7 @@ def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
         reused_rows(report, {**settings, "max_new_tokens": 8}, items)
     with pytest.raises(ConfigError, match="teacher-tokens 0"):
         reused_rows(report, {**settings, "teacher_tokens": 4}, items)
-    with pytest.raises(ConfigError, match="not an eval report"):
+    with pytest.raises(ConfigError, match="cannot read .*missing.json"):
         reused_rows(tmp_path / "missing.json", settings, items)
     with pytest.raises(ConfigError, match="another model"):
         reused_rows(report, {**settings, "model": "another"}, items)

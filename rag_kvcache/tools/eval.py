@@ -54,6 +54,7 @@ from rag_kvcache.tools.metrics import (
     kept,
     kept_difference,
     kl_per_step,
+    normalize_answer,
     top1_agreement,
 )
 
@@ -117,24 +118,56 @@ class StrategySummary:
     timed_tokens: int  # the timed items' median context, in tokens
 
 
+def read_json_text(path: Path) -> str:
+    """A dataset's or report's text; a missing, unreadable or non-UTF-8 file is a ConfigError."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, not {type(value).__name__}")
+    return value
+
+
 def load_dataset(path: Path) -> list[EvalItem]:
     """Read a JSONL QA set; a malformed line is an error naming the line and the field."""
     items = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    first_line: dict[str, int] = {}
+    for number, line in enumerate(read_json_text(Path(path)).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
             raw = json.loads(line)
-            documents = tuple(str(d["text"]) for d in raw["documents"])
-            answers = tuple(str(a) for a in raw["answers"])
-            item = EvalItem(str(raw["id"]), documents, str(raw["question"]), answers)
+            documents = tuple(_text(d["text"], "a document's text") for d in raw["documents"])
+            answers = raw["answers"]
+            if not isinstance(answers, list):  # a string would be read letter by letter
+                raise TypeError(f"answers must be a list of strings, not {type(answers).__name__}")
+            answers = tuple(_text(a, "an answer") for a in answers)
+            item_id = raw["id"]
+            if not isinstance(item_id, str | int) or isinstance(item_id, bool):
+                raise TypeError(f"id must be a string or a number, not {type(item_id).__name__}")
+            item = EvalItem(
+                str(item_id), documents, _text(raw["question"], "the question"), answers
+            )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConfigError(
                 f"{where}: expected {{id, documents: [{{id, text}}], question, answers}} ({e!r})"
             ) from None
         if not documents or not answers or not item.question.strip():
             raise ConfigError(f"{where}: documents, question and answers must be non-empty")
+        if not all(normalize_answer(a) for a in answers):  # nothing would ever contain it
+            raise ConfigError(
+                f"{where}: an answer is empty once normalised (punctuation, articles)"
+            )
+        if item.id in first_line:  # rows are matched by id: one would stand for the other
+            raise ConfigError(f"{where}: id {item.id!r} is already line {first_line[item.id]}'s")
+        first_line[item.id] = number
         items.append(item)
     if not items:
         raise ConfigError(f"{path}: no items")
@@ -324,8 +357,9 @@ class OtherRun:
 
 def other_run(report: Path) -> OtherRun:
     """The answered rows of another run's eval report."""
+    text = read_json_text(Path(report))
     try:
-        data = json.loads(Path(report).read_text(encoding="utf-8"))
+        data = json.loads(text)
         answered = [r for r in data["items"] if "contains" in r]
         right = {(str(r["strategy"]), str(r["item"])): bool(r["contains"]) for r in answered}
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -469,8 +503,9 @@ def reused_rows(
     rows stand for this run's. Not with teacher forcing, whose KL needs this run's `full`.
     Measured with the KV kept otherwise (`CACHE_SETTINGS`: a bfloat16 durable tier against
     float32), only the rows of strategies that never read the cache (prefill) are taken."""
+    text = read_json_text(Path(report))
     try:
-        data = json.loads(Path(report).read_text(encoding="utf-8"))
+        data = json.loads(text)
         rows = [item_result(r) for r in data["items"]]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"{report}: not an eval report to reuse ({e!r})") from None
@@ -543,8 +578,9 @@ def combined(reports: Sequence[Path]) -> Combined:
     measured the same model and settings (`COMBINE_SETTINGS`) and no item twice."""
     loaded = []
     for path in reports:
+        text = read_json_text(Path(path))
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            data = json.loads(text)
             rows = [item_result(r) for r in data["items"]]
             names = [str(Strategy.parse(s)) for s in data["strategies"]]
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
