@@ -207,6 +207,38 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
 
 
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["bench", "serve", "--clients", "0"], "--clients: at least 1, not 0"),  # hung
+        (["bench", "serve", "--requests", "0"], "--requests: at least 1, not 0"),
+        (["bench", "ttft", "--repeats", "0"], "--repeats: at least 1, not 0"),
+        (["bench", "ttft", "--contexts", "abc"], "--contexts: a whole number, not 'abc'"),
+        (["bench", "ttft", "--contexts", "100"], "--contexts: at least 256, not 100"),
+        (["bench", "store", "--contexts", "4096,4096"], "--contexts: a value is given twice"),
+        (["bench", "prefix", "--batches", "0"], "--batches: at least 1, not 0"),
+        (["bench", "ingest", "--chunk-tokens", "0"], "--chunk-tokens: at least 1, not 0"),
+        (["bench", "memory", "--sizes-mb", "nan"], "--sizes-mb: above 0 and finite, not nan"),
+        (["bench", "memory", "--sizes-mb", "-1"], "--sizes-mb: above 0 and finite, not -1"),
+        (["eval", "x.jsonl", "--limit", "0"], "--limit: at least 1, not 0"),
+        (["eval", "--needle", "--depths", "2"], "--depths: from 0 to 1, not 2"),
+        (["eval", "--needle", "--depths", "0.5,0.5"], "--depths: a value is given twice"),
+        (["eval", "--needle", "--lengths", "-100"], "--lengths: at least 1, not -100"),
+        (["eval", "x.jsonl", "--teacher-tokens", "-3"], "--teacher-tokens: at least 0, not -3"),
+        (["dataset", "--repeats", "0"], "--repeats: at least 1, not 0"),
+    ],
+)
+def test_bad_counts_and_lists_are_refused_before_anything_runs(args, phrase, capsys) -> None:
+    """Zero, negative, non-numeric or repeated values: argparse's one line naming the flag,
+    where they hung (`bench serve --clients 0`), failed after loading the model with a
+    traceback, or ran a meaningless case (a context shorter than one chunk)."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert phrase in err and "Traceback" not in err, err
+
+
 def test_verify_repairs_with_the_model_that_encoded_the_chunks(tmp_path: Path, capsys) -> None:
     """A store ingested with --model is repaired with that model; repairing with another one
     reports the blobs it cannot rebuild and still checks and repairs the rest."""
@@ -356,11 +388,14 @@ def test_bench_memory_measures_the_ingest_command_and_gathers_runs(tmp_path: Pat
     args = ["bench", "memory", "--model", "random:tiny", "--out", str(tmp_path / "r")]
     assert main([*args, "--sizes-mb", "0.01,0.03"]) == 0
     assert main([*args, "--sizes-mb", "0.01", "--dtype", "bfloat16"]) == 0
-    assert main([*args, "--sizes-mb", "0.02"]) == 0  # float32 again: its two rows replaced
+    first = json.loads((tmp_path / "r" / "memory.json").read_text())["rows"]
+    assert main([*args, "--sizes-mb", "0.03"]) == 0  # float32 0.03 again: that row replaced
     report = json.loads((tmp_path / "r" / "memory.json").read_text())
     rows = [(r["dtype"], r["file_mb"]) for r in report["rows"]]
-    assert rows == [("bfloat16", 0.01), ("float32", 0.02)]
-    small, big = report["rows"]
+    assert rows == [("bfloat16", 0.01), ("float32", 0.01), ("float32", 0.03)]  # none lost
+    kept = next(r for r in first if (r["dtype"], r["file_mb"]) == ("float32", 0.01))
+    assert report["rows"][1] == kept  # as it was measured
+    small, big = report["rows"][1:]
     assert 0 < small["chunks"] < big["chunks"]  # ~256-token chunks of what was written
     assert all(200 < r["peak_rss_mb"] < 4000 and r["store_mb"] > 0 for r in report["rows"])
     assert (tmp_path / "r" / "memory.png").stat().st_size > 10_000
@@ -431,7 +466,7 @@ def test_every_option_with_a_default_shows_it_in_its_help() -> None:
             printed = formatter._get_help_string(action) or ""
             assert "default" in printed, f"{name} {action.option_strings[0]}: {printed!r}"
             if isinstance(default, list):  # lists as the flag takes them
-                assert ",".join(default) in printed and "[" not in printed
+                assert ",".join(map(str, default)) in printed and "[" not in printed
             checked += 1
     assert checked > 60
     ingest = next(p for n, p in commands(build_parser(), "rag-kvcache") if n.endswith("ingest"))

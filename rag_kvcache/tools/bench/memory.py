@@ -22,10 +22,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from rich.progress import Progress
 
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.samples import sample_corpus_dir
 from rag_kvcache.tools.bench.report import save_report
 
@@ -101,30 +103,46 @@ def run_memory_bench(
     out_dir: Path, sizes_mb: list[float], model: str = "default", dtype: str = "float32"
 ) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in load_rows(out_dir / "memory.json") if (r.model, r.dtype) != (model, dtype)]
+    rows = load_rows(out_dir / "memory.json")
+    report: dict[str, object] = {}
     with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         task = progress.add_task(f"ingest memory ({model})", total=len(sizes_mb))
-        for size in sizes_mb:
+        for done, size in enumerate(sizes_mb, 1):
             file, store = Path(tmp) / f"{size}mb.md", Path(tmp) / "store"
             write_text(file, int(size * MB))
             seconds, peak = measure(file, store, model, dtype)
-            rows.append(
-                MemoryRow(model, dtype, size, stored_chunks(store), seconds, peak, folder_mb(store))
+            row = MemoryRow(
+                model, dtype, size, stored_chunks(store), seconds, peak, folder_mb(store)
             )
             file.unlink()
             shutil.rmtree(store)  # a 50 MB file's KV is several GB even with a small model
+            # the same model, dtype and size measured again replaces its row; the others stay
+            rows = [r for r in rows if (r.model, r.dtype, r.file_mb) != (model, dtype, size)]
+            rows = sorted([*rows, row], key=lambda r: (r.model, r.dtype, r.file_mb))
+            # written after each size: an interrupted run keeps the sizes it measured
+            report = save_report(
+                out_dir,
+                "memory",
+                rows,
+                partial(plot_memory, rows),
+                target_mb=TARGET_MB,
+                complete=done == len(sizes_mb),
+            )
             progress.advance(task)
-    rows.sort(key=lambda r: (r.model, r.dtype, r.file_mb))
-    return save_report(
-        out_dir, "memory", rows, lambda path: plot_memory(rows, path), target_mb=TARGET_MB
-    )
+    return report
 
 
 def load_rows(path: Path) -> list[MemoryRow]:
-    """The rows of an earlier run in the same folder (other models' sizes are kept)."""
+    """The rows of an earlier run in the same folder (other models' and sizes' are kept)."""
     if not path.exists():
         return []
-    return [MemoryRow(**row) for row in json.loads(path.read_text())["rows"]]
+    try:
+        return [MemoryRow(**row) for row in json.loads(path.read_text(encoding="utf-8"))["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # (JSON and Unicode errors too)
+        raise ConfigError(
+            f"{path} is not a memory report to add rows to ({type(e).__name__}): move it away, "
+            "or give another --out"
+        ) from None
 
 
 def plot_memory(rows: list[MemoryRow], path: Path) -> None:
