@@ -1,12 +1,16 @@
 """Link calibration: the link tokens' exact limits, the training twin of the link's forward,
 the file format's refusals, and a training run that lowers the KL to prefill and resumes."""
 
+import math
+import struct
 from dataclasses import replace
 
 import pytest
 import torch
 from helpers import CALIBRATION_ITEMS as ITEMS
 from helpers import random_chunks
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from sqlalchemy import update
 
 from rag_kvcache.config import EngineConfig, GenerationConfig
@@ -155,6 +159,44 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     torch.testing.assert_close(resumed.calibration.vectors, whole.calibration.vectors)
     with pytest.raises(CalibrationError, match="other settings"):
         calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", resume=True, items=ITEMS)
+
+
+def test_a_diverging_or_damaged_calibration_is_refused_never_kept(tiny32, tmp_path) -> None:
+    """`--lr inf` trained NaN vectors, saved and installed them, and every calibrated answer
+    was then empty with no error. Divergence stops the training (the checkpoint keeps the last
+    finite step), non-finite vectors are no calibration, a non-finite or negative learning
+    rate is refused before anything runs, and a damaged checkpoint is one clear error."""
+    for lr in (math.inf, math.nan, -1.0, 0.0, 1e38):
+        with pytest.raises(CalibrationError, match="learning rate must be above 0"):
+            CalibrateConfig(strategy="naive", lr=lr)
+    config = CalibrateConfig(
+        strategy="naive+reversed", link_tokens=2, items=2, held_out=1, steps=3, lr=0.05,
+        answer_tokens=4, checkpoint_every=1,
+    )  # fmt: skip
+    calibrate(tiny32, replace(config, steps=1), tmp_path / "nan", items=ITEMS)
+    checkpoint = tmp_path / "nan" / CHECKPOINT
+    with safe_open(str(checkpoint), "pt") as f:  # its vectors made NaN, as a diverged step's
+        meta = f.metadata()
+    tensors = load_file(str(checkpoint))
+    save_file(
+        {**tensors, "vectors": torch.full_like(tensors["vectors"], math.nan)}, checkpoint, meta
+    )
+    (tmp_path / "nan" / "calibration.safetensors").unlink()
+    with pytest.raises(CalibrationError, match="training diverged at step 2"):
+        calibrate(tiny32, config, tmp_path / "nan", resume=True, items=ITEMS)
+    assert not (tmp_path / "nan" / "calibration.safetensors").exists()
+    assert torch.isnan(load_file(str(checkpoint))["vectors"]).all()  # not overwritten by step 2
+    with pytest.raises(CalibrationError, match="not finite"):
+        Calibration(torch.full((2, 64), math.nan), tiny32.fingerprint, "sinks=", "naive")
+    good = Calibration(torch.zeros(2, 64), tiny32.fingerprint, "sinks=", "naive")
+    data = bytearray(good.to_bytes())
+    at = bytes(data).rindex(bytes(4 * 64 * 2))  # the vectors' bytes, at the end
+    data[at : at + 4] = struct.pack("<f", math.inf)
+    with pytest.raises(CalibrationError, match="not finite"):
+        Calibration.from_bytes(bytes(data))
+    checkpoint.write_bytes(b"\x08" + bytes(20))  # truncated
+    with pytest.raises(CalibrationError, match="is damaged"):
+        calibrate(tiny32, config, tmp_path / "nan", resume=True, items=ITEMS)
 
 
 # ----------------------------------------------------------------------------- in the store

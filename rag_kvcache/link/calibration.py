@@ -48,6 +48,14 @@ class Calibration:
     steps: int = 0  # optimisation steps taken
     loss: float = float("nan")  # last mean KL to prefill on the training items
 
+    def __post_init__(self) -> None:
+        # NaN vectors (a diverged training, a damaged file) would answer empty, silently
+        if not bool(torch.isfinite(self.vectors.detach()).all()):
+            raise CalibrationError(
+                "the calibration's vectors are not finite (NaN or inf): its training diverged "
+                "or its file is damaged; train again (a lower --lr)"
+            )
+
     @property
     def link_tokens(self) -> int:
         return int(self.vectors.shape[0])

@@ -108,6 +108,10 @@ class CalibrateConfig:
             )
         if min(self.link_tokens, self.items, self.steps, self.answer_tokens) < 1:
             raise CalibrationError("link tokens, items, steps and answer tokens must be >= 1")
+        if self.lr is not None and not 0 < self.lr <= 1:  # NaN too; past 1 Adam only diverges
+            raise CalibrationError(
+                f"the learning rate must be above 0 and at most 1, not {self.lr}"
+            )
 
     @property
     def learning_rate(self) -> float:
@@ -381,6 +385,13 @@ def calibrate(
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
+            if not math.isfinite(losses[-1]) or not all(
+                bool(torch.isfinite(p.detach()).all()) for p in params.values()
+            ):  # before a checkpoint keeps it: the last one is the last finite step
+                raise CalibrationError(
+                    f"training diverged at step {step + 1} (loss {losses[-1]}): train again "
+                    f"with a lower --lr than {config.learning_rate:g}"
+                )
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
                 _save_checkpoint(checkpoint, config, lm, params, optimizer, step + 1, losses)
             if progress:
@@ -502,11 +513,19 @@ def _load_checkpoint(
     params: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
 ) -> tuple[int, list[float]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    if _resumable(json.loads(meta.get("config", "{}"))) != _resumable(asdict(config)):
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        settings = json.loads(meta.get("config", "{}"))
+        tensors = load_file(str(path))
+        step, losses = int(meta["step"]), json.loads(meta["losses"])
+    except (OSError, SafetensorError, ValueError, KeyError) as e:  # (JSON errors too)
+        raise CalibrationError(
+            f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
+        ) from None
+    if _resumable(settings) != _resumable(asdict(config)):
         raise CalibrationError(
             f"{path} was written by a run with other settings ({meta.get('config')}); "
             "resume with the same ones, or train afresh in another folder"
@@ -516,10 +535,9 @@ def _load_checkpoint(
             f"{path} was trained on model {meta.get('fingerprint')}, not on the loaded "
             f"{lm.fingerprint}; train afresh in another folder"
         )
-    tensors = load_file(str(path))
     if set(tensors) != {
         f"{n}{s}" for n in params for s in ("", "/exp_avg", "/exp_avg_sq", "/step")
-    }:
+    } or any(tensors[name].shape != param.shape for name, param in params.items()):
         raise CalibrationError(f"{path} does not hold this run's parameters; train afresh")
     for name, param in params.items():
         with torch.no_grad():
@@ -529,4 +547,4 @@ def _load_checkpoint(
             "exp_avg": tensors[f"{name}/exp_avg"],
             "exp_avg_sq": tensors[f"{name}/exp_avg_sq"],
         }
-    return int(meta["step"]), json.loads(meta["losses"])
+    return step, losses
