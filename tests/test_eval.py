@@ -29,6 +29,7 @@ from rag_kvcache.tools.eval import (
     check_strategies,
     comparisons,
     in_retrieval_order,
+    item_digests,
     kept_against,
     load_dataset,
     needle_cells,
@@ -518,7 +519,10 @@ def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
     settings = report_settings(tiny32)
     earlier, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
     report = tmp_path / "eval.json"
-    report.write_text(json.dumps(report_dict("eval", earlier, summary, **settings)))
+    digests = item_digests(items)
+    report.write_text(
+        json.dumps(report_dict("eval", earlier, summary, **settings, item_digests=digests))
+    )
     everything, _ = run_eval(
         tiny32, items, ["naive", "legolink:1"], max_new_tokens=3, teacher_tokens=0
     )
@@ -551,6 +555,16 @@ def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
         reused_rows(tmp_path / "missing.json", settings, items)
     with pytest.raises(ConfigError, match="another model"):
         reused_rows(report, {**settings, "model": "another"}, items)
+    # the same ids over other questions or documents: rows of another dataset, refused
+    edited = [
+        items[0],
+        EvalItem("b", ("The b tower is 31 metres tall.", "Gulls."), "How tall?", ("31",)),
+    ]
+    with pytest.raises(
+        ConfigError, match=r"other questions or documents under 1 of these ids \(b\.\.\.\)"
+    ):
+        reused_rows(report, settings, edited)
+    assert set(reused_rows(report, settings, items[:1])) == {"a"}  # fewer items: fine
 
 
 def test_reports_name_the_same_model_by_fingerprint_or_untagged_name() -> None:

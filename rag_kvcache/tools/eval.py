@@ -17,6 +17,7 @@ puts each item's documents in the order a retriever returns them (best first), s
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -495,6 +496,17 @@ def same_setup(
             )
 
 
+def item_digests(items: Sequence[EvalItem]) -> dict[str, str]:
+    """Per item id, a hash of what it asks from what (question, documents in their order,
+    answers): a report keeps them, so its rows are reused only for the same items."""
+    return {
+        i.id: hashlib.sha256(
+            json.dumps([i.question, list(i.documents), list(i.answers)]).encode()
+        ).hexdigest()[:16]
+        for i in items
+    }
+
+
 def reused_rows(
     report: Path, settings: Mapping[str, object], items: Sequence[EvalItem]
 ) -> dict[str, dict[str, ItemResult]]:
@@ -517,6 +529,14 @@ def reused_rows(
         REUSE_SETTINGS,
         "its answers cannot stand for this run's",
     )
+    earlier = data.get("item_digests")
+    if isinstance(earlier, dict):  # (reports written before digests are matched by id only)
+        changed = [i for i, d in item_digests(items).items() if earlier.get(i, d) != d]
+        if changed:
+            raise ConfigError(
+                f"{report} measured other questions or documents under {len(changed)} of these "
+                f"ids ({', '.join(changed[:3])}...): its answers cannot stand for this run's"
+            )
     same_cache = all(data.get(name) == settings.get(name) for name in CACHE_SETTINGS)
     wanted = {item.id for item in items}
     out: dict[str, dict[str, ItemResult]] = {}

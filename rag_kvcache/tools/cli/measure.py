@@ -367,7 +367,8 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     if other is not None:
         facts["kept_against"] = kept_against_other(results, other, console)
     sections, compared = ev.comparisons(results, strategies, needle=args.needle, other=other)
-    report = ev.report_dict(name, results, summary, **facts, **compared)
+    digests = ev.item_digests(items)  # what a later --reuse of this report checks
+    report = ev.report_dict(name, results, summary, **facts, **compared, item_digests=digests)
     ev.save_eval(args.out, name, report, summary, sections)
     if args.needle:
         ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
