@@ -239,6 +239,27 @@ def test_bad_counts_and_lists_are_refused_before_anything_runs(args, phrase, cap
     assert phrase in err and "Traceback" not in err, err
 
 
+def test_an_out_folder_that_cannot_be_is_one_line_and_paths_print_as_text(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """--out naming a file, or a folder under one, failed with a traceback (eval's only after
+    answering every item); a path holding rich markup such as `[/x]` crashed the last message
+    (after the results were written) or lost its brackets."""
+    monkeypatch.setenv("COLUMNS", "250")
+    file = tmp_path / "afile"
+    file.write_text("mine")
+    for args in (["eval", "x.jsonl"], ["bench", "ttft"], ["calibrate"], ["dataset"]):
+        for out in (file, file / "sub"):
+            assert main([*args, "--out", str(out)]) == 1
+            err = " ".join(capsys.readouterr().out.split())
+            assert err.startswith("error:") and "--out" in err and str(out) in err, err
+    assert file.read_text() == "mine"
+    odd = tmp_path / "sets[/x][bold]"
+    assert main(["dataset", "--out", str(odd), "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{odd}/dev.jsonl" in out and (odd / "dev.jsonl").is_file()
+
+
 def test_verify_repairs_with_the_model_that_encoded_the_chunks(tmp_path: Path, capsys) -> None:
     """A store ingested with --model is repaired with that model; repairing with another one
     reports the blobs it cannot rebuild and still checks and repairs the rest."""

@@ -95,28 +95,37 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
         highlight=False,
     )
     if isinstance(result.calibration, LinkLoRA):
-        console.print(f"wrote {args.out}/{LORA_RESULT} and calibration.json", highlight=False)
+        console.print(
+            f"wrote {args.out}/{LORA_RESULT} and calibration.json", markup=False, highlight=False
+        )
         use = f"--lora {args.out}/{LORA_RESULT}"
         if not args.no_install:
             adapter = result.calibration.to_bytes()
             checksum = engine.store.put_adapter(engine.lm.fingerprint, adapter)
             console.print(
                 f"kept in the store {args.store} for {engine.lm.name} (sha256 {checksum[:12]})",
+                markup=False,
                 highlight=False,
             )
             use = f"--lora store (or {use})"
         console.print(
             f"answer with the adapted model: {use}; its chunks are its own, encoded anew",
+            markup=False,
             highlight=False,
         )
         return 0
-    console.print(f"wrote {args.out}/calibration.safetensors and calibration.json")
+    console.print(
+        f"wrote {args.out}/calibration.safetensors and calibration.json",
+        markup=False,
+        highlight=False,
+    )
     if not args.no_install:
         checksum = engine.set_calibration(result.calibration)
         console.print(
             f"kept in the store {args.store} for {engine.lm.name} (sha256 {checksum[:12]}); "
             "answer with a `+calibrated` strategy, e.g. "
             f"`{config.strategy}+calibrated`",
+            markup=False,
             highlight=False,
         )
     return 0

@@ -78,6 +78,19 @@ def _distinct(text: str, values: list[Any]) -> list[Any]:
     return values
 
 
+def output_folder(folder: Path) -> None:
+    """Make --out's folder before any work: a file in its place, or a folder that cannot be
+    made, is one error line, not a traceback after the model has loaded and answered."""
+    from rag_kvcache.errors import ConfigError
+
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--out {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot make the --out folder {folder}: {e.strerror or e}") from None
+
+
 def strategy_list(text: str) -> list[str]:
     """Comma-separated strategies. A strategy starts with a letter, so a comma followed by a
     number is inside one (`+ape:T,S`): "naive+ape:1,0.8,legolink:2" is two strategies."""

@@ -5,11 +5,13 @@ Parsing imports nothing heavy (no torch): `--help` and `--version` answer at onc
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from rag_kvcache.tools.cli import calibration, documents, markup, measure, serve, store
+from rag_kvcache.tools.cli.common import output_folder
 
 
 class DefaultsShown(argparse.HelpFormatter):
@@ -89,9 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     console = Console()
     try:
+        if isinstance(out := getattr(args, "out", None), Path):
+            output_folder(out)
         return int(args.run(args, console))
     except RagKVCacheError as e:  # bad input: say what and why, no traceback
         console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)  # text, not markup
+        return 1
+    except OSError as e:  # the machine's answer: a full disk, a folder that cannot be written
+        where = f" ({e.filename})" if e.filename else ""
+        console.print(f"[red]error:[/red] {escape(str(e.strerror or e) + where)}", highlight=False)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what was stored is kept (each write is whole)
         console.print("[red]interrupted[/red]", highlight=False)

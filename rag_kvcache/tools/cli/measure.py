@@ -241,7 +241,9 @@ def dataset_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.tools.qa_set import write_sets
 
     for split, path in write_sets(args.out, args.repeats).items():
-        console.print(f"{split}: {sum(1 for _ in path.open())} items -> {path}")
+        console.print(
+            f"{split}: {sum(1 for _ in path.open())} items -> {path}", markup=False, highlight=False
+        )
     console.print("tune on dev; report test (eval DATASET.jsonl)")
     return 0
 
@@ -342,7 +344,11 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     journal = ev.Journal(args.out / f"{name}.partial.jsonl", facts)
     resumed = len(journal.results())
     if resumed:
-        console.print(f"resuming: {resumed} items already measured in {journal.path}")
+        console.print(
+            f"resuming: {resumed} items already measured in {journal.path}",
+            markup=False,
+            highlight=False,
+        )
     with Progress(console=console) as progress:
         task = progress.add_task(f"{name}: {len(strategies)} strategies", total=len(items))
 
@@ -350,7 +356,9 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             progress.advance(task)
             if not console.is_terminal:  # a log file gets a line per item instead of a bar
                 done = int(progress.tasks[0].completed)
-                console.print(f"{name}: {done}/{len(items)} items ({item.id})", highlight=False)
+                console.print(
+                    f"{name}: {done}/{len(items)} items ({item.id})", markup=False, highlight=False
+                )
 
         results, summary = ev.run_eval(
             lm,
@@ -374,7 +382,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
     journal.close()
     console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
-    console.print(f"wrote {args.out / name}.json, .md and plots")
+    console.print(f"wrote {args.out / name}.json, .md and plots", markup=False, highlight=False)
     return 0
 
 
@@ -390,7 +398,11 @@ def kept_against_other(
 
     against = ev.kept_against(results, other)
     for strategy, estimate in against.items():
-        console.print(f"{strategy}: kept {estimate} against {other.report}'s prefill")
+        console.print(
+            f"{strategy}: kept {estimate} against {other.report}'s prefill",
+            markup=False,
+            highlight=False,
+        )
     placed = ev.kept_against(results, other, same_placement=True)
     for strategy, estimate in placed.items():
         base = Strategy.parse(strategy).baseline
@@ -421,7 +433,11 @@ def combine_command(args: argparse.Namespace, console: Console) -> int:
     ev.save_eval(args.out, "eval", report, summary, sections)
     console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
     items = len({r.item for r in both.results})
-    console.print(f"{items} items from {len(args.combine)} reports: wrote {args.out}/eval.json")
+    console.print(
+        f"{items} items from {len(args.combine)} reports: wrote {args.out}/eval.json",
+        markup=False,
+        highlight=False,
+    )
     return 0
 
 
@@ -590,7 +606,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
     for row in report["rows"]:  # type: ignore[attr-defined]
         table.add_row(*(cell(row) for cell in columns.values()))
     console.print(table)
-    console.print(f"wrote {args.out / args.kind}.json and .png")
+    console.print(f"wrote {args.out / args.kind}.json and .png", markup=False, highlight=False)
     return 0
 
 
