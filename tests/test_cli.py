@@ -520,12 +520,40 @@ def test_commands_print_no_third_party_progress_bars(tmp_path: Path) -> None:
     assert "it/s]" not in done.stdout + done.stderr  # no tqdm bar of any kind
 
 
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+@pytest.mark.services
+def test_bench_store_stopped_leaves_no_blob_in_redis(tmp_path: Path, monkeypatch) -> None:
+    """Its Redis tier's blobs were removed only when the case finished: Ctrl-C in the middle
+    left them in the user's Redis for good."""
+    import os
+
+    import redis
+
+    from rag_kvcache.storage.redis_tier import RedisTier
+    from rag_kvcache.storage.store import TieredStore
+
+    real_get = TieredStore.get
+
+    def stop_at_redis(self, cache_ids):  # type: ignore[no-untyped-def]
+        if isinstance(self.durable, RedisTier):  # its blobs are written by now
+            assert self.durable.ids()  # (a generator: its keys exist)
+            raise KeyboardInterrupt
+        return real_get(self, cache_ids)
+
+    monkeypatch.setattr(TieredStore, "get", stop_at_redis)
+    args = ["bench", "store", "--model", "random:tiny", "--dtypes", "float32", "--contexts"]
+    args += ["256", "--repeats", "1", "--redis-url", "redis://127.0.0.1:6379/14"]
+    assert main([*args, "--out", str(tmp_path)]) == 130  # "interrupted"
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/14")
+    assert list(client.scan_iter(match=f"rag-kvcache-bench:{os.getpid()}:*")) == []
+
+
 class Stopped(Exception):
     """Stands for a bench killed (a time limit) right after its first report was written."""
 
 
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
-@pytest.mark.parametrize("bench", ["ttft", "prefix"])
+@pytest.mark.parametrize("bench", ["ttft", "prefix", "store"])
 def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatch, bench) -> None:
     """The long benches write their report after every context (ttft) or case (prefix),
     marked incomplete until the last: a run stopped by a time limit or a crash at a size the
@@ -544,6 +572,7 @@ def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatc
     args = {
         "ttft": ["--dtypes", "float32", "--contexts", "256,512", "--strategies", "naive"],
         "prefix": ["--prefixes", "256", "--batches", "1,2", "--new-tokens", "2"],
+        "store": ["--dtypes", "float32", "--contexts", "256,512", "--strategy", "naive"],
     }[bench]
     with pytest.raises(Stopped):
         main(["bench", bench, *args, "--repeats", "1", *model])
@@ -552,6 +581,9 @@ def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatc
     rows = report["rows"]
     if bench == "ttft":  # the first context's prefill and strategy, nothing of the second
         assert [r["strategy"] for r in rows] == ["prefill", "naive"]
+        assert len({r["context_tokens"] for r in rows}) == 1
+    elif bench == "store":  # the first context's tiers, nothing of the second
+        assert rows[0]["tier"] == "prefill" and {"disk", "memory"} <= {r["tier"] for r in rows}
         assert len({r["context_tokens"] for r in rows}) == 1
     else:  # the first case: batch 1, both methods
         assert {(r["batch"], r["method"]) for r in rows} == {(1, "prefix tree"), (1, "duplicated")}

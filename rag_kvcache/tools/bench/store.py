@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -142,95 +143,98 @@ def bench_dtype(
         except StoreUnavailableError:
             pass
     cpu_ttft: float | None = None
-    for name, store in durables:
-        engine = RagKVCache(EngineConfig(), lm=lm, store=store)
-        start = time.perf_counter()
-        for kv in docs:
-            store.put(kv, "bench")
-        put_ms = (time.perf_counter() - start) * 1000 / n
-        if cpu_ttft is None:  # the hot tiers are the same whichever durable tier is behind
-            hot_rows = []
-            for tier in store.hot:  # fastest first; each emptied after its turn
-                get_runs = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    store.get(ids)
-                    get_runs.append((time.perf_counter() - start) * 1000 / n)
-                hot_rows.append((tier.name, statistics.median(get_runs), ttft(engine)))
-                if tier is not store.hot[-1]:
-                    for cid in ids:
-                        tier.remove(cid)
-            cpu_ttft = hot_rows[-1][2]
-            rows += [
-                row(
-                    hot,
-                    t,
-                    get_ms_per_chunk=get_ms,
-                    ttft_vs_cpu=t / cpu_ttft,
-                )
-                for hot, get_ms, t in hot_rows
-            ]
-
-        def forget_hot(s: TieredStore = store) -> None:
-            for hot in s.hot:
-                for cid in ids:
-                    hot.remove(cid)
-            if isinstance(s.durable, DiskTier):
-                drop_page_cache(s.durable)
-
-        get_runs = []
-        for _ in range(repeats):
-            forget_hot()
+    try:
+        for name, store in durables:
+            engine = RagKVCache(EngineConfig(), lm=lm, store=store)
             start = time.perf_counter()
-            store.get(ids)
-            get_runs.append((time.perf_counter() - start) * 1000 / n)
-        # round-robin, each repeat one request of each: chunks hot in the CPU tier, cold from
-        # this tier, and (disk) cold read whole before the forward instead of layer by layer
-        ways: dict[str, list[float]] = {"cpu": [], name: [], f"{name} (read whole)": []}
-        for _ in range(repeats):
-            store.get(ids)  # now hot
-            ways["cpu"].append(ttft(engine, runs=1))
-            for way, streamed in ((name, True), (f"{name} (read whole)", False)):
-                if not streamed and not (
-                    isinstance(store.durable, DiskTier) and not store.compress
-                ):
-                    continue  # timed for the disk as computed only (bfloat16 blobs stream too)
-                store.stream_reads = streamed
-                ways[way].append(ttft(engine, before=forget_hot, runs=1))
-            store.stream_reads = True
-        beside = statistics.median(ways["cpu"])
-        forget_hot()
-        served = first_logits(engine)
-        p, log_p, log_q = exact.softmax(-1), exact.log_softmax(-1), served.log_softmax(-1)
-        tier_ttft = statistics.median(ways[name])
-        rows.append(
-            row(
-                name,
-                tier_ttft,
-                put_ms_per_chunk=put_ms,
-                get_ms_per_chunk=statistics.median(get_runs),
-                ttft_vs_cpu=tier_ttft / beside,
-                cpu_ttft_beside_s=beside,
-                bytes_per_token=sum(len(store.durable.get(c) or b"") for c in ids)
-                / (n * chunk_tokens),
-                kl_vs_uncompressed=float((p * (log_p - log_q)).sum()),
-                top1_agrees=bool(exact.argmax() == served.argmax()),
-            )
-        )
-        if whole_runs := ways[f"{name} (read whole)"]:
-            whole = statistics.median(whole_runs)
+            for kv in docs:
+                store.put(kv, "bench")
+            put_ms = (time.perf_counter() - start) * 1000 / n
+            if cpu_ttft is None:  # the hot tiers are the same whichever durable tier is behind
+                hot_rows = []
+                for tier in store.hot:  # fastest first; each emptied after its turn
+                    get_runs = []
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        store.get(ids)
+                        get_runs.append((time.perf_counter() - start) * 1000 / n)
+                    hot_rows.append((tier.name, statistics.median(get_runs), ttft(engine)))
+                    if tier is not store.hot[-1]:
+                        for cid in ids:
+                            tier.remove(cid)
+                cpu_ttft = hot_rows[-1][2]
+                rows += [
+                    row(
+                        hot,
+                        t,
+                        get_ms_per_chunk=get_ms,
+                        ttft_vs_cpu=t / cpu_ttft,
+                    )
+                    for hot, get_ms, t in hot_rows
+                ]
+
+            def forget_hot(s: TieredStore = store) -> None:
+                for hot in s.hot:
+                    for cid in ids:
+                        hot.remove(cid)
+                if isinstance(s.durable, DiskTier):
+                    drop_page_cache(s.durable)
+
+            get_runs = []
+            for _ in range(repeats):
+                forget_hot()
+                start = time.perf_counter()
+                store.get(ids)
+                get_runs.append((time.perf_counter() - start) * 1000 / n)
+            # round-robin, each repeat one request of each: chunks hot in the CPU tier, cold from
+            # this tier, and (disk) cold read whole before the forward instead of layer by layer
+            ways: dict[str, list[float]] = {"cpu": [], name: [], f"{name} (read whole)": []}
+            for _ in range(repeats):
+                store.get(ids)  # now hot
+                ways["cpu"].append(ttft(engine, runs=1))
+                for way, streamed in ((name, True), (f"{name} (read whole)", False)):
+                    if not streamed and not (
+                        isinstance(store.durable, DiskTier) and not store.compress
+                    ):
+                        continue  # timed for the disk as computed only (bfloat16 blobs stream too)
+                    store.stream_reads = streamed
+                    ways[way].append(ttft(engine, before=forget_hot, runs=1))
+                store.stream_reads = True
+            beside = statistics.median(ways["cpu"])
+            forget_hot()
+            served = first_logits(engine)
+            p, log_p, log_q = exact.softmax(-1), exact.log_softmax(-1), served.log_softmax(-1)
+            tier_ttft = statistics.median(ways[name])
             rows.append(
                 row(
-                    f"{name} (read whole)",
-                    whole,
-                    ttft_vs_cpu=whole / beside,
+                    name,
+                    tier_ttft,
+                    put_ms_per_chunk=put_ms,
+                    get_ms_per_chunk=statistics.median(get_runs),
+                    ttft_vs_cpu=tier_ttft / beside,
                     cpu_ttft_beside_s=beside,
+                    bytes_per_token=sum(len(store.durable.get(c) or b"") for c in ids)
+                    / (n * chunk_tokens),
+                    kl_vs_uncompressed=float((p * (log_p - log_q)).sum()),
+                    top1_agrees=bool(exact.argmax() == served.argmax()),
                 )
             )
-        if name == "redis":
-            for cid in list(store.durable.ids()):
-                store.durable.remove(cid)
-        store.close()
+            if whole_runs := ways[f"{name} (read whole)"]:
+                whole = statistics.median(whole_runs)
+                rows.append(
+                    row(
+                        f"{name} (read whole)",
+                        whole,
+                        ttft_vs_cpu=whole / beside,
+                        cpu_ttft_beside_s=beside,
+                    )
+                )
+    finally:  # stopped or done: no blob left in Redis (an interrupted run left its keys)
+        for name, store in durables:
+            if name == "redis":
+                for cid in list(store.durable.ids()):
+                    store.durable.remove(cid)
+            store.close()
     return rows
 
 
@@ -248,8 +252,10 @@ def run_store_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     contexts = contexts or [4096]
     rows: list[TierRow] = []
+    report: dict[str, object] = {}
+    cases = len(dtypes) * len(contexts)
     with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        task = progress.add_task("store bench", total=len(dtypes) * len(contexts))
+        task = progress.add_task("store bench", total=cases)
         for dtype in dtypes:
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             for context in contexts:
@@ -257,16 +263,19 @@ def run_store_bench(
                     lm, context, chunk_tokens, repeats, redis_url, Path(tmp), strategy
                 )
                 progress.advance(task)
-    return save_report(
-        out_dir,
-        "store",
-        rows,
-        lambda path: plot_store(rows, path),
-        contexts=contexts,
-        chunk_tokens=chunk_tokens,
-        strategy=str(strategy),
-        repeats=repeats,
-    )
+                # after each case: a stopped run keeps what it measured ("complete": false)
+                report = save_report(
+                    out_dir,
+                    "store",
+                    rows,
+                    partial(plot_store, list(rows)),
+                    contexts=contexts,
+                    chunk_tokens=chunk_tokens,
+                    strategy=str(strategy),
+                    repeats=repeats,
+                    complete=progress.tasks[0].completed == cases,
+                )
+    return report
 
 
 def plot_store(rows: list[TierRow], path: Path) -> None:
