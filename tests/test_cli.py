@@ -260,6 +260,14 @@ def test_an_out_folder_that_cannot_be_is_one_line_and_paths_print_as_text(
     assert f"{odd}/dev.jsonl" in out and (odd / "dev.jsonl").is_file()
 
 
+def test_bench_ingest_of_a_missing_path_is_one_line(tmp_path: Path, capsys) -> None:
+    """It was a ZeroDivisionError (no chunks, after loading the model)."""
+    args = ["bench", "ingest", str(tmp_path / "missing.md"), "--out", str(tmp_path / "r")]
+    assert main(args) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("error: nothing at") and "missing.md" in out, out
+
+
 def test_verify_repairs_with_the_model_that_encoded_the_chunks(tmp_path: Path, capsys) -> None:
     """A store ingested with --model is repaired with that model; repairing with another one
     reports the blobs it cannot rebuild and still checks and repairs the rest."""

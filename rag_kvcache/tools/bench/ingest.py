@@ -18,6 +18,7 @@ from rich.progress import Progress
 
 from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
 from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.ingest import plan_ingest, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
 from rag_kvcache.model.loading import load_model
@@ -58,6 +59,10 @@ def bench_dtype(
         rows = engine.corpus.catalog.chunks([c for d in done for c in d.cache_ids])
         tokens = sum(r.token_count for r in rows.values())
         nbytes = engine.store.nbytes() - engine.store.get([engine.prefix_id])[0].nbytes
+    if not chunks:  # nothing to divide by
+        raise ConfigError(
+            f"no text to ingest in {', '.join(map(str, paths))}: empty, binary or unreadable files"
+        )
     seconds, encode_seconds = statistics.median(runs), statistics.median(encode_runs)
     return IngestRow(
         dtype=dtype,
@@ -82,6 +87,8 @@ def run_ingest_bench(
 ) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = paths or [sample_corpus_dir()]
+    if missing := [str(p) for p in paths if not p.exists()]:  # before any model loads
+        raise ConfigError(f"nothing at {', '.join(missing)}: give files or folders to ingest")
     rows = []
     with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         task = progress.add_task("ingest bench", total=len(dtypes))
