@@ -95,7 +95,9 @@ def strategy_list(text: str) -> list[str]:
     """Comma-separated strategies. A strategy starts with a letter, so a comma followed by a
     number is inside one (`+ape:T,S`): "naive+ape:1,0.8,legolink:2" is two strategies."""
     pieces = (t.strip(", \t\r\n") for t in re.split(r",(?=\s*[A-Za-z])", text))
-    return [t for t in pieces if t]
+    if not (strategies := [t for t in pieces if t]):  # (not "the defaults": none were named)
+        raise argparse.ArgumentTypeError(f"no strategies in {text!r}")
+    return strategies
 
 
 def store_options(parser: argparse.ArgumentParser) -> None:
