@@ -159,6 +159,8 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     torch.testing.assert_close(resumed.calibration.vectors, whole.calibration.vectors)
     with pytest.raises(CalibrationError, match="other settings"):
         calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", resume=True, items=ITEMS)
+    with pytest.raises(CalibrationError, match="at step 6, past --steps 4"):  # said 4, took 6
+        calibrate(tiny32, replace(config, steps=4), tmp_path / "cut", resume=True, items=ITEMS)
 
 
 def test_a_diverging_or_damaged_calibration_is_refused_never_kept(tiny32, tmp_path) -> None:

@@ -377,6 +377,11 @@ def calibrate(
         checkpoint = out / CHECKPOINT
         if resume and checkpoint.exists():
             start_step, losses = _load_checkpoint(checkpoint, config, lm, params, optimizer)
+            if start_step > config.steps:  # its result would say fewer steps than it took
+                raise CalibrationError(
+                    f"{checkpoint} is at step {start_step}, past --steps {config.steps}: resume "
+                    f"with --steps {start_step} or more"
+                )
         began = time.perf_counter()
         for step in range(start_step, config.steps):
             example = train[step_order(config.seed, step, len(train))]
