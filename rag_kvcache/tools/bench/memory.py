@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from rag_kvcache.errors import ConfigError
+from rag_kvcache.errors import ConfigError, RagKVCacheError
 from rag_kvcache.samples import sample_corpus_dir
 from rag_kvcache.tools.bench.report import save_report
 
@@ -79,8 +79,11 @@ def measure(file: Path, store: Path, model: str, dtype: str) -> tuple[float, flo
     child.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - start
     if child.returncode != 0:
-        tail = output.decode(errors="replace")[-2000:]
-        raise RuntimeError(f"ingest of {file} exited with {child.returncode}:\n{tail}")
+        last = (output.decode(errors="replace").strip().splitlines() or ["(no output)"])[-1]
+        raise RagKVCacheError(  # the measured command's own error, as one line
+            f"the measured `rag-kvcache ingest` of {file.name} exited with {child.returncode}: "
+            f"{last}"
+        )
     return seconds, usage.ru_maxrss / 1024  # KiB on Linux
 
 
