@@ -754,7 +754,24 @@ def test_reports_of_one_setup_are_combined_into_one_run(tmp_path: Path, capsys) 
     assert f"| {R} (bfloat16, other run) |" in (out / "eval.md").read_text()
     bf16 = _report(tmp_path / "b.json", {"e": {P: True}}, dtype="bfloat16")
     needle = _report(tmp_path / "n.json", {"e": {P: True}}, benchmark="needle")
+
+    def tampered(name: str, change) -> Path:  # type: ignore[no-untyped-def]
+        data = json.loads(two.read_text())
+        change(data["items"])
+        (tmp_path / name).write_text(json.dumps(data))
+        return tmp_path / name
+
+    twice = tampered("twice.json", lambda rows: rows.append(dict(rows[0])))
+    missing = tampered(
+        "missing.json", lambda rows: rows.remove(next(r for r in rows if r["strategy"] == C))
+    )
+    word = tampered("word.json", lambda rows: rows[0].update(contains="no"))  # was "right"
+    text = tampered("text.json", lambda rows: rows[0].update(ttft_s="fast"))
     refusals = {
+        "has 2 prefill rows": [one, twice],
+        "has no naive+reversed row": [one, missing],
+        "contains must be bool": [one, word],
+        "ttft_s must be a number": [one, text],
         "item a is in both": [one, one],
         "dtype='bfloat16'": [one, bf16],
         "not a QA eval report": [needle, one],

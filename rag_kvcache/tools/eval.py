@@ -23,6 +23,7 @@ import json
 import math
 import re
 import statistics
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -619,7 +620,8 @@ def combined(reports: Sequence[Path]) -> Combined:
             "one report cannot hold both",
         )
     seen: dict[str, Path] = {}
-    for path, _, rows, _ in loaded:
+    for path, _, rows, names in loaded:
+        check_rows(path, rows, names)
         for item in dict.fromkeys(r.item for r in rows):
             if item in seen:
                 raise ConfigError(f"item {item} is in both {seen[item]} and {path}")
@@ -755,8 +757,34 @@ class Journal:
 
 
 def item_result(row: dict[str, Any]) -> ItemResult:
-    """An ItemResult from its JSON form (a report's or a journal's row)."""
-    return ItemResult(**{**row, "token_ids": tuple(row["token_ids"])})
+    """An ItemResult from its JSON form (a report's or a journal's row); a value of another
+    kind is a TypeError (`"contains": "no"` would count as right)."""
+    result = ItemResult(**{**row, "token_ids": tuple(row["token_ids"])})
+    kinds = {"item": str, "strategy": str, "answer": str, "contains": bool}
+    kinds |= {"context_tokens": int, "recomputed_tokens": int}
+    for name, kind in kinds.items():
+        if not isinstance(getattr(result, name), kind):
+            raise TypeError(f"{name} must be {kind.__name__}, not {getattr(result, name)!r}")
+    for name in ("f1", "exact_match", "kl", "top1", "ttft_s", "prefill_ttft_s"):
+        value = getattr(result, name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a number, not {value!r}")
+    return result
+
+
+def check_rows(path: Path, rows: list[ItemResult], strategies: list[str]) -> None:
+    """A report's rows are one per item and strategy it lists: a row twice or missing would
+    count an item twice, or compare strategies over different items."""
+    if not rows:
+        raise ConfigError(f"{path}: no rows")
+    counts = Counter((r.item, r.strategy) for r in rows)
+    if twice := [key for key, n in counts.items() if n > 1]:
+        raise ConfigError(f"{path}: item {twice[0][0]} has {counts[twice[0]]} {twice[0][1]} rows")
+    items = dict.fromkeys(r.item for r in rows)
+    if missing := [(i, s) for i in items for s in strategies if (i, s) not in counts]:
+        raise ConfigError(
+            f"{path}: item {missing[0][0]} has no {missing[0][1]} row ({len(missing)} missing)"
+        )
 
 
 def _rows(line: str) -> list[ItemResult] | None:

@@ -79,16 +79,16 @@ def _distinct(text: str, values: list[Any]) -> list[Any]:
 
 
 def output_folder(folder: Path) -> None:
-    """Make --out's folder before any work: a file in its place, or a folder that cannot be
-    made, is one error line, not a traceback after the model has loaded and answered."""
+    """Check --out before any work (made by the command, when it has something to write): a
+    file in its place or above it is one error line, not a traceback after the model has
+    loaded and answered."""
     from rag_kvcache.errors import ConfigError
 
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--out {folder} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot make the --out folder {folder}: {e.strerror or e}") from None
+    for place in (folder, *folder.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ConfigError(f"cannot make the --out folder {folder}: {place} is a file")
+            return
 
 
 def strategy_list(text: str) -> list[str]:
