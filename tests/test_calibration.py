@@ -196,6 +196,11 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(tiny32, tmp_pa
     data[at : at + 4] = struct.pack("<f", math.inf)
     with pytest.raises(CalibrationError, match="not finite"):
         Calibration.from_bytes(bytes(data))
+    once = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
+    for kept in (tmp_path / "t" / "teachers").glob("*.safetensors"):  # truncated: made again
+        kept.write_bytes(kept.read_bytes()[:50])
+    again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
+    assert again.losses == pytest.approx(once.losses)
     checkpoint.write_bytes(b"\x08" + bytes(20))  # truncated
     with pytest.raises(CalibrationError, match="is damaged"):
         calibrate(tiny32, config, tmp_path / "nan", resume=True, items=ITEMS)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
@@ -215,6 +216,17 @@ def distillation_kl(teacher: torch.Tensor, student_logits: torch.Tensor) -> torc
     return (teacher.exp() * (teacher - student)).sum(-1).mean()
 
 
+def _kept_teacher(path: Path, arranged: list[str]) -> Example | None:
+    """A teacher kept by an earlier run, or None: none kept, or a damaged file (a cache, so it
+    is computed again rather than stopping the run)."""
+    try:
+        saved = load_file(str(path))
+        new_ids = tuple(saved["new_ids"].tolist())
+        return Example(tuple(arranged), new_ids, saved["teacher"].float())
+    except (OSError, SafetensorError, KeyError, ValueError):  # (missing: FileNotFoundError)
+        return None
+
+
 def make_examples(
     engine: RagKVCache,
     items: list[dict[str, object]],
@@ -241,12 +253,8 @@ def make_examples(
         key = json.dumps([lm.fingerprint, str(baseline), answer_tokens, prompt, question, texts])
         name = f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
         kept = teachers / name if teachers is not None else None
-        if kept is not None and kept.exists():
-            saved = load_file(str(kept))
-            example = Example(
-                tuple(arranged), tuple(saved["new_ids"].tolist()), saved["teacher"].float()
-            )
-        else:
+        example = _kept_teacher(kept, arranged) if kept is not None else None
+        if example is None:
             example = _teacher(engine, question, cache_ids, baseline, answer_tokens)
             if kept is not None:
                 kept.parent.mkdir(parents=True, exist_ok=True)
@@ -518,7 +526,7 @@ def _load_checkpoint(
     params: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
 ) -> tuple[int, list[float]]:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
