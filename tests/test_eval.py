@@ -170,6 +170,7 @@ def test_load_dataset_reports_the_bad_line(tmp_path: Path) -> None:
         ({"question": ["Who", "built"]}, "the question must be a string"),
         ({"documents": [{"id": "d", "text": None}]}, "a document's text must be a string"),
         ({"id": ["a"]}, "id must be a string or a number"),
+        ({"documents": [{"id": "d", "text": " "}]}, "a document's text is empty"),  # mid-run
     ],
 )
 def test_load_dataset_refuses_values_of_the_wrong_kind(tmp_path: Path, change, phrase) -> None:
@@ -561,10 +562,16 @@ def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
         EvalItem("b", ("The b tower is 31 metres tall.", "Gulls."), "How tall?", ("31",)),
     ]
     with pytest.raises(
-        ConfigError, match=r"other questions or documents under 1 of these ids \(b\.\.\.\)"
+        ConfigError, match=r"other questions or documents under 1 of these ids, .* \(b\.\.\.\)"
     ):
         reused_rows(report, settings, edited)
     assert set(reused_rows(report, settings, items[:1])) == {"a"}  # fewer items: fine
+    data = json.loads(report.read_text())
+    combined = {k: v for k, v in data.items() if k != "item_digests"} | {"combined": ["x", "y"]}
+    for tampered in ({**data, "item_digests": {}}, combined):  # no hash of its items
+        report.write_text(json.dumps(tampered))
+        with pytest.raises(ConfigError, match="keeps no hash of them"):
+            reused_rows(report, settings, items)
 
 
 def test_reports_name_the_same_model_by_fingerprint_or_untagged_name() -> None:

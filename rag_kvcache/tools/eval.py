@@ -163,6 +163,8 @@ def load_dataset(path: Path) -> list[EvalItem]:
             ) from None
         if not documents or not answers or not item.question.strip():
             raise ConfigError(f"{where}: documents, question and answers must be non-empty")
+        if not all(d.strip() for d in documents):  # nothing to cache: it failed mid-run
+            raise ConfigError(f"{where}: a document's text is empty")
         if not all(normalize_answer(a) for a in answers):  # nothing would ever contain it
             raise ConfigError(
                 f"{where}: an answer is empty once normalised (punctuation, articles)"
@@ -531,12 +533,15 @@ def reused_rows(
         "its answers cannot stand for this run's",
     )
     earlier = data.get("item_digests")
-    if isinstance(earlier, dict):  # (reports written before digests are matched by id only)
-        changed = [i for i, d in item_digests(items).items() if earlier.get(i, d) != d]
+    if earlier is not None or "combined" in data:  # (older reports: matched by id only)
+        earlier = earlier if isinstance(earlier, dict) else {}
+        ids = {r.item for r in rows}  # an item it measured, without its digest, is refused
+        changed = [i for i, d in item_digests(items).items() if i in ids and earlier.get(i) != d]
         if changed:
             raise ConfigError(
                 f"{report} measured other questions or documents under {len(changed)} of these "
-                f"ids ({', '.join(changed[:3])}...): its answers cannot stand for this run's"
+                f"ids, or keeps no hash of them ({', '.join(changed[:3])}...): its answers "
+                "cannot stand for this run's"
             )
     same_cache = all(data.get(name) == settings.get(name) for name in CACHE_SETTINGS)
     wanted = {item.id for item in items}
@@ -630,8 +635,15 @@ def combined(reports: Sequence[Path]) -> Combined:
     every = dict.fromkeys(n for *_, names in loaded for n in names)
     strategies = [Strategy.parse(n) for n in common]
     results = [r for _, _, rows, _ in loaded for r in rows if r.strategy in common]
+    digests = [data.get("item_digests") for _, data, *_ in loaded]
     facts: dict[str, object] = {
         "combined": [str(path) for path, *_ in loaded],
+        # what a later --reuse checks; none where a part has none (an older report)
+        "item_digests": (
+            {i: d for part in digests for i, d in part.items()}
+            if all(isinstance(part, dict) for part in digests)
+            else None
+        ),
         "dataset": ", ".join(str(data.get("dataset")) for _, data, *_ in loaded),
         "model": first.get("model"),
         "model_fingerprint": first.get("model_fingerprint"),
