@@ -220,6 +220,8 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
         (["bench", "ingest", "--chunk-tokens", "0"], "--chunk-tokens: at least 1, not 0"),
         (["bench", "memory", "--sizes-mb", "nan"], "--sizes-mb: above 0 and finite, not nan"),
         (["bench", "memory", "--sizes-mb", "-1"], "--sizes-mb: above 0 and finite, not -1"),
+        (["bench", "memory", "--sizes-mb", "inf"], "--sizes-mb: above 0 and finite, not inf"),
+        (["bench", "ttft", "--dtypes", ","], "--dtypes: no values in ','"),
         (["eval", "x.jsonl", "--limit", "0"], "--limit: at least 1, not 0"),
         (["eval", "--needle", "--depths", "2"], "--depths: from 0 to 1, not 2"),
         (["eval", "--needle", "--depths", "0.5,0.5"], "--depths: a value is given twice"),

@@ -47,6 +47,11 @@ def wholes(least: int) -> Callable[[str], list[int]]:
     return lambda text: _distinct(text, [one(t) for t in csv_list(text)])
 
 
+def dtype_list(text: str) -> list[str]:
+    """Comma-separated compute dtypes, each once, at least one."""
+    return _distinct(text, csv_list(text))
+
+
 def fractions(text: str) -> list[float]:
     """Comma-separated numbers from 0 to 1 (needle depths), each once."""
     return _distinct(text, [_number(t, 0.0, 1.0) for t in csv_list(text)])
@@ -62,7 +67,7 @@ def _number(text: str, low: float, high: float, above: bool = False) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number, not {text!r}") from None
-    if not (low < value if above else low <= value) or not value <= high:  # NaN fails too
+    if not (low < value if above else low <= value) or not value <= high or math.isinf(value):
         bound = f"above {low:g}" if above else f"from {low:g}"
         raise argparse.ArgumentTypeError(
             f"{bound}" + (f" to {high:g}" if high < math.inf else " and finite") + f", not {text}"

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from rag_kvcache.tools.cli.common import (
     MODEL_HELP,
-    csv_list,
+    dtype_list,
     fractions,
     sizes,
     strategy_list,
@@ -33,7 +33,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="kind", required=True)
     ttft = kinds.add_parser("ttft", help="TTFT of full prefill vs each link strategy")
     ttft.add_argument("--out", type=Path, default=Path("bench-results"))
-    ttft.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
+    ttft.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     ttft.add_argument(
         "--contexts", type=wholes(CHUNK), default=[1024, 2048, 4096], help="context tokens"
     )
@@ -62,7 +62,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
     store.add_argument("--out", type=Path, default=Path("bench-results"))
-    store.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
+    store.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     store.add_argument("--contexts", type=wholes(CHUNK), default=[4096], help="context tokens")
     store.add_argument("--model", default=None, help=MODEL_HELP)
     store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -93,7 +93,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     prefix.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
     ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
-    ingest_bench.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
+    ingest_bench.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     ingest_bench.add_argument("--chunk-tokens", type=whole(1), default=256, help="chunk size")
     ingest_bench.add_argument("--repeats", type=whole(1), default=3)
     ingest_bench.add_argument("paths", type=Path, nargs="*", help="default: the sample corpus")
