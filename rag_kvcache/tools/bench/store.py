@@ -253,9 +253,9 @@ def run_store_bench(
     contexts = contexts or [4096]
     rows: list[TierRow] = []
     report: dict[str, object] = {}
-    cases = len(dtypes) * len(contexts)
+    cells = len(dtypes) * len(contexts)  # left to measure
     with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        task = progress.add_task("store bench", total=cases)
+        task = progress.add_task("store bench", total=cells)
         for dtype in dtypes:
             lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
             for context in contexts:
@@ -264,16 +264,17 @@ def run_store_bench(
                 )
                 progress.advance(task)
                 # after each case: a stopped run keeps what it measured ("complete": false)
+                cells -= 1
                 report = save_report(
                     out_dir,
                     "store",
                     rows,
-                    partial(plot_store, list(rows)),
+                    partial(plot_store, rows),
                     contexts=contexts,
                     chunk_tokens=chunk_tokens,
                     strategy=str(strategy),
                     repeats=repeats,
-                    complete=progress.tasks[0].completed == cases,
+                    complete=cells == 0,
                 )
     return report
 
