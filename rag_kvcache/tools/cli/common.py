@@ -67,7 +67,7 @@ def _number(text: str, low: float, high: float, above: bool = False) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number, not {text!r}") from None
-    if not (low < value if above else low <= value) or not value <= high or math.isinf(value):
+    if not math.isfinite(value) or value < low or (above and value == low) or value > high:
         bound = f"above {low:g}" if above else f"from {low:g}"
         raise argparse.ArgumentTypeError(
             f"{bound}" + (f" to {high:g}" if high < math.inf else " and finite") + f", not {text}"
