@@ -102,8 +102,8 @@ class DiskTier:
                     if not got:
                         break
                     read += got
-            except OSError:
-                read = 0
+            except OSError:  # the disk failed the read: damage
+                return bytearray()
             finally:
                 view.release()
         return data if read == len(data) else data[:read]  # shrank while read: fails checks
