@@ -774,6 +774,19 @@ def test_reports_of_one_setup_are_combined_into_one_run(tmp_path: Path, capsys) 
     )
     word = tampered("word.json", lambda rows: rows[0].update(contains="no"))  # was "right"
     text = tampered("text.json", lambda rows: rows[0].update(ttft_s="fast"))
+    # values no measurement gives: each would move a median or a mean without an error
+    impossible = {
+        "TTFTs must be finite and positive": dict(ttft_s=-1.0),
+        "TTFTs must be": dict(prefill_ttft_s=float("nan")),
+        "f1, exact_match and top1 are shares": dict(f1=7.0),
+        "top1 are shares": dict(top1=1.5),
+        "kl must be finite": dict(kl=-0.5),
+        "recomputed_tokens 9 is not within": dict(recomputed_tokens=9, context_tokens=4),
+    }
+    ranges = {
+        message: [one, tampered(f"range{i}.json", lambda rows, c=change: rows[0].update(c))]
+        for i, (message, change) in enumerate(impossible.items())
+    }
     refusals = {
         "has 2 prefill rows": [one, twice],
         "has no naive+reversed row": [one, missing],
@@ -783,6 +796,7 @@ def test_reports_of_one_setup_are_combined_into_one_run(tmp_path: Path, capsys) 
         "dtype='bfloat16'": [one, bf16],
         "not a QA eval report": [needle, one],
         "two reports or more": [one],
+        **ranges,
     }
     for message, reports in refusals.items():
         assert main(["eval", "--combine", *map(str, reports), "--out", str(tmp_path / "no")]) != 0

@@ -522,7 +522,7 @@ def reused_rows(
     try:
         data = json.loads(text)
         rows = [item_result(r) for r in data["items"]]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # (JSON errors too)
         raise ConfigError(f"{report}: not an eval report to reuse ({e!r})") from None
     if settings.get("teacher_tokens"):
         raise ConfigError("reusing an earlier run's rows needs --teacher-tokens 0")
@@ -609,7 +609,7 @@ def combined(reports: Sequence[Path]) -> Combined:
             data = json.loads(text)
             rows = [item_result(r) for r in data["items"]]
             names = [str(Strategy.parse(s)) for s in data["strategies"]]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except (ValueError, KeyError, TypeError) as e:  # (JSON errors too)
             raise ConfigError(f"{path}: not an eval report ({e!r})") from None
         loaded.append((Path(path), data, rows, names))
     if len(loaded) < 2:
@@ -770,7 +770,8 @@ class Journal:
 
 def item_result(row: dict[str, Any]) -> ItemResult:
     """An ItemResult from its JSON form (a report's or a journal's row); a value of another
-    kind is a TypeError (`"contains": "no"` would count as right)."""
+    kind is a TypeError (`"contains": "no"` would count as right), one that no measurement
+    gives (an F1 of 7, a negative or NaN TTFT) a ValueError."""
     result = ItemResult(**{**row, "token_ids": tuple(row["token_ids"])})
     kinds = {"item": str, "strategy": str, "answer": str, "contains": bool}
     kinds |= {"context_tokens": int, "recomputed_tokens": int}
@@ -781,6 +782,23 @@ def item_result(row: dict[str, Any]) -> ItemResult:
         value = getattr(result, name)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{name} must be a number, not {value!r}")
+    # a value no measurement gives: an F1 of 7 or a negative TTFT would skew every summary
+    shares = [result.f1, result.exact_match, result.top1]
+    if not all(0 <= v <= 1 for v in shares[:2]) or not (
+        math.isnan(shares[2]) or 0 <= shares[2] <= 1
+    ):
+        raise ValueError(f"f1, exact_match and top1 are shares in [0, 1], not {shares}")
+    if not (math.isnan(result.kl) or 0 <= result.kl < math.inf):
+        raise ValueError(f"kl must be finite and at least 0, not {result.kl!r}")
+    if not all(0 < t < math.inf for t in (result.ttft_s, result.prefill_ttft_s)):
+        raise ValueError(
+            f"TTFTs must be finite and positive, not {result.ttft_s!r}, {result.prefill_ttft_s!r}"
+        )
+    if not 0 <= result.recomputed_tokens <= result.context_tokens:
+        raise ValueError(
+            f"recomputed_tokens {result.recomputed_tokens} is not within the context's "
+            f"{result.context_tokens}"
+        )
     return result
 
 
@@ -802,7 +820,7 @@ def check_rows(path: Path, rows: list[ItemResult], strategies: list[str]) -> Non
 def _rows(line: str) -> list[ItemResult] | None:
     try:
         rows = [item_result(row) for row in json.loads(line)]
-    except (json.JSONDecodeError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError):  # (JSON errors too)
         return None
     return rows or None
 
