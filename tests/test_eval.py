@@ -32,6 +32,7 @@ from rag_kvcache.tools.eval import (
     item_digests,
     kept_against,
     load_dataset,
+    markdown_table,
     needle_cells,
     needle_item,
     other_run,
@@ -300,6 +301,10 @@ def test_kept_is_counted_against_prefill_with_the_same_placement() -> None:
     floor = summary["prefill+reversed"]  # the noise floor: against prefill as given
     assert (floor.baseline, floor.kept_of, floor.kept) == ("prefill", 2, 50.0)
     assert math.isnan(placed.kl)  # no teacher forcing asked for: no KL, not a zero
+    # where the baseline answers nothing there is nothing to keep: a dash, not "nan%"
+    wrong = summarize([r for r in results if r.item == "c"], strategies)
+    table = markdown_table(wrong)
+    assert "| – of 0 (prefill+reversed) |" in table and "nan" not in table
 
 
 def test_the_cache_is_compared_with_every_floor_the_run_measured(tmp_path: Path) -> None:

@@ -834,7 +834,7 @@ def markdown_table(summary: list[StrategySummary]) -> str:
     for s in summary:
         lines.append(
             f"| {s.strategy} | {s.contains:.1f}% [{s.contains_low:.1f}, {s.contains_high:.1f}] "
-            f"| {s.kept:.1f}% [{s.kept_low:.1f}, {s.kept_high:.1f}] of {s.kept_of} "
+            f"| {_share(s.kept, s.kept_low, s.kept_high)} of {s.kept_of} "
             f"({s.baseline}) | {s.f1:.1f} | {s.exact_match:.1f} "
             f"| {_or_dash(s.kl, '.4f')} | {_or_dash(s.top1, '.1%')} | {s.ttft_s:.3f} "
             f"| {s.speedup:.1f}x "
@@ -845,6 +845,12 @@ def markdown_table(summary: list[StrategySummary]) -> str:
 
 def _or_dash(value: float, spec: str) -> str:
     return "–" if math.isnan(value) else format(value, spec)
+
+
+def _share(value: float, low: float, high: float) -> str:
+    """A percentage with its interval; a dash where there was nothing to count (no right
+    answer of the baseline's to keep)."""
+    return "–" if math.isnan(value) else f"{value:.1f}% [{low:.1f}, {high:.1f}]"
 
 
 def save_eval(
