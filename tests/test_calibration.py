@@ -163,6 +163,13 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
         calibrate(tiny32, replace(config, steps=4), tmp_path / "cut", resume=True, items=ITEMS)
 
 
+@pytest.mark.parametrize("field", ["link_tokens", "items", "held_out", "steps", "answer_tokens"])
+def test_a_count_of_zero_is_refused_before_anything_runs(field: str) -> None:
+    """`--held-out 0` trained for minutes, then reported a KL over no items."""
+    with pytest.raises(CalibrationError, match="must be >= 1"):
+        CalibrateConfig(strategy="naive", **{field: 0})
+
+
 def test_a_diverging_or_damaged_calibration_is_refused_never_kept(tiny32, tmp_path) -> None:
     """`--lr inf` trained NaN vectors, saved and installed them, and every calibrated answer
     was then empty with no error. Divergence stops the training (the checkpoint keeps the last

@@ -107,8 +107,11 @@ class CalibrateConfig:
                 f"calibrate trains for naive, legolink:K or legolink0 (any placement, +top:N), "
                 f"not {self.strategy}"
             )
-        if min(self.link_tokens, self.items, self.steps, self.answer_tokens) < 1:
-            raise CalibrationError("link tokens, items, steps and answer tokens must be >= 1")
+        # held-out items too: with none, the run reports no measure of what it buys
+        if min(self.link_tokens, self.items, self.held_out, self.steps, self.answer_tokens) < 1:
+            raise CalibrationError(
+                "link tokens, items, held-out items, steps and answer tokens must be >= 1"
+            )
         if self.lr is not None and not 0 < self.lr <= 1:  # NaN too; past 1 Adam only diverges
             raise CalibrationError(
                 f"the learning rate must be above 0 and at most 1, not {self.lr}"
