@@ -4,6 +4,7 @@ the file format's refusals, and a training run that lowers the KL to prefill and
 import math
 import struct
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from sqlalchemy import update
 
+import rag_kvcache.tools.calibrate as calibration_module
 from rag_kvcache.config import EngineConfig, GenerationConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import CalibrationError, StoreDamagedError, StrategyError
@@ -170,7 +172,9 @@ def test_a_count_of_zero_is_refused_before_anything_runs(field: str) -> None:
         CalibrateConfig(strategy="naive", **{field: 0})
 
 
-def test_a_diverging_or_damaged_calibration_is_refused_never_kept(tiny32, tmp_path) -> None:
+def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
+    tiny32, tmp_path, monkeypatch
+) -> None:
     """`--lr inf` trained NaN vectors, saved and installed them, and every calibrated answer
     was then empty with no error. Divergence stops the training (the checkpoint keeps the last
     finite step), non-finite vectors are no calibration, a non-finite or negative learning
@@ -191,10 +195,23 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(tiny32, tmp_pa
         {**tensors, "vectors": torch.full_like(tensors["vectors"], math.nan)}, checkpoint, meta
     )
     (tmp_path / "nan" / "calibration.safetensors").unlink()
-    with pytest.raises(CalibrationError, match="training diverged at step 2"):
-        calibrate(tiny32, config, tmp_path / "nan", resume=True, items=ITEMS)
+    with pytest.raises(CalibrationError, match="holds values that are not finite"):
+        calibrate(tiny32, config, tmp_path / "nan", resume=True, items=ITEMS)  # not the --lr's
     assert not (tmp_path / "nan" / "calibration.safetensors").exists()
     assert torch.isnan(load_file(str(checkpoint))["vectors"]).all()  # not overwritten by step 2
+    # a step whose loss is not finite stops the run before the checkpoint keeps it
+    real, steps = calibration_module.example_kl, iter(range(100))
+
+    def nan_at_step_2(*args: Any) -> torch.Tensor:  # training steps, not the held-out KL's
+        loss = real(*args)
+        return loss * math.nan if torch.is_grad_enabled() and next(steps) == 1 else loss
+
+    monkeypatch.setattr(calibration_module, "example_kl", nan_at_step_2)
+    with pytest.raises(CalibrationError, match="training diverged at step 2"):
+        calibrate(tiny32, config, tmp_path / "diverges", items=ITEMS)
+    monkeypatch.undo()
+    assert load_file(str(tmp_path / "diverges" / CHECKPOINT))["vectors"].isfinite().all()
+    assert not (tmp_path / "diverges" / "calibration.safetensors").exists()
     with pytest.raises(CalibrationError, match="not finite"):
         Calibration(torch.full((2, 64), math.nan), tiny32.fingerprint, "sinks=", "naive")
     good = Calibration(torch.zeros(2, 64), tiny32.fingerprint, "sinks=", "naive")

@@ -555,6 +555,9 @@ def _load_checkpoint(
         f"{n}{s}" for n in params for s in ("", "/exp_avg", "/exp_avg_sq", "/step")
     } or any(tensors[name].shape != param.shape for name, param in params.items()):
         raise CalibrationError(f"{path} does not hold this run's parameters; train afresh")
+    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+        # no step saves one (divergence stops before the checkpoint): written by hand or broken
+        raise CalibrationError(f"{path} holds values that are not finite; train afresh")
     for name, param in params.items():
         with torch.no_grad():
             param.copy_(tensors[name])
