@@ -225,6 +225,16 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
         kept.write_bytes(kept.read_bytes()[:50])
     again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     assert again.losses == pytest.approx(once.losses)
+    kept_files = sorted((tmp_path / "t" / "teachers").glob("*.safetensors"))
+    narrow, short = kept_files[0], kept_files[1]  # readable, of the wrong form: made again
+    saved = load_file(str(narrow))
+    shape = saved["teacher"].shape
+    save_file({**saved, "teacher": saved["teacher"][:, :7].contiguous()}, narrow)  # a RuntimeError
+    saved = load_file(str(short))
+    save_file({**saved, "new_ids": saved["new_ids"][:1].contiguous()}, short)
+    again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
+    assert again.losses == pytest.approx(once.losses)
+    assert load_file(str(narrow))["teacher"].shape == shape  # written anew
     checkpoint.write_bytes(b"\x08" + bytes(20))  # truncated
     with pytest.raises(CalibrationError, match="is damaged"):
         calibrate(tiny32, config, tmp_path / "nan", resume=True, items=ITEMS)

@@ -219,15 +219,28 @@ def distillation_kl(teacher: torch.Tensor, student_logits: torch.Tensor) -> torc
     return (teacher.exp() * (teacher - student)).sum(-1).mean()
 
 
-def _kept_teacher(path: Path, arranged: list[str]) -> Example | None:
+def _kept_teacher(
+    path: Path, arranged: list[str], question_ids: list[int], answer_tokens: int
+) -> Example | None:
     """A teacher kept by an earlier run, or None: none kept, or a damaged file (a cache, so it
-    is computed again rather than stopping the run)."""
+    is computed again rather than stopping the run). Damaged includes a readable file of the
+    wrong form: new ids that do not start with the question, a row count the answer cannot
+    have, rows that are not log-probabilities (a file cut to another vocabulary)."""
     try:
         saved = load_file(str(path))
-        new_ids = tuple(saved["new_ids"].tolist())
-        return Example(tuple(arranged), new_ids, saved["teacher"].float())
+        ids, teacher = saved["new_ids"], saved["teacher"].float()
     except (OSError, SafetensorError, KeyError, ValueError):  # (missing: FileNotFoundError)
         return None
+    new_ids = tuple(ids.tolist()) if ids.dim() == 1 and not ids.is_floating_point() else ()
+    rows = teacher.shape[0] if teacher.dim() == 2 else 0
+    if (
+        new_ids[: len(question_ids)] != tuple(question_ids)
+        or not 1 <= rows <= answer_tokens
+        or len(new_ids) != len(question_ids) + rows - 1
+        or not torch.allclose(teacher.exp().sum(-1), torch.ones(rows), atol=0.05)  # NaN: no
+    ):
+        return None
+    return Example(tuple(arranged), new_ids, teacher)
 
 
 def make_examples(
@@ -256,7 +269,10 @@ def make_examples(
         key = json.dumps([lm.fingerprint, str(baseline), answer_tokens, prompt, question, texts])
         name = f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
         kept = teachers / name if teachers is not None else None
-        example = _kept_teacher(kept, arranged) if kept is not None else None
+        question_ids = engine.template.question_ids(lm.tokenizer, question)
+        example = (
+            _kept_teacher(kept, arranged, question_ids, answer_tokens) if kept is not None else None
+        )
         if example is None:
             example = _teacher(engine, question, cache_ids, baseline, answer_tokens)
             if kept is not None:
