@@ -22,6 +22,8 @@ from fastapi.testclient import TestClient
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
+from rag_kvcache.errors import ConfigError
+from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.server import create_app
 
 DOCS = [
@@ -488,6 +490,17 @@ def test_the_api_key_is_required_where_set(client) -> None:
     assert client.get("/v1/models").status_code == 401
     models = client.get("/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+
+
+@pytest.mark.parametrize("key", ["cl\u00e9", "", " k3y", "k3y\n", "k\x00y"])
+def test_a_key_no_client_can_send_is_refused_at_start(engine, key: str, capsys) -> None:
+    """A non-ASCII key matched no request (the header arrives as Latin-1): the server ran and
+    refused every client with no sign why."""
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        create_app(lambda: engine, api_key=key)
+    with pytest.raises(SystemExit) as usage:  # argparse's, before the store or model is read
+        main(["serve", "--api-key", key, "--store", "unused"])
+    assert usage.value.code == 2 and "printable ASCII" in capsys.readouterr().err
 
 
 def test_concurrent_requests_decode_in_one_batch_and_metrics_count_them(client, engine) -> None:

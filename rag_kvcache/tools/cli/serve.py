@@ -7,8 +7,9 @@ import argparse
 from rich.console import Console
 
 from rag_kvcache.config import EngineConfig
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.tools.cli.common import engine_options, open_engine
-from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES
+from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES, check_api_key
 
 LINK_BUDGET_S = EngineConfig.link_budget_s  # the engine's default, in seconds
 
@@ -20,7 +21,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="(default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="(default 8000)")
     serve.add_argument(
-        "--api-key", default=None, help="clients must send Authorization: Bearer KEY"
+        "--api-key",
+        type=api_key,
+        default=None,
+        help="clients must send Authorization: Bearer KEY (printable ASCII)",
     )
     serve.add_argument(
         "--model-name", default=None, help="what clients call the model (default: its file name)"
@@ -58,6 +62,14 @@ def body_limit(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError("a body limit is > 0 MiB")
     return value
+
+
+def api_key(text: str) -> str:
+    """--api-key: one a client can send (`gate.check_api_key`)."""
+    try:
+        return check_api_key(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def link_budget(text: str) -> int | None:

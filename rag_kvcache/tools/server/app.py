@@ -39,7 +39,7 @@ from rag_kvcache.errors import (
 from rag_kvcache.serving.batch import BatchLoad
 from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import Strategy
-from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
+from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES, Gate, check_api_key
 from rag_kvcache.tools.server.metrics import ServerMetrics
 from rag_kvcache.tools.server.schema import (
     ChatRequest,
@@ -136,6 +136,8 @@ def create_app(
     """The app; `load` builds the engine (called once, in a thread, at start-up).
     `model_name`: what clients call the model (default: the loaded model's own name).
     `api_key` and `max_body_bytes` are checked before a body is read (`gate.Gate`)."""
+    if api_key is not None:
+        check_api_key(api_key)  # now, not when the first request starts the middleware
     loading = Loading()
 
     def served_name(engine: RagKVCache) -> str:

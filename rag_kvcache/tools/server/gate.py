@@ -18,8 +18,22 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rag_kvcache.errors import ConfigError
+
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~0.5 MB of text
 Reject = Callable[[int, str, str | None], Response]  # status, message, code -> the error body
+
+
+def check_api_key(key: str) -> str:
+    """An API key a client can send: printable ASCII, not empty, no space at either end. A
+    header's bytes reach the server as Latin-1, and its ends are trimmed: any other key would
+    match no request, and the server would refuse every client with no sign why."""
+    if not key or not (key.isascii() and key.isprintable()) or key.strip() != key:
+        raise ConfigError(
+            "an API key must be printable ASCII with no space at either end (it travels in "
+            "an HTTP header)"
+        )
+    return key
 
 
 class Gate:
@@ -35,7 +49,8 @@ class Gate:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.app, self.reject = app, reject
-        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.api_key = None if api_key is None else check_api_key(api_key)
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
