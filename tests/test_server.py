@@ -592,7 +592,8 @@ def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path:
     )
     port = 18000 + os.getpid() % 1000
     server = subprocess.Popen(
-        [*cli, "serve", *options, "--port", str(port), "--max-new-tokens", "3"],
+        [*cli, "serve", *options, "--port", str(port), "--max-new-tokens", "3"]
+        + ["--shutdown-timeout", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -666,6 +667,27 @@ def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path:
                 max_retries=0,
                 additional_kwargs={"extra_body": {"rag": {"strategy": "no-such"}}},
             ).chat([ChatMessage(role="user", content="Who?")])
+
+        # SIGTERM stops it within --shutdown-timeout, even while a client streams for the
+        # whole window (the stream held the stop until the client left)
+        lines: list[str] = []
+
+        def stream_long() -> None:
+            body = {"prompt": "x", "max_tokens": 30000, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+                    lines.extend(r.iter_lines())
+            except httpx.HTTPError:  # cut when the server stops
+                pass
+
+        threading.Thread(target=stream_long, daemon=True).start()
+        while len(lines) < 4:
+            assert server.poll() is None
+            time.sleep(0.05)
+        server.terminate()
+        began = time.monotonic()
+        server.wait(60)
+        assert time.monotonic() - began < 30 and "data: [DONE]" not in lines
     finally:
         server.terminate()
         server.wait(30)

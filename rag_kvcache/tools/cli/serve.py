@@ -8,10 +8,13 @@ from rich.console import Console
 
 from rag_kvcache.config import EngineConfig
 from rag_kvcache.errors import ConfigError
-from rag_kvcache.tools.cli.common import engine_options, open_engine
+from rag_kvcache.tools.cli.common import engine_options, open_engine, whole
 from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES, check_api_key
 
 LINK_BUDGET_S = EngineConfig.link_budget_s  # the engine's default, in seconds
+# bounded: a stream asking for the whole window would otherwise hold a stop for hours on a CPU
+# (and a supervisor's own grace period, often 30 s, would end it with SIGKILL)
+SHUTDOWN_TIMEOUT_S = 20
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -34,6 +37,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         type=body_limit,
         default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
         help="larger request bodies get a 413 before they are read (default %(default)g)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=whole(0),
+        default=SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM or Ctrl-C, seconds the answers in flight may take to finish before "
+        "they are aborted (default %(default)s)",
     )
     serve.add_argument("--strategy", default=None, help="link strategy of RAG requests")
     serve.add_argument("--max-new-tokens", type=int, default=256, help="when a request says none")
@@ -96,5 +106,11 @@ def serve_command(args: argparse.Namespace, console: Console) -> int:
         max_body_bytes=int(args.max_body_mib * (1 << 20)),
     )
     console.print(f"serving on http://{args.host}:{args.port} (the model loads in the background)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
     return 0
