@@ -480,6 +480,26 @@ def test_streamed_errors_keep_their_status_and_a_broken_body_is_json(client) -> 
     assert missing.status_code == 404 and "error" in missing.json()
 
 
+@pytest.mark.parametrize(
+    "body, charset, says",
+    [
+        (b'{"prompt": 1', "", "not valid JSON: Expecting ',' delimiter at character 12"),
+        (b'{"prompt": "x"} and more', "", "not valid JSON: Extra data at character 16"),
+        (b'{"prompt": "\xff\xfe"}', "", "cannot be read as JSON: send UTF-8"),
+        ('{"prompt": "\u00e9"}'.encode("latin-1"), "; charset=latin-1", "send UTF-8"),
+        (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "", "4300 digits"),
+        (b'{"prompt": "x", "a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "", "1000 deep"),
+    ],
+)
+def test_a_body_json_cannot_read_is_told_what_is_wrong(client, body, charset, says) -> None:
+    """FastAPI answers each of these "There was an error parsing the body", with no code."""
+    headers = {**AUTH, "content-type": "application/json" + charset}
+    response = client.post("/v1/completions", content=body, headers=headers)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid_request"
+    assert says in error["message"]
+
+
 def test_the_api_key_is_required_where_set(client) -> None:
     body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
     hostile = {"Authorization": "Bearer cl\u00e9".encode("latin-1")}  # non-ASCII: still a 401

@@ -127,6 +127,9 @@ class FollowUpStream:
                 await stream.aclose()
 
 
+UNPARSED = "There was an error parsing the body"  # FastAPI's 400 for a body json cannot read
+
+
 def create_app(
     load: Callable[[], RagKVCache],
     api_key: str | None = None,
@@ -182,7 +185,10 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
         problems = [
-            f"{'.'.join(str(p) for p in d['loc'] if p != 'body') or 'body'}: {d['msg']}"
+            f"the body is not valid JSON: {d.get('ctx', {}).get('error', d['msg'])} at "
+            f"character {d['loc'][-1]}"
+            if d["type"] == "json_invalid"
+            else f"{'.'.join(str(p) for p in d['loc'] if p != 'body') or 'body'}: {d['msg']}"
             for d in e.errors()[:5]
         ]
         if "json" not in request.headers.get("content-type", ""):  # curl -d sends a form type
@@ -191,7 +197,14 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return error(e.status_code, str(e.detail), {413: "request_too_large"}.get(e.status_code))
+        message = str(e.detail)
+        if e.status_code == 400 and message == UNPARSED:  # what FastAPI says of them all
+            message = (
+                "the body cannot be read as JSON: send UTF-8 text (not another charset) with "
+                "numbers of at most 4300 digits and nesting less than 1000 deep"
+            )
+        codes = {400: "invalid_request", 413: "request_too_large"}
+        return error(e.status_code, message, codes.get(e.status_code))
 
     @app.exception_handler(RagKVCacheError)
     async def library_error(request: Request, e: RagKVCacheError) -> JSONResponse:
