@@ -20,6 +20,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+import rag_kvcache.tools.server.app as app_module
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
 from rag_kvcache.errors import ConfigError
@@ -97,6 +98,36 @@ def test_chat_with_cache_ids_equals_the_engine_and_reports_usage(client, engine)
     assert usage["prompt_tokens"] == alone.prompt_tokens
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert reply["rag"]["cache_ids"] == chunks and reply["rag"]["strategy"] == "legolink:2"
+
+
+def test_a_chats_long_texts_are_read_off_the_event_loop(client, engine, monkeypatch) -> None:
+    """Rendering a chat's history (seconds for a body of 100,000 messages) on the event loop
+    held every other request, /health included, while it ran."""
+    on_loop: list[str] = []
+
+    def watched(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(name)
+            except RuntimeError:  # a worker thread: no loop runs here
+                pass
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(engine, "chat_question", watched("question", engine.chat_question))
+    monkeypatch.setattr(
+        app_module, "earlier_answers", watched("earlier", app_module.earlier_answers)
+    )
+    messages = [
+        {"role": "user", "content": "Who designed the lighthouse?"},
+        {"role": "assistant", "content": "Anna."},
+        {"role": "user", "content": "And the bridge?"},
+    ]
+    body = {"messages": messages, "max_tokens": 2, "rag": {"cache_ids": ids(engine)}}
+    response = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert response.status_code == 200 and on_loop == []
 
 
 @pytest.fixture(scope="module")

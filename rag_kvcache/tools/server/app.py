@@ -248,10 +248,15 @@ def create_app(
             prompt = await asyncio.to_thread(engine.chat_prompt, messages)
             job = Job(prompt, False, [], None, max_tokens)
         else:
-            asked = await asyncio.to_thread(engine.chat_question, messages)  # with the history
+
+            def questions() -> tuple[str, str, list[str]]:  # long texts: off the loop too
+                asked = engine.chat_question(messages)  # with the history
+                alone = engine.chat_question(messages, history_turns=0)  # if it repeats one
+                return asked, alone, earlier_answers(messages[:-1])
+
+            asked, alone, earlier = await asyncio.to_thread(questions)
             job = await _rag_job(engine, body, body.messages[-1].text, max_tokens)
-            alone = engine.chat_question(messages, history_turns=0)  # if it repeats one
-            job = replace(job, text=asked, alone=alone, earlier=earlier_answers(messages[:-1]))
+            job = replace(job, text=asked, alone=alone, earlier=earlier)
         name = served_name(engine)
         return await _respond(engine, name, body, job, "chat.completion", metrics, request)
 
