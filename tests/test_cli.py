@@ -403,6 +403,33 @@ def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: P
     assert "+lora-" in rows["model"] and len(rows["lora"]) == 64
 
 
+def test_bench_memory_refuses_an_earlier_report_it_cannot_add_to(tmp_path: Path) -> None:
+    """Its rows are read back to keep them beside the new ones: a damaged file, or a row of
+    the wrong kinds (which failed the plot after the new size was measured), is one error."""
+    from rag_kvcache.tools.bench.memory import load_rows
+
+    row = {"model": "m", "dtype": "float32", "file_mb": 0.5, "chunks": 3, "seconds": 1.5}
+    row |= {"peak_rss_mb": 300.0, "store_mb": 2.0}
+    path = tmp_path / "memory.json"
+    path.write_text(json.dumps({"rows": [row]}))
+    assert [r.file_mb for r in load_rows(path)] == [0.5]
+    for bad in (
+        {"file_mb": "5"},
+        {"chunks": 2.5},
+        {"peak_rss_mb": None},
+        {"seconds": -1.0},
+        {"store_mb": float("inf")},
+        {"model": 7},
+        {"chunks": True},
+    ):
+        path.write_text(json.dumps({"rows": [row | bad]}))
+        with pytest.raises(ConfigError, match="not a memory report to add rows to"):
+            load_rows(path)
+    path.write_bytes(b"\xff{")
+    with pytest.raises(ConfigError, match="not a memory report"):
+        load_rows(path)
+
+
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
 def test_bench_memory_measures_the_ingest_command_and_gathers_runs(tmp_path: Path) -> None:
     """Each size is a real `rag-kvcache ingest` in its own process; a second run (another

@@ -13,6 +13,7 @@ several models gather in one JSON (a row is replaced when the same model and siz
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -44,6 +45,17 @@ class MemoryRow:
     seconds: float  # the whole command, model loading included
     peak_rss_mb: float  # the ingest process's peak resident memory
     store_mb: float  # what it wrote (KV blobs, catalog, index)
+
+    def __post_init__(self) -> None:
+        """Rows read back from an earlier report (`load_rows`) are of these kinds, or that
+        report is refused: a size of "5" failed the plot after the new row was measured."""
+        if not (isinstance(self.model, str) and isinstance(self.dtype, str)):
+            raise TypeError(f"model and dtype must be text, not {self.model!r}, {self.dtype!r}")
+        numbers = (self.file_mb, self.chunks, self.seconds, self.peak_rss_mb, self.store_mb)
+        if not all(isinstance(n, int | float) and not isinstance(n, bool) for n in numbers):
+            raise TypeError(f"sizes, counts and times must be numbers, not {numbers}")
+        if not all(0 <= n < math.inf for n in numbers) or not isinstance(self.chunks, int):
+            raise ValueError(f"sizes, counts and times must be finite and >= 0, not {numbers}")
 
 
 def write_text(path: Path, nbytes: int, seed: int = 0) -> None:
