@@ -627,6 +627,23 @@ def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatc
         assert {(r["batch"], r["method"]) for r in rows} == {(1, "prefix tree"), (1, "duplicated")}
 
 
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+def test_bench_ttft_refuses_a_context_past_the_window_before_encoding(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`--contexts 1000000` encoded chunks up to the window (minutes) before it failed."""
+    import rag_kvcache.tools.bench.ttft as ttft
+
+    def encoded(*args: object) -> None:
+        raise AssertionError("a chunk was encoded")
+
+    monkeypatch.setattr(ttft, "cache_chunks", encoded)
+    args = ["bench", "ttft", "--model", "random:tiny", "--contexts", "512,1000000"]
+    assert main([*args, "--strategies", "naive", "--out", str(tmp_path)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "past random-tiny's window of 32768 tokens" in out and "Traceback" not in out
+
+
 def test_bad_values_and_ctrl_c_end_a_command_in_one_line(tmp_path: Path, capsys, monkeypatch):
     """An infinite --pending-after, a store path that is not UTF-8, a question that is not
     Unicode, Ctrl-C: each a line saying so (and an exit code), never a traceback."""

@@ -25,6 +25,7 @@ from rich.progress import Progress
 
 from rag_kvcache.answer import Answer
 from rag_kvcache.config import ModelConfig
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.model.graphs import paused
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.strategy import DEFAULT, PREFILL, Strategy
@@ -82,8 +83,16 @@ def bench_dtype(
     (each with CUDA graphs on and/or off, `graph_modes`), chunks from the in-memory store,
     prefill (eager) beside them: each context's rows, as soon as they are measured."""
     engine, sink_engine = bench_engines(lm)
-    pool = corpus_tokens(lm, max(contexts) + question_tokens)
     n_chunks = max(contexts) // chunk_tokens
+    # before any chunk is encoded: the longest prompt must fit the model's window
+    prompt = len(engine.template.prefix_ids(lm.tokenizer)) + n_chunks * chunk_tokens
+    if prompt + question_tokens + decode_tokens > lm.max_context:
+        raise ConfigError(
+            f"a context of {max(contexts)} tokens, with the system prompt, a {question_tokens}-"
+            f"token question and {decode_tokens} decoded, is past {lm.name}'s window of "
+            f"{lm.max_context} tokens: give shorter --contexts"
+        )
+    pool = corpus_tokens(lm, max(contexts) + question_tokens)
     chunk_ids = [pool[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(n_chunks)]
     plain = cache_chunks(engine, chunk_ids)
     sinks = cache_chunks(sink_engine, chunk_ids)
