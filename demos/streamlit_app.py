@@ -44,6 +44,10 @@ log = logging.getLogger("rag_kvcache.demo")
 
 STORE_ENV = "RAG_KVCACHE_APP_STORE"
 SERVER_ENV, API_KEY_ENV = "RAG_KVCACHE_APP_SERVER", "RAG_KVCACHE_APP_API_KEY"
+REMOTE_CONNECT_S = 10  # to reach the server
+REMOTE_WAIT_S = 120  # the longest silence (a request may wait for room in the KV budget)
+REMOTE_ANSWER_S = 300  # a whole answer, whatever trickles in meanwhile
+ERROR_BYTES = 64 << 10  # of an error answer, read at most
 HERE = Path(__file__).resolve().parent
 SAMPLE_DATA = HERE / "data"
 RESULTS = HERE / "results" / "cpu"
@@ -375,13 +379,19 @@ class Server:
             "stream_options": {"include_usage": True},
             "rag": {**chunks, "strategy": strategy},
         }
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
+            raise RemoteError(f"${API_KEY_ENV} must be printable ASCII (an HTTP header carries it)")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         url = f"{self.url.rstrip('/')}/v1/chat/completions"
         try:
             yield from self._events(url, body, headers, done, cache_ids)
+        except httpx.InvalidURL as e:
+            raise RemoteError(f"${SERVER_ENV} is not a URL: {self.url!r} ({e})") from e
         except httpx.HTTPError as e:  # down, refused, timed out, cut off
             raise RemoteError(f"no answer from the server at {self.url} ({e})") from e
-        except (json.JSONDecodeError, KeyError, TypeError) as e:  # a proxy's page, say
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # a proxy's page, say
+            # (JSON errors are ValueErrors; an event of another shape, e.g. a bare string,
+            # has no .get)
             raise RemoteError(f"the server at {self.url} answered something else: {e}") from e
 
     def _events(
@@ -396,15 +406,15 @@ class Server:
         import httpx
 
         start, text, rag, usage = time.perf_counter(), "", None, None
-        with httpx.stream("POST", url, json=body, headers=headers, timeout=600) as response:
+        timeout = httpx.Timeout(REMOTE_WAIT_S, connect=REMOTE_CONNECT_S)
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
             if response.status_code != 200:
-                response.read()
-                try:
-                    message = response.json()["error"]["message"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    message = f"HTTP {response.status_code}: {response.text[:200]}"
-                raise RemoteError(message)
+                raise RemoteError(error_message(response))
             for line in response.iter_lines():
+                if time.perf_counter() - start > REMOTE_ANSWER_S:  # a trickle never times out
+                    raise RemoteError(
+                        f"the server at {self.url} did not finish its answer in {REMOTE_ANSWER_S} s"
+                    )
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line.removeprefix("data: "))
@@ -434,6 +444,21 @@ class Server:
             )
         )
         cache_ids[:] = rag["cache_ids"]
+
+
+def error_message(response: Any) -> str:
+    """An error answer's message: the server's own words, or the start of whatever it sent,
+    read no further than ERROR_BYTES (a proxy may send a page of any size)."""
+    data = b""
+    for block in response.iter_bytes():
+        data += block
+        if len(data) >= ERROR_BYTES:
+            break
+    try:
+        return str(json.loads(data)["error"]["message"])
+    except (ValueError, KeyError, TypeError):  # (JSON and Unicode errors too)
+        shown = data[:200].decode("utf-8", errors="replace")
+        return f"HTTP {response.status_code}: {shown}"
 
 
 def server() -> Server | None:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,3 +92,16 @@ CALIBRATION_ITEMS = [
         ("Elmstead", "Rudi Kahn", 1599, "Fenwick"),
     ]
 ]
+
+
+@functools.cache
+def app_module() -> ModuleType:
+    """The Streamlit demo's script as a module (its UI runs only as __main__), for its plain
+    functions."""
+    app = Path(__file__).resolve().parents[1] / "demos" / "streamlit_app.py"
+    spec = importlib.util.spec_from_file_location("streamlit_app", app)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module

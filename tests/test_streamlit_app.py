@@ -4,8 +4,6 @@ Selenium against `streamlit run` on a free port (skipped, with the reason, witho
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import shutil
 import socket
@@ -17,9 +15,9 @@ import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from helpers import app_module
 from streamlit.testing.v1 import AppTest
 
 from rag_kvcache import RagKVCache
@@ -40,17 +38,6 @@ FERRY = (
     "The Quell Island ferry leaves Velmora at dawn and returns at dusk. Its captain, Ilse "
     "Varro, has sailed the route for nineteen years. Tickets cost four silver marks."
 )
-
-
-@functools.cache
-def app_module() -> ModuleType:
-    """The app script as a module (its UI runs only as __main__), for its plain functions."""
-    spec = importlib.util.spec_from_file_location("streamlit_app", APP)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
 
 
 def check(at: AppTest, errors: bool = False) -> AppTest:

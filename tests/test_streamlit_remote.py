@@ -3,10 +3,15 @@ and its answers are the server's, streamed, equal to the engine's own."""
 
 from __future__ import annotations
 
+import threading
+import time
+import tracemalloc
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from helpers import app_module
 from streamlit.testing.v1 import AppTest
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
@@ -83,3 +88,76 @@ def test_a_server_that_cannot_be_reached_is_named_and_the_turn_stays(monkeypatch
     assert questions == [QUESTION, "And when was it lit?"]
     errors = [e.value for e in at.error]
     assert errors and all("no answer from the server at http://127.0.0.1:9" in e for e in errors)
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """A server that answers the chat endpoint wrongly, in the way its path names."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        kind = self.path.split("/")[1]
+        if kind == "huge":  # a proxy's error page of 50 MB
+            self.send_response(500)
+            self.send_header("Content-Length", str(50 << 20))
+            self.end_headers()
+            for _ in range(50):
+                try:
+                    self.wfile.write(b"x" * (1 << 20))
+                except OSError:  # the client read what it wanted and left
+                    return
+            return
+        if kind == "silent":
+            time.sleep(3)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if kind == "trickle":  # keep-alive comments, never an answer
+            for _ in range(30):
+                try:
+                    self.wfile.write(b": keepalive\n\n")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.1)
+            return
+        events = {"string": b'"just a string"', "list": b"[1, 2]"}
+        events["delta"] = b'{"choices": [{"delta": "Hello"}]}'
+        self.wfile.write(b"data: " + events[kind] + b"\n\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def misbehaving() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_misbehaving_server_is_a_clear_error_never_a_hang(misbehaving, monkeypatch) -> None:
+    """Events of another shape were an AttributeError ("Something unexpected went wrong"), a
+    silent server held the page for 10 minutes and a trickling one for ever, a huge error page
+    was read whole to show 200 characters, and a bad URL or key was a raw exception."""
+    app = app_module()
+    monkeypatch.setattr(app, "REMOTE_WAIT_S", 1)
+    monkeypatch.setattr(app, "REMOTE_ANSWER_S", 1)
+
+    def error(url: str, key: str | None = None) -> str:
+        with pytest.raises(app.RemoteError) as raised:
+            list(app.Server(url, key).stream(QUESTION, "naive", 2, 8, [], []))
+        return str(raised.value)
+
+    for kind in ("string", "list", "delta"):
+        assert "answered something else" in error(f"{misbehaving}/{kind}")
+    assert "no answer from the server" in error(f"{misbehaving}/silent")  # after 1 s
+    assert "did not finish its answer in 1 s" in error(f"{misbehaving}/trickle")
+    tracemalloc.start()
+    try:
+        assert error(f"{misbehaving}/huge") == "HTTP 500: " + "x" * 200
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20  # not the page's 50 MB
+    finally:
+        tracemalloc.stop()
+    assert "RAG_KVCACHE_APP_SERVER is not a URL" in error("http://[::1")
+    assert "must be printable ASCII" in error(misbehaving, "cl\u00e9")
