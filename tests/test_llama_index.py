@@ -485,6 +485,18 @@ def test_synthesizer_encodes_untagged_nodes_and_keeps_retrieval_order(engine, no
     assert again.metadata["usage"]["cache_ids"] == cache_ids and engine.store.contains(fresh_id)
     assert again.response == response.response
 
+    # a node with no text (a blank page) has nothing to link: left out, not an error
+    blank = [*retrieved, NodeWithScore(node=TextNode(text=""), score=0.1)]
+    with_blank = KVCacheSynthesizer(llm, strategy="full").synthesize(
+        "How high is Brindle Hill?", blank
+    )
+    assert with_blank.metadata["usage"]["cache_ids"] == cache_ids
+    assert with_blank.response == response.response
+    texts = [n.node.get_content(MetadataMode.LLM) for n in blank]
+    assert KVCacheSynthesizer(llm, strategy="full").get_response(
+        "How high is Brindle Hill?", texts
+    ) == str(response.response)
+
     events.clear()
     empty = KVCacheSynthesizer(llm).synthesize("anything?", [])
     assert empty.response == "Empty Response" and not of(KVLinkEvent, events)
@@ -771,6 +783,16 @@ def test_the_ingestion_recipe_run_again_upserts_documents(smol, tmp_path: Path) 
     for text, now in ((DOCS["harbor"], before), (harbor_19, edited), (DOCS["harbor"], before)):
         (folder / "harbor.md").write_text(text)
         assert len(ingest()) == 1 and sorted(texts()) == sorted(now)
+
+    # a blank page among the documents (SentenceSplitter makes it one node with no text):
+    # passed on untagged with a warning; it failed the run after the documents before it
+    pages = [Document(id_="a.md", text="The ferry leaves at dawn."), Document(id_="b.md", text="")]
+    pages.append(Document(id_="c.md", text="The ferry returns at dusk."))
+    with pytest.warns(UserWarning, match="1 node\\(s\\) hold no text"):
+        passed = IngestionPipeline(transformations=pipeline.transformations).run(documents=pages)
+    assert ["cache_id" in n.metadata for n in passed] == [True, False, True]
+    sources = {d.source for d in durable.corpus.catalog.documents()}
+    assert {"a.md", "c.md"} <= sources and "b.md" not in sources
 
     # documents named at random (a reader without filename_as_id) would pile up: said once
     again = IngestionPipeline(transformations=pipeline.transformations)

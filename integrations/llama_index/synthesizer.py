@@ -174,14 +174,16 @@ class KVCacheSynthesizer(BaseSynthesizer):
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         """Plain texts (the BaseSynthesizer contract): cached (if new) and linked in order."""
-        cache_ids = self._kv_llm.engine.generate_context_cache(list(text_chunks))
+        chunks = [text for text in text_chunks if text.strip()]  # a blank one: nothing to link
+        cache_ids = self._kv_llm.engine.generate_context_cache(chunks)
         return self._answer(self.question(query_str), cache_ids, {}, **response_kwargs)
 
     async def aget_response(
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         engine = self._kv_llm.engine
-        cache_ids = await asyncio.to_thread(engine.generate_context_cache, list(text_chunks))
+        chunks = [text for text in text_chunks if text.strip()]  # a blank one: nothing to link
+        cache_ids = await asyncio.to_thread(engine.generate_context_cache, chunks)
         return await self._aanswer(self.question(query_str), cache_ids, {}, **response_kwargs)
 
     # ------------------------------------------------------------------ internals

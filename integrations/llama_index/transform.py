@@ -61,10 +61,19 @@ def tagged_id(engine: RagKVCache, node: BaseNode) -> str | None:
         return None
 
 
+def has_text(node: BaseNode) -> bool:
+    """Whether the node holds something to encode: a blank page's node (SentenceSplitter makes
+    one from an empty document) has nothing to link, and is left out rather than failing the
+    run or the answer it is part of."""
+    return bool(node_text(node).strip())
+
+
 def cache_ids_of(engine: RagKVCache, nodes: Sequence[BaseNode]) -> list[str]:
-    """The nodes' cache IDs in order. Nodes without a usable one (`tagged_id`) are encoded from
-    their text now and (re)tagged; IDs are content hashes, so an expired chunk gets its old ID
-    back, and a chunk already cached costs only its tokenizing."""
+    """The cache IDs of the nodes that hold text (`has_text`), in order. Nodes without a
+    usable one (`tagged_id`) are encoded from their text now and (re)tagged; IDs are content
+    hashes, so an expired chunk gets its old ID back, and a chunk already cached costs only
+    its tokenizing."""
+    nodes = [node for node in nodes if has_text(node)]
     todo = [node for node in nodes if tagged_id(engine, node) is None]
     if todo:
         new_ids = engine.generate_context_cache([node_text(node) for node in todo])
@@ -132,16 +141,26 @@ class KVCacheTransform(TransformComponent):
         return {**super().to_dict(**kwargs), "run": uuid.uuid4().hex}
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        texts = [node_text(node) for node in nodes]
+        """Every node with text encoded and tagged; blank ones (`has_text`) passed on untagged,
+        with a warning: one blank page failed the whole run, after the documents before it
+        were written."""
+        encoded = [node for node in nodes if has_text(node)]
+        if blank := len(nodes) - len(encoded):
+            warnings.warn(
+                f"{blank} node(s) hold no text (a blank page?): passed on without a cache ID",
+                UserWarning,
+                stacklevel=2,
+            )
+        texts = [node_text(node) for node in encoded]
         show = self.show_progress or bool(kwargs.get("show_progress", False))
         with tqdm(
             total=len(texts), desc="KV-encoding chunks", unit="chunk", disable=not show
         ) as bar:
             if self.index_documents:
-                cache_ids = self._ingest_documents(nodes, texts, bar.update)
+                cache_ids = self._ingest_documents(encoded, texts, bar.update)
             else:
                 cache_ids = self._engine.generate_context_cache(texts, on_encoded=bar.update)
-        for node, cache_id in zip(nodes, cache_ids):
+        for node, cache_id in zip(encoded, cache_ids, strict=True):
             attach_cache_id(node, cache_id)
         return nodes
 
