@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,12 +87,16 @@ class GenerationConfig:
         count = self.max_new_tokens
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, a whole number; got {count!r}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN too: it sampled from NaN weights
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not -(2**63) <= self.seed < 2**64:  # what a torch.Generator takes
-            raise ConfigError(f"seed must be a 64-bit integer, got {self.seed}")
+        seed = self.seed
+        # what a torch.Generator takes: a whole number (1.5 failed in torch, at answer time)
+        whole = isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+        if not whole or not -(2**63) <= seed < 2**64:
+            raise ConfigError(f"seed must be a 64-bit integer, got {seed!r}")
+        object.__setattr__(self, "seed", int(seed))  # a NumPy integer as Python's
 
 
 def printable_path(path: Path | str) -> str:

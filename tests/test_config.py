@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, ModelConfig
@@ -19,11 +21,23 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: GenerationConfig(top_p=0), "top_p must be in"),
         (lambda: GenerationConfig(seed=2**64), "seed must be a 64-bit integer"),
         (lambda: GenerationConfig(seed=-(2**63) - 1), "seed must be a 64-bit integer"),
+        # these reached torch, which failed at answer time
+        (lambda: GenerationConfig(temperature=math.nan), "temperature must be >= 0 and finite"),
+        (lambda: GenerationConfig(temperature=math.inf), "temperature must be >= 0 and finite"),
+        (lambda: GenerationConfig(seed=1.5), "seed must be a 64-bit integer, got 1.5"),  # type: ignore[arg-type]
+        (lambda: GenerationConfig(seed=True), "seed must be a 64-bit integer, got True"),
     ],
 )
 def test_bad_values_are_named(build, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build()
+
+
+def test_a_numpy_seed_is_a_python_integer() -> None:
+    import numpy as np
+
+    seed = GenerationConfig(seed=np.int64(7)).seed  # type: ignore[arg-type]
+    assert seed == 7 and type(seed) is int
 
 
 def test_bad_default_strategy_is_refused() -> None:
