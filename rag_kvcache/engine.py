@@ -432,7 +432,7 @@ class RagKVCache:
                 r.query,
                 list(r.cache_ids),
                 strategy,
-                self.generation_config(r.max_new_tokens or None),
+                self.generation_config(r.max_new_tokens),  # (0 is refused, not the default)
             )
             for r in requests
         ]

@@ -9,7 +9,7 @@ from helpers import SERVING_DOCS, linked_span
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import Answer
 from rag_kvcache.engine import BatchResult
-from rag_kvcache.errors import StrategyError
+from rag_kvcache.errors import ConfigError, StrategyError
 from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.model.adapter import key_bias
 from rag_kvcache.serving.batch import BatchRequest
@@ -189,6 +189,21 @@ def test_batches_refuse_what_the_tree_cannot_share_with_a_clear_error(tiny64, st
     twice = [BatchRequest("Who?", ids), BatchRequest("When?", ids)]
     with pytest.raises(StrategyError, match="one at a time"):
         engine.generate_batch(twice, strategy=strategy)
+
+
+def test_batch_settings_are_checked_like_generates(tiny64) -> None:
+    """max_batch 0 spun for ever; max_new_tokens 0 answered with the default; one past the
+    window was refused for its KV, where `generate` stops the answer at the window."""
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
+    ids = tuple(engine.generate_context_cache(DOCS[:2]))
+    with pytest.raises(ConfigError, match="max_batch must be a whole number >= 1"):
+        engine.generate_batch([BatchRequest("Who?", ids)], max_batch=0)
+    with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
+        engine.generate_batch([BatchRequest("Who?", ids, max_new_tokens=0)])
+    past = [BatchRequest("Who?", ids, max_new_tokens=10**30), BatchRequest("When?", ids)]
+    result, alone = batched_and_alone(engine, past)
+    assert alone[0].prompt_tokens + len(alone[0].token_ids) <= tiny64.max_context + 1
+    assert len(result.answers[1].token_ids) <= 6
 
 
 @pytest.mark.slow

@@ -37,12 +37,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
+from rag_kvcache.errors import ConfigError, KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.linker import LinkedPrefix, check_chunks, link, linked_layers
 from rag_kvcache.model.adapter import (
@@ -203,6 +203,9 @@ class BatchDecoder:
         max_batch: int = 32,
         link_budget_s: float | None = None,
     ):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            # none would ever be admitted, and `run` would spin for ever
+            raise ConfigError(f"max_batch must be a whole number >= 1, not {max_batch!r}")
         self.lm, self.tree, self.fetch, self.max_batch = lm, tree, fetch, max_batch
         # a step stops linking new requests once it spent this long linking while requests
         # decode (None: it links every request that fits): a burst of arrivals then delays
@@ -364,11 +367,17 @@ class BatchDecoder:
     def admit(self, waiting: _Waiting) -> _Active | None:
         """Link the request over the longest shared prefix; add its new chunks to the tree.
         None: its KV does not fit the budget until a request leaves (see `make_room`)."""
-        strategy, question, config = waiting.strategy, list(waiting.question), waiting.config
+        strategy, question = waiting.strategy, list(waiting.question)
         chunks = self.fetch(list(waiting.path))
-        room = len(question) + config.max_new_tokens  # its own tokens: question, answer
         context = sum(c.num_tokens for c in chunks)
         check_window(self.lm, context + len(question))  # before the budget: none would help
+        # an answer stops at the window (`finished`; its last token is sampled, never
+        # written), as `generate`'s does: room sized by a larger max_new_tokens would never
+        # be written, and the budget refused the request
+        window = self.lm.max_context - context - len(question) + 1
+        config = replace(waiting.config, max_new_tokens=min(waiting.config.max_new_tokens, window))
+        waiting = replace(waiting, config=config)
+        room = len(question) + config.max_new_tokens  # its own tokens: question, answer
         if not strategy.uses_cache:
             return self.prefilled(waiting, chunks) if self.make_room((), context + room) else None
         in_full = [False, *strategy.in_full(len(chunks) - 1)]
