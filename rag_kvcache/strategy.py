@@ -75,6 +75,9 @@ SPELLINGS = (
 )
 _NUMBER = r"([0-9.e+-]+)"
 MAX_COUNT = 2**31 - 1  # a strategy's token or chunk count, at most (past it, torch overflows)
+# APE divides the stale keys by its temperature: far below 1 they overflow (1e-45 made every
+# float32 logit NaN; float16's keys overflow near 1e-4), and the sweeps never went below 0.5
+APE_MIN_TEMPERATURE = 0.01
 T = TypeVar("T")
 
 
@@ -116,8 +119,11 @@ class Strategy:
             raise StrategyError("window with cacheblend: it recomputes a different set per layer")
         if self.window is not None and self.calibrated:  # its link tokens read everything
             raise StrategyError("window with calibrated: the calibration was trained without one")
-        if not (0 < self.temperature < math.inf and 0 < self.scale < math.inf):
-            raise StrategyError(f"ape:{self.temperature},{self.scale}: both must be > 0, finite")
+        if not (APE_MIN_TEMPERATURE <= self.temperature < math.inf and 0 < self.scale < math.inf):
+            raise StrategyError(
+                f"ape:{self.temperature},{self.scale}: the temperature must be at least "
+                f"{APE_MIN_TEMPERATURE} and the scale above 0, both finite"
+            )
         if self.uses_ape and self.kind not in _STALE:
             raise StrategyError(f"ape is for {', '.join(_STALE)}: {self.kind} leaves none stale")
         if self.uses_ape and self.kind == "cacheblend":  # APE tempers one set in every layer

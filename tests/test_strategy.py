@@ -99,6 +99,8 @@ def test_cacheblend_round_trips(ratio: float) -> None:
         "naive+ape:0,1",
         "naive+ape:1,x",
         "naive+ape:inf,1",
+        "naive+ape:1e-45,1",  # keys divided by it overflowed: NaN logits, token 0 repeated
+        "naive+ape:0.009,1",
         "naive+ape:1,1+top:1",
         "full+ape:0.5,1",
         "prefill+ape:1,2",
