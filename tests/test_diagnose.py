@@ -240,6 +240,36 @@ def test_diagnose_command_loads_a_model_folder(tiny32, tmp_path: Path, capsys) -
     assert saved["sink_tokens"] == SINK_TOKENS == 4  # the default --sink-tokens' help names
 
 
+def test_a_meta_naming_no_document_is_refused_before_the_model_loads(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A `meta.answer_document` of 7 among 4 documents was a raw ValueError after the model
+    had loaded and answered; `true` was read as document 1; a negative --sink-tokens ran."""
+
+    def loaded(config: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", loaded)
+    line = {"id": "q", "question": "Who?", "answers": ["Anna"]}
+    line |= {"documents": [{"id": str(j), "text": t} for j, t in enumerate(DOCS)]}
+    dataset = tmp_path / "qa.jsonl"
+    for meta, says in (
+        ({"answer_document": 7}, "meta.answer_document must be the index of one of the item's"),
+        ({"answer_document": True}, "not True"),
+        ({"answer_document": "0"}, "not '0'"),
+        ({"answer_document": None}, "not None"),
+        ({"answer_document": 0, "bridge_document": -1}, "meta.bridge_document"),
+        ("answer_document", "meta must be an object"),
+    ):
+        dataset.write_text(json.dumps(line | {"meta": meta}) + "\n")
+        assert main(["diagnose", str(dataset), "--out", str(tmp_path / "out")]) == 1
+        printed = " ".join(capsys.readouterr().out.split())
+        assert says in printed and f"{dataset}:1" in printed and "Traceback" not in printed
+    with pytest.raises(SystemExit):
+        main(["diagnose", str(dataset), "--sink-tokens", "-3"])
+    assert "--sink-tokens: at least 1, not -3" in capsys.readouterr().err
+
+
 def test_python_m_runs_the_command(monkeypatch, capsys) -> None:
     monkeypatch.setattr("sys.argv", ["python -m rag_kvcache.tools.diagnosis", "--help"])
     with pytest.raises(SystemExit) as exited:

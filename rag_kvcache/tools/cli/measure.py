@@ -226,7 +226,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     diagnose.add_argument("--controls", type=whole(0), default=5, help="kept items too (default 5)")
     diagnose.add_argument(
         "--sink-tokens",
-        type=int,
+        type=whole(1),
         default=None,
         help="a chunk's first tokens counted as its sink (default 4)",
     )
@@ -447,8 +447,9 @@ def diagnose_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.tools import diagnosis
     from rag_kvcache.tools.eval import load_dataset
 
+    items = load_dataset(args.dataset)[: args.limit]  # the set's faults before the model loads
+    gold = diagnosis.load_gold(args.dataset)
     lm = load_model(ModelConfig(path=args.model, dtype=args.dtype, threads=args.threads))
-    items = load_dataset(args.dataset)[: args.limit]
 
     def progress(item: str, base: bool, link: bool) -> None:
         console.print(
@@ -463,7 +464,7 @@ def diagnose_command(args: argparse.Namespace, console: Console) -> int:
         args.strategy,
         args.out,
         max_items=args.max_items,
-        gold=diagnosis.load_gold(args.dataset),
+        gold=gold,
         controls=args.controls,
         sink_tokens=diagnosis.SINK_TOKENS if args.sink_tokens is None else args.sink_tokens,
         max_new_tokens=args.max_new_tokens,

@@ -36,7 +36,7 @@ from rag_kvcache.tools.diagnosis.records import (
     Outcome,
 )
 from rag_kvcache.tools.diagnosis.summary import json_ready, readable_json, summary
-from rag_kvcache.tools.eval import EvalItem
+from rag_kvcache.tools.eval import EvalItem, read_json_text
 from rag_kvcache.tools.metrics import contains_answer
 
 
@@ -124,14 +124,30 @@ def load(path: Path) -> Diagnosis:
 
 def load_gold(path: Path) -> dict[str, Gold]:
     """Each item's answer (and two-hop bridge) document from the `meta` field of a QA set's
-    JSONL lines (`rag-kvcache dataset` writes it; `load_dataset` does not keep it)."""
+    JSONL lines (`rag-kvcache dataset` writes it; `load_dataset` does not keep it, and checks
+    the rest of each line). A `meta` that names no document of its item is a ConfigError
+    naming the line: a 7 among 4 documents failed after the model had answered."""
     gold = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            raw = json.loads(line)
-            meta = raw.get("meta") or {}
-            if "answer_document" in meta:
-                gold[str(raw["id"])] = Gold(meta["answer_document"], meta.get("bridge_document"))
+    for number, line in enumerate(read_json_text(Path(path)).splitlines(), 1):
+        if not line.strip():
+            continue
+        raw = json.loads(line)
+        meta = raw.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise ConfigError(f"{path}:{number}: meta must be an object, not {meta!r}")
+        if "answer_document" not in meta:
+            continue
+        count = len(raw["documents"])
+        answer, bridge = meta["answer_document"], meta.get("bridge_document")
+        for name, index in (("answer_document", answer), ("bridge_document", bridge)):
+            if index is None and name == "bridge_document":  # a single-hop item has none
+                continue
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+                raise ConfigError(
+                    f"{path}:{number}: meta.{name} must be the index of one of the item's "
+                    f"{count} documents (0 to {count - 1}), not {index!r}"
+                )
+        gold[str(raw["id"])] = Gold(answer, bridge)
     return gold
 
 
