@@ -29,7 +29,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
-from rag_kvcache.errors import ConfigError, RagKVCacheError
+from rag_kvcache.errors import ConfigError, RagKVCacheError, StrategyError
 from rag_kvcache.integrations.llama_index import (
     FirstTokenEvent,
     KVCacheLLM,
@@ -405,6 +405,9 @@ def test_sampling_settings_reach_the_engine_and_unknown_arguments_are_refused(
         KVCacheLLM(engine).complete(question, max_new_tokens=0)  # not the default instead
     with pytest.raises(TypeError, match="not one string"):
         KVCacheLLM(engine).complete(question, cache_ids=cache_ids[0])
+    for call in (dict(cache_ids=cache_ids), {}):  # a plain call too: it was ignored there
+        with pytest.raises(StrategyError, match="bogus"):
+            KVCacheLLM(engine).complete(question, strategy="bogus", **call)
     # a huge length asked per call stops at the window, like any other: no slots reserved
     # past it (it asked the allocator for hundreds of GB)
     assert KVCacheLLM(engine).complete(question, max_new_tokens=10**9, cache_ids=cache_ids).text

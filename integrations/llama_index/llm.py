@@ -429,13 +429,16 @@ class KVCacheLLM(CustomLLM):
         max_new_tokens = kwargs.get("max_new_tokens")
         if max_new_tokens is None:  # 0 is the engine's to refuse, not a default
             max_new_tokens = self.max_new_tokens
+        # parsed on every call: a bad name on a plain prompt was silently ignored
+        strategy = Strategy.parse(
+            kwargs.get("strategy") or self.strategy or self._engine.config.strategy
+        )
         cache_ids = kwargs.get("cache_ids")
         if cache_ids is None:
             return None, PREFILL, max_new_tokens
         if isinstance(cache_ids, str | bytes):  # would be read one character at a time
             raise TypeError("cache_ids is a list of cache IDs, not one string")
-        strategy = kwargs.get("strategy") or self.strategy or self._engine.config.strategy
-        return list(cache_ids), Strategy.parse(strategy), max_new_tokens
+        return list(cache_ids), strategy, max_new_tokens
 
     def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """temperature / top_p / seed of one call: its own, else this LLM's (None: the
