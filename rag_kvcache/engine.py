@@ -30,6 +30,8 @@ from rag_kvcache.errors import (
     EmptyChunkError,
     EngineClosedError,
     FingerprintMismatchError,
+    InvalidNameError,
+    UnknownCacheIdError,
 )
 from rag_kvcache.kv import ChunkKV, EncodeSettings, Fetched, KVStore, make_cache_id
 from rag_kvcache.link.calibration import Calibration
@@ -425,8 +427,12 @@ class RagKVCache:
         `generate(request.query, request.cache_ids)` alone (greedy: token for token).
 
         It decodes in the calling thread, holding the prefix tree meanwhile: requests of
-        `agenerate` / `astream` wait until it is done."""
+        `agenerate` / `astream` wait until it is done. One request's error (its context past
+        the window, say) raises for the whole call, with no answer; unknown or expired cache
+        IDs, the commonest, are found before any request is computed. `agenerate` answers
+        each request apart."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
+        self._check_known([c for r in requests for c in r.cache_ids])
         work = [
             self._loop_request(
                 r.query,
@@ -563,6 +569,19 @@ class RagKVCache:
         """Drop every linked prefix no request holds; returns bytes freed."""
         with self._tree_lock:
             return self.prefix_tree.clear()
+
+    def _check_known(self, cache_ids: list[str]) -> None:
+        """UnknownCacheIdError naming every one of `cache_ids` the store cannot serve."""
+        unknown = []
+        for cache_id in dict.fromkeys(cache_ids):
+            try:
+                known = self.store.contains(cache_id)
+            except InvalidNameError:  # names no chunk
+                known = False
+            if not known:
+                unknown.append(cache_id if isinstance(cache_id, str) else repr(cache_id))
+        if unknown:
+            raise UnknownCacheIdError(unknown)
 
     def _loop_request(
         self, query: str, cache_ids: list[str], strategy: Strategy, generation: GenerationConfig

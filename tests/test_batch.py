@@ -9,7 +9,7 @@ from helpers import SERVING_DOCS, linked_span
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import Answer
 from rag_kvcache.engine import BatchResult
-from rag_kvcache.errors import ConfigError, StrategyError
+from rag_kvcache.errors import ConfigError, StrategyError, UnknownCacheIdError
 from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.model.adapter import key_bias
 from rag_kvcache.serving.batch import BatchRequest
@@ -200,6 +200,12 @@ def test_batch_settings_are_checked_like_generates(tiny64) -> None:
         engine.generate_batch([BatchRequest("Who?", ids)], max_batch=0)
     with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
         engine.generate_batch([BatchRequest("Who?", ids, max_new_tokens=0)])
+    # an unknown or expired chunk is found before any request is computed
+    known = [BatchRequest("Who?", ids), BatchRequest("When?", (*ids, "f" * 32, "../x"))]
+    with pytest.raises(UnknownCacheIdError) as unknown:
+        engine.generate_batch(known)
+    assert "f" * 32 in str(unknown.value) and "../x" in str(unknown.value)
+    assert engine.prefix_tree.roots == {}  # nothing linked
     past = [BatchRequest("Who?", ids, max_new_tokens=10**30), BatchRequest("When?", ids)]
     result, alone = batched_and_alone(engine, past)
     assert alone[0].prompt_tokens + len(alone[0].token_ids) <= tiny64.max_context + 1
