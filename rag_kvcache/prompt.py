@@ -85,6 +85,8 @@ class PromptTemplate:
     def question_ids(self, tokenizer: Any, question: str) -> list[int]:
         """The question's tokens as the prompt holds them; an empty or blank question is an
         error (there is nothing to answer: the model would only continue the documents)."""
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str):
+            raise ConfigError(f"the question must be text (str), not {type(question).__name__}")
+        if not question.strip():
             raise ConfigError(f"the question is empty ({question!r}): ask something")
         return self.tokenize(tokenizer, "Question: " + question.strip() + self.suffix)

@@ -40,6 +40,14 @@ def test_an_empty_question_is_an_error_not_an_answer(tiny_engine, question: str)
         tiny_engine.generate_batch([BatchRequest(question, ids)])
 
 
+def test_a_question_that_is_not_text_is_named_so(tiny_engine) -> None:
+    """`b"abc"` was "the question is empty"."""
+    ids = tiny_engine.generate_context_cache(DOCS)
+    for question in (b"abc", None, 42):
+        with pytest.raises(ConfigError, match="the question must be text"):
+            tiny_engine.generate(question, ids)  # type: ignore[arg-type]
+
+
 def test_full_link_answers_exactly_like_plain_prefill(tiny_engine) -> None:
     ids = tiny_engine.generate_context_cache(DOCS)
     full = tiny_engine.generate("When was it built?", ids, strategy="full")
