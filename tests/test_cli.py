@@ -228,6 +228,7 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
         (["eval", "--needle", "--lengths", "-100"], "--lengths: at least 1, not -100"),
         (["eval", "x.jsonl", "--teacher-tokens", "-3"], "--teacher-tokens: at least 0, not -3"),
         (["dataset", "--repeats", "0"], "--repeats: at least 1, not 0"),
+        (["dataset", "--repeats", "10000"], "--repeats: at most 100, not 10000"),  # ran for ever
         (["eval", "x.jsonl", "--strategies", ","], "--strategies: no strategies in ','"),
     ],
 )

@@ -25,9 +25,10 @@ def csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def whole(least: int) -> Callable[[str], int]:
-    """A flag's whole number of at least `least`: argparse names the flag in the error (a zero
-    count hung `bench serve`, and others failed with a traceback after loading the model)."""
+def whole(least: int, most: int | None = None) -> Callable[[str], int]:
+    """A flag's whole number of at least `least` (and at most `most`): argparse names the flag
+    in the error (a zero count hung `bench serve`, and others failed with a traceback after
+    loading the model)."""
 
     def parse(text: str) -> int:
         try:
@@ -36,6 +37,8 @@ def whole(least: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"a whole number, not {text!r}") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"at least {least}, not {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"at most {most}, not {value}")
         return value
 
     return parse
