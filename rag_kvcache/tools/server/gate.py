@@ -30,8 +30,8 @@ def check_api_key(key: str) -> str:
     match no request, and the server would refuse every client with no sign why."""
     if not key or not (key.isascii() and key.isprintable()) or key.strip() != key:
         raise ConfigError(
-            "an API key must be printable ASCII with no space at either end (it travels in "
-            "an HTTP header)"
+            "an API key must be printable ASCII, not empty, with no space at either end (it "
+            "travels in an HTTP header)"
         )
     return key
 
