@@ -796,6 +796,12 @@ def test_the_ingestion_recipe_run_again_upserts_documents(smol, tmp_path: Path) 
     assert ["cache_id" in n.metadata for n in passed] == [True, False, True]
     sources = {d.source for d in durable.corpus.catalog.documents()}
     assert {"a.md", "c.md"} <= sources and "b.md" not in sources
+    # a page emptied since: its document goes, or its old text would still be retrieved
+    emptied = [Document(id_="a.md", text=""), pages[2]]
+    with pytest.warns(UserWarning, match="hold no text"):
+        IngestionPipeline(transformations=pipeline.transformations).run(documents=emptied)
+    assert "a.md" not in {d.source for d in durable.corpus.catalog.documents()}
+    assert all("at dawn" not in hit.text for hit in durable.retrieve("ferry dawn", top_k=50))
 
     # documents named at random (a reader without filename_as_id) would pile up: said once
     again = IngestionPipeline(transformations=pipeline.transformations)

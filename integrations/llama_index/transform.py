@@ -144,30 +144,33 @@ class KVCacheTransform(TransformComponent):
         """Every node with text encoded and tagged; blank ones (`has_text`) passed on untagged,
         with a warning: one blank page failed the whole run, after the documents before it
         were written."""
-        encoded = [node for node in nodes if has_text(node)]
-        if blank := len(nodes) - len(encoded):
+        if blank := sum(not has_text(node) for node in nodes):
             warnings.warn(
                 f"{blank} node(s) hold no text (a blank page?): passed on without a cache ID",
                 UserWarning,
                 stacklevel=2,
             )
-        texts = [node_text(node) for node in encoded]
         show = self.show_progress or bool(kwargs.get("show_progress", False))
         with tqdm(
-            total=len(texts), desc="KV-encoding chunks", unit="chunk", disable=not show
+            total=len(nodes) - blank, desc="KV-encoding chunks", unit="chunk", disable=not show
         ) as bar:
             if self.index_documents:
-                cache_ids = self._ingest_documents(encoded, texts, bar.update)
+                tagged = self._ingest_documents(nodes, bar.update)
             else:
-                cache_ids = self._engine.generate_context_cache(texts, on_encoded=bar.update)
-        for node, cache_id in zip(encoded, cache_ids, strict=True):
+                encoded = [node for node in nodes if has_text(node)]
+                texts = [node_text(node) for node in encoded]
+                ids = self._engine.generate_context_cache(texts, on_encoded=bar.update)
+                tagged = list(zip(encoded, ids, strict=True))
+        for node, cache_id in tagged:
             attach_cache_id(node, cache_id)
         return nodes
 
     def _ingest_documents(
-        self, nodes: Sequence[BaseNode], texts: list[str], on_encoded: Callable[[int], None]
-    ) -> list[str]:
-        """One engine.ingest_document per source document; cache IDs back in node order."""
+        self, nodes: Sequence[BaseNode], on_encoded: Callable[[int], None]
+    ) -> list[tuple[BaseNode, str]]:
+        """One engine.ingest_document per source document, of its nodes with text; each such
+        node with its cache ID. A document whose nodes all hold no text (a page emptied since
+        the last run) is removed: its earlier chunks would still be retrieved."""
         positions: dict[str, list[int]] = {}
         for i, node in enumerate(nodes):
             positions.setdefault(node.ref_doc_id or node.node_id, []).append(i)
@@ -185,13 +188,16 @@ class KVCacheTransform(TransformComponent):
                 UserWarning,
                 stacklevel=3,
             )
-        cache_ids = [""] * len(nodes)
+        tagged: list[tuple[BaseNode, str]] = []
         for source, where in positions.items():
-            chunks = [texts[i] for i in where]
+            kept = [nodes[i] for i in where if has_text(nodes[i])]
+            if not kept:
+                self._engine.remove_document(source)
+                continue
+            chunks = [node_text(node) for node in kept]
             ingested = self._engine.ingest_document(source, chunks, on_encoded=on_encoded)
-            for i, cache_id in zip(where, ingested.cache_ids):
-                cache_ids[i] = cache_id
-        return cache_ids
+            tagged += zip(kept, ingested.cache_ids, strict=True)
+        return tagged
 
 
 def _is_uuid(name: str) -> bool:
