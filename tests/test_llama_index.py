@@ -406,8 +406,9 @@ def test_sampling_settings_reach_the_engine_and_unknown_arguments_are_refused(
     with pytest.raises(TypeError, match="not one string"):
         KVCacheLLM(engine).complete(question, cache_ids=cache_ids[0])
     for call in (dict(cache_ids=cache_ids), {}):  # a plain call too: it was ignored there
-        with pytest.raises(StrategyError, match="bogus"):
-            KVCacheLLM(engine).complete(question, strategy="bogus", **call)
+        for name in ("bogus", ""):  # "" is a bad name, not "not given"
+            with pytest.raises(StrategyError, match=f"unknown link strategy '{name}'"):
+                KVCacheLLM(engine).complete(question, strategy=name, **call)
     # a huge length asked per call stops at the window, like any other: no slots reserved
     # past it (it asked the allocator for hundreds of GB)
     assert KVCacheLLM(engine).complete(question, max_new_tokens=10**9, cache_ids=cache_ids).text

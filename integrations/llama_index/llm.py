@@ -430,9 +430,10 @@ class KVCacheLLM(CustomLLM):
         if max_new_tokens is None:  # 0 is the engine's to refuse, not a default
             max_new_tokens = self.max_new_tokens
         # parsed on every call: a bad name on a plain prompt was silently ignored
-        strategy = Strategy.parse(
-            kwargs.get("strategy") or self.strategy or self._engine.config.strategy
-        )
+        given = kwargs.get("strategy")
+        if given is None:  # "" is a name, and a bad one: not "not given"
+            given = self.strategy if self.strategy is not None else self._engine.config.strategy
+        strategy = Strategy.parse(given)
         cache_ids = kwargs.get("cache_ids")
         if cache_ids is None:
             return None, PREFILL, max_new_tokens
