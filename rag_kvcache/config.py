@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -87,8 +88,15 @@ class GenerationConfig:
         count = self.max_new_tokens
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, a whole number; got {count!r}")
-        if not 0 <= self.temperature < math.inf:  # NaN too: it sampled from NaN weights
-            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        # a number a float holds, as the sampler takes it (10**400 overflowed there), finite
+        # (a NaN sampled from NaN weights)
+        temperature = math.nan
+        if isinstance(self.temperature, numbers.Real) and not isinstance(self.temperature, bool):
+            with contextlib.suppress(OverflowError):
+                temperature = float(self.temperature)
+        if not 0 <= temperature < math.inf:
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", temperature)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         seed = self.seed

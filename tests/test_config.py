@@ -24,6 +24,9 @@ from rag_kvcache.errors import ConfigError, StrategyError
         # these reached torch, which failed at answer time
         (lambda: GenerationConfig(temperature=math.nan), "temperature must be >= 0 and finite"),
         (lambda: GenerationConfig(temperature=math.inf), "temperature must be >= 0 and finite"),
+        (lambda: GenerationConfig(temperature=10**400), "temperature must be >= 0 and finite"),
+        (lambda: GenerationConfig(temperature="0.5"), "temperature must be >= 0 and finite"),  # type: ignore[arg-type]
+        (lambda: GenerationConfig(temperature=True), "temperature must be >= 0 and finite"),
         (lambda: GenerationConfig(seed=1.5), "seed must be a 64-bit integer, got 1.5"),  # type: ignore[arg-type]
         (lambda: GenerationConfig(seed=True), "seed must be a 64-bit integer, got True"),
     ],
