@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import SERVING_DOCS, linked_span
@@ -196,8 +197,9 @@ def test_batch_settings_are_checked_like_generates(tiny64) -> None:
     window was refused for its KV, where `generate` stops the answer at the window."""
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
     ids = tuple(engine.generate_context_cache(DOCS[:2]))
-    with pytest.raises(ConfigError, match="max_batch must be a whole number >= 1"):
-        engine.generate_batch([BatchRequest("Who?", ids)], max_batch=0)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ConfigError, match="max_batch must be a whole number >= 1"):
+            engine.generate_batch([BatchRequest("Who?", ids)], max_batch=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
         engine.generate_batch([BatchRequest("Who?", ids, max_new_tokens=0)])
     # an unknown or expired chunk is found before any request is computed
@@ -210,6 +212,7 @@ def test_batch_settings_are_checked_like_generates(tiny64) -> None:
     result, alone = batched_and_alone(engine, past)
     assert alone[0].prompt_tokens + len(alone[0].token_ids) <= tiny64.max_context + 1
     assert len(result.answers[1].token_ids) <= 6
+    assert engine.generate_batch([BatchRequest("Who?", ids)], max_batch=np.int64(2)).answers
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -203,10 +204,10 @@ class BatchDecoder:
         max_batch: int = 32,
         link_budget_s: float | None = None,
     ):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            # none would ever be admitted, and `run` would spin for ever
+        whole = isinstance(max_batch, numbers.Integral) and not isinstance(max_batch, bool)
+        if not whole or max_batch < 1:  # none would be admitted: `run` would spin for ever
             raise ConfigError(f"max_batch must be a whole number >= 1, not {max_batch!r}")
-        self.lm, self.tree, self.fetch, self.max_batch = lm, tree, fetch, max_batch
+        self.lm, self.tree, self.fetch, self.max_batch = lm, tree, fetch, int(max_batch)
         # a step stops linking new requests once it spent this long linking while requests
         # decode (None: it links every request that fits): a burst of arrivals then delays
         # the running requests' next token by about this much, not by the whole burst
