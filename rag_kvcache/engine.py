@@ -572,14 +572,14 @@ class RagKVCache:
 
     def _check_known(self, cache_ids: list[str]) -> None:
         """UnknownCacheIdError naming every one of `cache_ids` the store cannot serve."""
-        unknown = []
-        for cache_id in dict.fromkeys(cache_ids):
+        unknown = [repr(c) for c in cache_ids if not isinstance(c, str)]  # (a list: unhashable)
+        for cache_id in dict.fromkeys(c for c in cache_ids if isinstance(c, str)):
             try:
                 known = self.store.contains(cache_id)
             except InvalidNameError:  # names no chunk
                 known = False
             if not known:
-                unknown.append(cache_id if isinstance(cache_id, str) else repr(cache_id))
+                unknown.append(cache_id)
         if unknown:
             raise UnknownCacheIdError(unknown)
 

@@ -203,7 +203,8 @@ def test_batch_settings_are_checked_like_generates(tiny64) -> None:
     with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
         engine.generate_batch([BatchRequest("Who?", ids, max_new_tokens=0)])
     # an unknown or expired chunk is found before any request is computed
-    known = [BatchRequest("Who?", ids), BatchRequest("When?", (*ids, "f" * 32, "../x"))]
+    odd: tuple = (*ids, "f" * 32, "../x", ["a"])  # a list: unhashable, not a TypeError
+    known = [BatchRequest("Who?", ids), BatchRequest("When?", odd)]
     with pytest.raises(UnknownCacheIdError) as unknown:
         engine.generate_batch(known)
     assert "f" * 32 in str(unknown.value) and "../x" in str(unknown.value)
