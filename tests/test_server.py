@@ -516,8 +516,8 @@ def test_streamed_errors_keep_their_status_and_a_broken_body_is_json(client) -> 
     [
         (b'{"prompt": 1', "", "not valid JSON: Expecting ',' delimiter at character 12"),
         (b'{"prompt": "x"} and more', "", "not valid JSON: Extra data at character 16"),
-        (b'{"prompt": "\xff\xfe"}', "", "cannot be read as JSON: send UTF-8"),
-        ('{"prompt": "\u00e9"}'.encode("latin-1"), "; charset=latin-1", "send UTF-8"),
+        (b'{"prompt": "\xff\xfe"}', "", "cannot be read as JSON: send it as UTF-8"),
+        ('{"prompt": "\u00e9"}'.encode("latin-1"), "; charset=latin-1", "send it as UTF-8"),
         (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "", "4300 digits"),
         (b'{"prompt": "x", "a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "", "1000 deep"),
     ],

@@ -200,8 +200,8 @@ def create_app(
         message = str(e.detail)
         if e.status_code == 400 and message == UNPARSED:  # what FastAPI says of them all
             message = (
-                "the body cannot be read as JSON: send UTF-8 text (not another charset) with "
-                "numbers of at most 4300 digits and nesting less than 1000 deep"
+                "the body cannot be read as JSON: send it as UTF-8, with numbers of at most "
+                "4300 digits and nesting less than 1000 deep"
             )
         codes = {400: "invalid_request", 413: "request_too_large"}
         return error(e.status_code, message, codes.get(e.status_code))
