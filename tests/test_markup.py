@@ -165,6 +165,25 @@ def test_a_scaffolded_chain_equals_a_plain_prefill(cache) -> None:
     assert served.token_ids == plain.token_ids and len(served.token_ids) > 0
 
 
+def test_a_prompt_of_arguments_only_is_answered_after_the_schemas_text(cache) -> None:
+    """With no free text, the query was the argument, in its slot mid-schema: the text after
+    the slot was never read for the answer, and the answer was written over its positions.
+    The schema's last token is the query, as a prefill's would be."""
+    cache.add_schema(
+        '<schema name="city"><module name="m">The city of <param name="p" len="4"/> is '
+        "famous for its food and its</module></schema>"
+    )
+    compiled = cache.compile('<prompt schema="city"><m p="Paris"/></prompt>')
+    end = max(u.end for u in compiled.units) + 1  # the last unit gave up its last token
+    assert compiled.new_positions[-1] == end - 1 == compiled.schema.length - 1
+    param, argument = compiled.schema.params[("m", "p")], compiled.arguments[("m", "p")]
+    slot = tuple(range(param.start, param.start + len(argument)))
+    assert compiled.new_positions[: len(argument)] == slot
+    served = cache.serve(compiled)  # every token read; the slot's empty positions are none
+    empty = param.length - len(argument)
+    assert served.token_ids and served.prompt_tokens == compiled.schema.length - empty
+
+
 def test_gaps_and_arguments_equal_a_prefill_with_the_same_positions(cache) -> None:
     """Without a scaffold, each unit attends only to itself, so compare per unit: a prompt
     importing one module of a union with parameters equals a masked prefill of the same

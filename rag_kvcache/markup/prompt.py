@@ -85,13 +85,18 @@ def compile_prompt(source: str, schemas: dict[str, Schema], tokenizer: Any) -> C
     tail = conversation(turns, schema, tokenizer)
     new += [(schema.length + i, t) for i, t in enumerate(tail)]
     units = list(select_units(schema, set(imported)))
-    if not new:  # modules only (Prompt Cache's benchmarks): the schema's last token is the query
+    end = max((u.end for u in units), default=0)
+    if not new or max(p for p, _ in new) < end:
+        # nothing new after the imported text (modules only, as in Prompt Cache's benchmarks,
+        # or arguments inside it): its last token is the query, as a prefill's would be;
+        # the answer began at an argument's slot, before the text that follows it
         if not units:
             raise MarkupError(f"{root.where()}: the prompt adds no text: nothing to answer")
-        last = units.pop()
+        last = max(units, key=lambda u: u.end)
+        units.remove(last)
         if len(last.token_ids) > 1:
             units.append(Unit(last.module, last.token_ids[:-1], last.start))
-        new = [(last.end - 1, last.token_ids[-1])]
+        new.append((last.end - 1, last.token_ids[-1]))
     new.sort()
     return CompiledPrompt(
         schema,
