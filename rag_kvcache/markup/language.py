@@ -82,6 +82,15 @@ def read_source(path: Path) -> str:
 def parse(source: str) -> Element:
     """XML -> Element tree with positions (expat; comments dropped). Elements nest at most
     MAX_DEPTH deep, and external entities (which would read files or URLs) are refused."""
+    try:  # expat reads UTF-8: a byte that was not (kept as a lone surrogate) failed in it
+        source.encode("utf-8")
+    except UnicodeEncodeError as e:
+        line = source.count("\n", 0, e.start) + 1
+        column = e.start - (source.rfind("\n", 0, e.start) + 1) + 1
+        raise MarkupError(
+            f"line {line}, column {column}: {source[e.start]!r} is not a Unicode character (a "
+            "byte that is not UTF-8, or a lone surrogate): send valid UTF-8"
+        ) from None
     root = Element("#document", {}, 1, 1)
     stack = [root]
     pieces: dict[int, list[str]] = {}  # a Text's pieces by id: joined once, not appended to
