@@ -74,6 +74,11 @@ class RedisTier:
             ) from err
         except redis.ResponseError as err:  # read-only replica, no permission, ...
             raise StoreUnavailableError(f"Redis at {where} refused the command ({err})") from err
+        except redis.RedisError as err:  # e.g. InvalidResponse: an HTTP proxy's reply
+            raise StoreUnavailableError(
+                f"Redis at {where} did not answer as a Redis server ({type(err).__name__}: "
+                f"{err}); check the Redis URL"
+            ) from err
 
     def key(self, cache_id: str) -> str:
         return self.prefix + checked_name("cache ID", cache_id)

@@ -196,6 +196,32 @@ def test_unreachable_redis_is_a_clear_error() -> None:
         RedisTier("redis://127.0.0.1:1/0", prefix="rag-kvcache-test:")
 
 
+def test_a_server_that_is_not_redis_is_a_clear_error() -> None:
+    """An HTTP proxy on the port answers "HTTP/1.1 400": redis-py's InvalidResponse escaped."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer_http() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            with connection:
+                connection.recv(1024)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=answer_http, daemon=True).start()
+    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    try:
+        with pytest.raises(StoreUnavailableError, match="did not answer as a Redis server"):
+            RedisTier(url, prefix="rag-kvcache-test:")
+    finally:
+        listener.close()
+
+
 def test_paths_cannot_escape_the_store(tmp_path) -> None:
     disk = DiskTier(tmp_path)
     for bad in ["../../etc/passwd", "ab/../../x", "ABCDEF0123456789", "short"]:
