@@ -134,6 +134,13 @@ def head_revision() -> str:
     return head
 
 
+@functools.cache
+def known_revisions() -> frozenset[str]:
+    """Revision ids of every shipped migration."""
+    scripts = ScriptDirectory.from_config(alembic_config())
+    return frozenset(script.revision for script in scripts.walk_revisions())
+
+
 def _ensure_pg_schema(url: URL, schema: str) -> None:
     """Create `schema` if missing, before the catalog engine first connects.
 
@@ -163,6 +170,23 @@ def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -
         )
     check = "that its folder is writable" if database else "the host, database and user"
     return CatalogError(f"cannot open the catalog at {url}: {reason}; check {check}")
+
+
+def _no_such(err: sa.exc.OperationalError) -> bool:
+    """SQLite's word for a table or column that is not there (PostgreSQL raises a
+    ProgrammingError)."""
+    return any(f"no such {thing}" in str(err.orig) for thing in ("table", "column"))
+
+
+def _mismatched(url: str, err: sa.exc.DBAPIError) -> CatalogError:
+    """A catalog whose tables are not those its revision says (a column dropped or renamed by
+    hand or by another program): PostgreSQL's UndefinedColumn, SQLite's "no such column", in
+    one line."""
+    return CatalogError(
+        f"the catalog at {url} does not have the tables this rag-kvcache expects "
+        f"({_reason(err)}): it was changed by hand or by another program; restore it from a "
+        "backup, or start a new store"
+    )
 
 
 def _failed(url: str, err: sa.exc.OperationalError) -> CatalogError:
@@ -333,6 +357,12 @@ class CatalogDatabase:
             return
         if current is None and not create:
             raise StoreNotFoundError(f"no catalog in {self.url}: check --catalog-url, or ingest")
+        if current is not None and current not in known_revisions():  # alembic: a traceback
+            raise CatalogError(
+                f"the catalog at {self.url} is at schema revision {current!r}, which this "
+                f"rag-kvcache does not know (it knows up to {head_revision()!r}): it was "
+                "written by a newer version; upgrade rag-kvcache"
+            )
         with self._writer.connect() as conn, conn.begin():
             if not self._sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
@@ -349,7 +379,9 @@ class CatalogDatabase:
                     f"the catalog's disk is full ({self.url}); nothing was recorded: free "
                     "space, or run `rag-kvcache gc`"
                 ) from err
-            raise _failed(self.url, err) from err
+            raise _mismatched(self.url, err) if _no_such(err) else _failed(self.url, err) from err
+        except sa.exc.ProgrammingError as err:
+            raise _mismatched(self.url, err) from err
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
@@ -357,7 +389,9 @@ class CatalogDatabase:
             with self._engine.connect() as conn:
                 yield conn
         except sa.exc.OperationalError as err:
-            raise _failed(self.url, err) from err
+            raise _mismatched(self.url, err) if _no_such(err) else _failed(self.url, err) from err
+        except sa.exc.ProgrammingError as err:
+            raise _mismatched(self.url, err) from err
 
     def _insert(self, table: Any) -> Any:
         """The dialect's INSERT, which has `on_conflict_do_nothing/update` on both backends."""

@@ -145,6 +145,43 @@ def test_downgrade_removes_everything_and_reopen_restores_it(target: Target) -> 
         assert version_rows(cat) == [head_revision()]
 
 
+def test_a_catalog_of_a_newer_version_or_changed_by_hand_is_one_clear_error(
+    target: Target,
+) -> None:
+    """A revision this version does not know was alembic's CommandError traceback; a column
+    dropped by hand, PostgreSQL's UndefinedColumn (SQLite's "no such column") in every
+    command."""
+    with target.open() as cat:
+        cat.register_model(FP, "tiny", "float32", 3, 2, 16)
+        stored(cat, "a0")
+        with cat.engine.begin() as conn:
+            conn.execute(sql_text("UPDATE alembic_version SET version_num = '0099'"))
+    with pytest.raises(CatalogError, match="revision '0099', which this rag-kvcache does not"):
+        target.open()
+    with _restamped(target) as cat:
+        with cat.engine.begin() as conn:
+            conn.execute(sql_text("ALTER TABLE chunks DROP COLUMN hit_count"))
+        with pytest.raises(CatalogError, match="does not have the tables this rag-kvcache"):
+            cat.chunks(["a0"])
+
+
+def _restamped(target: Target) -> Catalog:
+    """The target's catalog with its revision set back to the newest one known."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(target.url) if target.url else create_engine(f"sqlite:///{target.path}")
+    try:
+        with engine.begin() as conn:
+            if target.schema:
+                conn.exec_driver_sql(f'SET search_path TO "{target.schema}"')
+            conn.execute(
+                sql_text("UPDATE alembic_version SET version_num = :v"), {"v": head_revision()}
+            )
+    finally:
+        engine.dispose()
+    return target.open()
+
+
 def test_upgrade_from_0001_moves_document_links_into_document_chunks(target: Target) -> None:
     with target.open() as cat:
         cat.register_model(FP, "tiny", "float32", 3, 2, 16)
