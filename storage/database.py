@@ -39,6 +39,7 @@ from rag_kvcache.storage.records import CatalogError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _SQLITE_BUSY_MS = 30_000
+PG_CONNECT_TIMEOUT_S = 10  # libpq waits 130 s for a host that accepts and never answers
 # One advisory-lock key for "someone is changing the catalog schema" on a PostgreSQL server.
 _PG_LOCK_KEY = zlib.crc32(b"rag_kvcache.storage.catalog")
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -50,7 +51,8 @@ def create_catalog_engine(url: str | URL, schema: str | None = None) -> Engine:
     SQLite: WAL (readers never block the writer), a 30 s busy timeout (writers queue instead of
     failing), foreign keys (cascades), synchronous=NORMAL (durable at checkpoints, fast), and
     SQLAlchemy-emitted BEGIN so that DDL is transactional and writers can ask for
-    `BEGIN IMMEDIATE` (execution option `sqlite_begin`). PostgreSQL: `search_path` = `schema`.
+    `BEGIN IMMEDIATE` (execution option `sqlite_begin`). PostgreSQL: `search_path` = `schema`,
+    and a connection given up after PG_CONNECT_TIMEOUT_S (unless the URL says otherwise).
     """
     url = make_url(url)
     backend = url.get_backend_name()
@@ -69,7 +71,7 @@ def create_catalog_engine(url: str | URL, schema: str | None = None) -> Engine:
     if backend == "postgresql":
         if url.get_driver_name() == "psycopg":  # the `postgres` extra
             require("psycopg", extra="postgres", purpose="a PostgreSQL catalog")
-        engine = create_engine(url, pool_pre_ping=True)
+        engine = create_engine(url, pool_pre_ping=True, connect_args=_pg_connect_args(url))
         if schema is not None:
             _check_schema_name(schema)
             event.listen(engine, "connect", functools.partial(_pg_set_search_path, schema))
@@ -141,13 +143,18 @@ def known_revisions() -> frozenset[str]:
     return frozenset(script.revision for script in scripts.walk_revisions())
 
 
+def _pg_connect_args(url: URL) -> dict[str, int]:
+    """A connection attempt's time limit, unless the URL sets its own (`?connect_timeout=`)."""
+    return {} if "connect_timeout" in url.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+
+
 def _ensure_pg_schema(url: URL, schema: str) -> None:
     """Create `schema` if missing, before the catalog engine first connects.
 
     The engine learns its default schema on first connect, so the schema must exist by then.
     A session advisory lock serializes concurrent creators.
     """
-    engine = create_engine(url, poolclass=NullPool)
+    engine = create_engine(url, poolclass=NullPool, connect_args=_pg_connect_args(url))
     try:
         with engine.connect() as conn:
             if conn.scalar(sa.text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": schema}):

@@ -212,6 +212,26 @@ def test_upgrade_from_0001_moves_document_links_into_document_chunks(target: Tar
         assert set(cat.chunks(["a0", "a1"])) == {"a0", "a1"}  # no cascade from the old column
 
 
+def test_a_postgresql_host_that_never_answers_is_given_up_on(monkeypatch) -> None:
+    """A catalog URL at a port that accepts and says nothing (another service's) waited for
+    libpq's 130 s in silence; the catalog gives up after PG_CONNECT_TIMEOUT_S, or the URL's."""
+    import socket
+
+    pytest.importorskip("psycopg")
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    port = listener.getsockname()[1]
+    monkeypatch.setattr(database, "PG_CONNECT_TIMEOUT_S", 1)
+    try:
+        began = time.monotonic()
+        with pytest.raises(CatalogError, match="cannot open the catalog"):
+            Catalog(f"postgresql+psycopg://u@127.0.0.1:{port}/x")
+        assert time.monotonic() - began < 30
+        url = f"postgresql+psycopg://u@127.0.0.1:{port}/x?connect_timeout=2"
+        assert database._pg_connect_args(database.make_url(url)) == {}  # the URL's own
+    finally:
+        listener.close()
+
+
 def test_bad_arguments_are_refused(tmp_path: Path, target: Target) -> None:
     with pytest.raises(CatalogError, match="URL or an SQLite file path"):
         Catalog()
