@@ -13,6 +13,7 @@ contexts; `Catalog` (`catalog.py`) adds the operations on rows.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import time
@@ -217,10 +218,14 @@ def _sqlite_file(url: URL) -> str | None:
 
 
 def _no_space(folder: Path) -> bool:
+    """Whether the disk holding `folder` is full: nothing free on a disk of some size that may
+    be written. A pseudo file system (/proc: of size 0) or a read-only one reports nothing
+    free too; "free space there" would be the wrong advice."""
     try:
-        return shutil.disk_usage(folder).free == 0
+        usage = shutil.disk_usage(folder)
     except OSError:
         return False
+    return usage.total > 0 and usage.free == 0 and os.access(folder, os.W_OK)
 
 
 def _disk_full(err: sa.exc.OperationalError) -> bool:

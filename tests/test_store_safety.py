@@ -453,6 +453,10 @@ def test_a_catalog_that_cannot_open_on_a_full_disk_says_the_disk_is_full(tmp_pat
             (small / "filler").write_bytes(bytes(1 << 20))  # fills the filesystem
         with pytest.raises(CatalogError, match="the disk holding it is full"):
             Catalog(path=small / "catalog.sqlite")
+    # /proc reports nothing free too, being of size 0: not "full", but not writable
+    with pytest.raises(CatalogError, match="check that its folder is writable") as proc:
+        Catalog(path=Path("/proc/catalog.sqlite"))
+    assert "full" not in str(proc.value)
 
 
 def test_verify_repair_on_a_full_disk_checks_everything_and_says_why_it_stopped(
