@@ -142,6 +142,14 @@ def test_arguments_sit_at_the_placeholder_positions(smol_tokenizer) -> None:
     assert min(p for p in prompt.new_positions if p >= schemas["travel"].length) == (
         schemas["travel"].length
     )
+    for empty in ("", "   "):  # a space token sat in the slot's first position
+        blank = compile_prompt(
+            f'<prompt schema="travel"><trip-plan duration="{empty}"/><coast/>Pack?</prompt>',
+            schemas,
+            smol_tokenizer,
+        )
+        assert blank.arguments[("trip-plan", "duration")] == ()
+        assert not set(blank.new_positions) & set(range(param.start, param.start + param.length))
 
 
 # ----------------------------------------------------------------------------- serving

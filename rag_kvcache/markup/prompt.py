@@ -74,7 +74,8 @@ def compile_prompt(source: str, schemas: dict[str, Schema], tokenizer: Any) -> C
     new: list[tuple[int, int]] = []  # (position, token)
     for key, (value, element) in values.items():
         param = schema.params[key]
-        ids = tuple(tokenizer(" " + value.strip(), add_special_tokens=False)["input_ids"])
+        text = value.strip()  # an empty argument leaves the slot empty, not a space in it
+        ids = tuple(tokenizer(" " + text, add_special_tokens=False)["input_ids"]) if text else ()
         if len(ids) > param.length:
             raise MarkupError(
                 f"{element.where()}: argument {key[1]}={value!r} of module {key[0]!r} is "
