@@ -84,6 +84,15 @@ def test_the_papers_three_schemas_compile(smol_tokenizer) -> None:
         ('<schema name="s"><union><user>x</user></union></schema>', "only <module>s"),
         ('<schema name="s"><scaffold modules="nope"/></schema>', "unknown module 'nope'"),
         ("<schema>x</schema>", 'expected <schema name="...">'),
+        # a typo, or a second length, was read as if it were not there
+        ('<schema name="s"><module name="a" nmae="q">x</module></schema>', "has nmae=; it takes"),
+        ('<schema name="s" version="2"><module name="a">x</module></schema>', "has version="),
+        (
+            '<schema name="s"><module name="a"><param name="p" len="2" length="50"/></module>'
+            "</schema>",
+            "has len= and length=; give one",
+        ),
+        ('<schema name="s"><user foo="1"><module name="a">x</module></user></schema>', "foo="),
         (
             '<schema name="s"><union><module name="a">short</module><module name="b">a much '
             'longer member</module></union><module name="c">x</module>'
@@ -118,6 +127,8 @@ def test_prompts_are_checked_against_their_schema(smol_tokenizer) -> None:
         '<prompt schema="travel"><trip-plan days="3"/>x</prompt>': "no parameter 'days'",
         LONG_ARGUMENT: ("holds at most 6"),
         "<prompt>x": "line 1, column 10: no element found",
+        '<prompt sheme="travel">x</prompt>': "has sheme=; it takes schema=",
+        '<prompt schema="travel"><user foo="1">x</user></prompt>': "<user> has foo=",
         # a command line's byte that is not UTF-8 (kept as a lone surrogate): it failed in expat
         '<prompt schema="travel">\ncaf\udce9</prompt>': "line 2, column 4: .* send valid UTF-8",
     }

@@ -150,6 +150,28 @@ def _join_texts(node: Element, pieces: dict[int, list[str]]) -> None:
 # ----------------------------------------------------------------------------- schemas
 
 NAME = re.compile(r"[A-Za-z_][\w.-]*")  # module and parameter names: usable as XML tag names
+_PARAM = frozenset({"name", "len", "length", "scaffold"})
+ATTRIBUTES: dict[str, frozenset[str]] = {  # what each element takes: any other is a typo
+    "schema": frozenset({"name"}),
+    "prompt": frozenset({"schema"}),
+    "module": frozenset({"name", "cache", "src"}),  # (src: refused with its own reason)
+    "union": frozenset({"scaffold"}),
+    "param": _PARAM,
+    "parameter": _PARAM,
+    "scaffold": frozenset({"modules"}),
+    **{role: frozenset() for role in ROLES},
+}
+
+
+def check_attributes(node: Element) -> None:
+    """Refuse an attribute the element does not take: `<module nmae=...>` or `<param len="2"
+    length="50">` were read as if the typo or the second length were not there."""
+    allowed = ATTRIBUTES[node.tag]
+    if unknown := sorted(set(node.attrs) - allowed):
+        takes = ", ".join(f"{a}=" for a in sorted(allowed)) or "no attributes"
+        raise MarkupError(f"{node.where()}: <{node.tag}> has {unknown[0]}=; it takes {takes}")
+    if {"len", "length"} <= set(node.attrs):
+        raise MarkupError(f"{node.where()}: <{node.tag}> has len= and length=; give one")
 
 
 @dataclass(frozen=True)
@@ -231,6 +253,8 @@ class _Compiler:
         if isinstance(node, Text):
             return self.text(module, node.text, pos)
         tag = node.tag
+        if tag in ATTRIBUTES:
+            check_attributes(node)
         if tag == "module":
             return self.module(node, pos, module, union)
         if tag == "union":
@@ -379,6 +403,7 @@ def compile_schema(source: str, tokenizer: Any) -> Schema:
     root = parse(source)
     if root.tag != "schema" or not root.attrs.get("name"):
         raise MarkupError(f'{root.where()}: expected <schema name="...">, got <{root.tag}>')
+    check_attributes(root)
     compiler = _Compiler(tokenizer)
     pos = 0
     last_role = None

@@ -25,6 +25,7 @@ from rag_kvcache.markup.language import (
     Text,
     Unit,
     assistant_header,
+    check_attributes,
     find_module,
     parse,
     role_text,
@@ -49,6 +50,7 @@ def compile_prompt(source: str, schemas: dict[str, Schema], tokenizer: Any) -> C
     root = parse(source)
     if root.tag != "prompt":
         raise MarkupError(f'{root.where()}: expected <prompt schema="...">, got <{root.tag}>')
+    check_attributes(root)
     name = root.attrs.get("schema", "")
     if name not in schemas:
         known = ", ".join(sorted(schemas)) or "none"
@@ -174,6 +176,7 @@ def conversation(turns: list[Text | Element], schema: Schema, tokenizer: Any) ->
             continue
         if any(isinstance(c, Element) for c in turn.children):
             raise MarkupError(f"{turn.where()}: a <{turn.tag}> turn of a prompt holds only text")
+        check_attributes(turn)
         prefix, suffix = role_text(tokenizer, turn.tag)
         text = "".join(c.text for c in turn.children if isinstance(c, Text)).strip()
         ids += tokens(prefix) + tokens(text) + tokens(suffix)
