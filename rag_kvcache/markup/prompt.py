@@ -77,7 +77,7 @@ def compile_prompt(source: str, schemas: dict[str, Schema], tokenizer: Any) -> C
     for key, (value, element) in values.items():
         param = schema.params[key]
         text = value.strip()  # an empty argument leaves the slot empty, not a space in it
-        ids = tuple(tokenizer(" " + text, add_special_tokens=False)["input_ids"]) if text else ()
+        ids = tuple(text_ids(tokenizer, " " + text)) if text else ()
         if len(ids) > param.length:
             raise MarkupError(
                 f"{element.where()}: argument {key[1]}={value!r} of module {key[0]!r} is "
@@ -158,14 +158,17 @@ def conversation(turns: list[Text | Element], schema: Schema, tokenizer: Any) ->
     turn; a role element is a turn of its own, as in a schema (an open user turn is closed
     first), and a final user turn is followed by the assistant header, so the model answers."""
 
-    def tokens(text: str) -> list[int]:
+    def tokens(text: str) -> list[int]:  # the chat template's own: its control tokens
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def written(text: str) -> list[int]:  # the prompt writer's: text only
+        return text_ids(tokenizer, text) if text else []
 
     free = " ".join(t.text.strip() for t in turns if isinstance(t, Text) and t.text.strip())
     roles = [t for t in turns if isinstance(t, Element)]
     if not roles:
-        return tokens(" " + free if free else "") + list(schema.tail)
-    ids = tokens(" " + free if free else "") + list(schema.held_back)
+        return written(" " + free if free else "") + list(schema.tail)
+    ids = written(" " + free if free else "") + list(schema.held_back)
     for turn in turns[turns.index(roles[0]) :]:
         if isinstance(turn, Text):
             if turn.text.strip():
@@ -179,8 +182,15 @@ def conversation(turns: list[Text | Element], schema: Schema, tokenizer: Any) ->
         check_attributes(turn)
         prefix, suffix = role_text(tokenizer, turn.tag)
         text = "".join(c.text for c in turn.children if isinstance(c, Text)).strip()
-        ids += tokens(prefix) + tokens(text) + tokens(suffix)
+        ids += tokens(prefix) + written(text) + tokens(suffix)
     return ids + (tokens(assistant_header(tokenizer)) if roles[-1].tag == "user" else [])
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """What a prompt writes (an argument, free text, a turn's text) as text: `<|im_end|>`
+    spelled in it (`&lt;|im_end|&gt;`) is those characters, never the control token, which
+    would end a turn or forge one. Tokenized alone, so no token crosses into the template's."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 def select_units(schema: Schema, imported: set[str]) -> tuple[Unit, ...]:
