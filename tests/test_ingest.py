@@ -438,3 +438,29 @@ def test_commands_report_bad_input_without_a_traceback(tmp_path: Path, capsys) -
     assert "error:" in out and "sink tokens" in out and "Traceback" not in out
     assert main(["query", "When?", "--strategy", "bogus:1", *store]) == 1
     assert "unknown link strategy" in capsys.readouterr().out
+
+
+def test_a_long_text_is_embedded_from_its_head_with_the_same_tokens() -> None:
+    """The embedding model reads 256 tokens, but its tokenizer read a whole text first: a 7 MB
+    question took seconds. `Embedder.head` cuts the text where its first 256 tokens are all
+    in: the tokens the model reads are the same."""
+    embedder = Embedder.shared()
+
+    def read(text: str) -> list[int]:
+        ids = embedder.tokenizer(text, truncation=True, max_length=embedder.max_tokens)
+        return list(ids["input_ids"])
+
+    prose = "The Hallam Point lighthouse, designed by Mara Quell, was first lit in 1788. " * 400
+    texts = {
+        "prose": prose,
+        "control characters between words": "\x1c".join(prose.split(" ")),
+        "CJK and punctuation": "灯塔。" * 3000 + " ... !? " * 2000 + prose,
+        "short": "How deep is the harbor?",
+        "one long word": "x" * 100_000,
+    }
+    for name, text in texts.items():
+        head = embedder.head(text)
+        assert read(head) == read(text), name
+        if name in ("prose", "control characters between words"):
+            assert len(head) < len(text) / 10, name
+    assert embedder.head("How deep is the harbor?") == "How deep is the harbor?"
