@@ -258,8 +258,12 @@ class RagKVCache:
         return hits
 
     def expire_cache(self, cache_id: str) -> bool:
-        """Forget a chunk's KV; later requests naming it get UnknownCacheIdError."""
-        return self.store.remove(cache_id)
+        """Forget a chunk's KV; later requests naming it get UnknownCacheIdError, and
+        retrieval no longer finds it (its documents no longer list it)."""
+        removed = self.store.remove(cache_id)
+        if removed and self.store.catalog is not None and self.store.root is not None:
+            self.corpus.forget([cache_id])
+        return removed
 
     # ------------------------------------------------------------------ answering
 

@@ -275,6 +275,21 @@ def test_a_chunk_shared_by_two_documents_outlives_either(engine) -> None:
     assert engine.retrieve("ferries cancelled festival", 1)[0].source == "b.md"
 
 
+def test_an_expired_chunk_leaves_the_index_here_and_in_other_workers(engine) -> None:
+    """expire_cache removed the chunk from the store but not from the index: the saved index
+    listed it (`verify` reported damage, `gc` kept it), and a search spent top_k on it."""
+    other = RagKVCache(engine.config, lm=engine.lm)  # another worker, its index loaded
+    ingested = engine.ingest_document("tide.md", ["High tide is at noon.", "Low tide at six."])
+    assert len(other.retrieve("tide", 50)) == len(engine.retrieve("tide", 50))
+    assert engine.expire_cache(ingested.cache_ids[0])
+    saved = set((engine.store.root / "index.ids").read_text(encoding="ascii").split())
+    assert saved == engine.corpus.catalog.documented_ids()  # what verify checks
+    for worker in (engine, other):
+        hits = worker.retrieve("tide", 50)
+        assert ingested.cache_ids[0] not in {h.cache_id for h in hits}
+        assert len(hits) == len(saved)  # none of top_k spent on the expired chunk
+
+
 def test_a_chunk_that_is_not_unicode_is_refused_before_anything_is_stored(engine) -> None:
     """A lone surrogate (what a JSON `\\ud800` escape decodes to) is named, not a codec error
     from hashing the document, and the document's other chunks are not stored either."""

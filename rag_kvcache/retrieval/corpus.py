@@ -67,6 +67,12 @@ class Corpus:
         self._changed([], orphans)
         return orphans
 
+    def forget(self, cache_ids: list[str]) -> None:
+        """Chunks the store no longer holds (expired) leave the index, here and, by the version
+        counter, in every process: the saved index listed them, which `verify` reports as
+        damage, and a search spent its top_k on them."""
+        self._changed([], cache_ids)
+
     def _changed(self, listed: list[str], orphans: list[str]) -> None:
         for cache_id in orphans:
             self.store.remove(cache_id)
