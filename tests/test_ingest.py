@@ -382,6 +382,14 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
     assert len(answers) == len(turns) and len(set(answers)) == len(answers), answers
     assert all(right in answer for (_, right), answer in zip(turns, answers)), answers
 
+    # one question the engine refuses (past the window) is said, and the session goes on
+    lines = "town " * 20_000 + "\n" + turns[0][0] + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["chat", "--max-new-tokens", "16", *store]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "error: the question is" in out and "ask a shorter question" in out
+    assert out.count("TTFT") == 1 and "TK-7" in out.split("ask a shorter question")[1]
+
     empty_store = ["--store", str(tmp_path / "empty-store")]
     assert main(["query", question, *empty_store]) == 1
     assert "ingest" in capsys.readouterr().out

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rag_kvcache.chat import earlier_answers, unless_repeated
+from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.strategy import DEFAULT, Strategy
 from rag_kvcache.tools.cli.common import engine_options, open_engine
 
@@ -190,6 +191,11 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             break
         if not question or question == "/quit":
             break
-        answer = ask(question, history)
+        try:
+            answer = ask(question, history)
+        except RagKVCacheError as error:  # this question's (too long, not text, a chunk gone):
+            # said, and the session goes on with its history; one bad line ended it
+            console.print(Text.assemble(("error: ", "red"), str(error)), highlight=False)
+            continue
         history += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return 0
