@@ -17,7 +17,7 @@ from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
 from rag_kvcache.errors import ConfigError, StoreFullError
 from rag_kvcache.ingest import plan_ingest, prune, read_text, run_ingest
-from rag_kvcache.integrations.llama_index.splitter import split_text
+from rag_kvcache.integrations.llama_index.splitter import split_text, token_splitter
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.tools.cli import main
@@ -335,6 +335,23 @@ def test_the_splitter_counts_model_tokens(smol) -> None:
     chunks = split_text(smol.tokenizer, chunk_tokens=64)(text)
     sizes = [len(smol.tokenizer.encode(c, add_special_tokens=False)) for c in chunks]
     assert len(chunks) > 3 and max(sizes) <= 64
+
+
+def test_a_long_run_without_spaces_is_cut_by_tokens(tiny_tokenizer) -> None:
+    """SentenceSplitter cut a run with no whitespace character by character, tokenizing as it
+    went (a 50 MB line ran for minutes in planning); such runs are cut by tokens, in pieces
+    of the text itself, and text without one is split as before."""
+    split = split_text(tiny_tokenizer, chunk_tokens=64)
+    run = "x7" * 50_000 + "\u00e9\u00e9\u706f\u5854" * 200  # multi-byte characters too
+    text = "The harbor is deep.\n\n" + run + "\n\nThe ferry leaves at dawn."
+    chunks = split(text)
+    assert chunks[0] == "The harbor is deep." and chunks[-1] == "The ferry leaves at dawn."
+    assert "".join(chunks[1:-1]) == run  # every character kept, none cut in two
+    sizes = [len(tiny_tokenizer.encode(c, add_special_tokens=False)) for c in chunks[1:-1]]
+    assert max(sizes) <= 64 + 2 and len(chunks) > 100  # (a cut may merge differently)
+    prose = (DATA / "01_harbor_town_of_velmora.md").read_text()
+    plain = token_splitter(tiny_tokenizer, chunk_tokens=64).split_text
+    assert split(prose) == plain(prose)
 
 
 # ----------------------------------------------------------------------------- the commands
