@@ -260,8 +260,12 @@ class RagKVCache:
     def expire_cache(self, cache_id: str) -> bool:
         """Forget a chunk's KV; later requests naming it get UnknownCacheIdError, and
         retrieval no longer finds it (its documents no longer list it)."""
+        catalog = self.store.catalog  # (anything but a string: the store's error, below)
+        documented = False
+        if catalog is not None and isinstance(cache_id, str):
+            documented = bool(catalog.sources([cache_id]))
         removed = self.store.remove(cache_id)
-        if removed and self.store.catalog is not None and self.store.root is not None:
+        if removed and documented:  # (a chunk no document lists needs no embedding model)
             self.corpus.forget([cache_id])
         return removed
 
