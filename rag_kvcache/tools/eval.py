@@ -783,11 +783,9 @@ def item_result(row: dict[str, Any]) -> ItemResult:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{name} must be a number, not {value!r}")
     # a value no measurement gives: an F1 of 7 or a negative TTFT would skew every summary
-    shares = [result.f1, result.exact_match, result.top1]
-    if not all(0 <= v <= 1 for v in shares[:2]) or not (
-        math.isnan(shares[2]) or 0 <= shares[2] <= 1
-    ):
-        raise ValueError(f"f1, exact_match and top1 are shares in [0, 1], not {shares}")
+    f1, em, top1 = result.f1, result.exact_match, result.top1
+    if not (0 <= f1 <= 1 and 0 <= em <= 1 and (math.isnan(top1) or 0 <= top1 <= 1)):
+        raise ValueError(f"f1, exact_match and top1 are shares in [0, 1], not {[f1, em, top1]}")
     if not (math.isnan(result.kl) or 0 <= result.kl < math.inf):
         raise ValueError(f"kl must be finite and at least 0, not {result.kl!r}")
     if not all(0 < t < math.inf for t in (result.ttft_s, result.prefill_ttft_s)):
