@@ -29,6 +29,7 @@ from collections.abc import (
 )
 from typing import Any
 
+from rag_kvcache.chat_text import ChatText, Piece
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.prompt import PromptTemplate
 
@@ -45,13 +46,13 @@ def chat_question(
     system_prompt: str,
     messages: Sequence[Message],
     history_turns: int | None = HISTORY_TURNS,
-) -> str:
+) -> ChatText:
     """The question of a linked prompt that answers the last (user) message of a chat.
 
     System (or developer) messages are the caller's instructions: their text leads the
     question (the engine's own system prompt, whose KV is cached, stays first). Of the earlier
     turns, the last `history_turns` exchanges (None: all) are rendered as the chat template
-    renders them.
+    renders them. The messages' text is read as text (`ChatText`), the template's as written.
     """
     instructions = [m["content"].strip() for m in messages if m["role"] in INSTRUCTION_ROLES]
     turns = [{"role": m["role"], "content": m["content"].strip()} for m in messages]
@@ -62,28 +63,29 @@ def chat_question(
         raise ConfigError("a chat must end with the user's message")
     *history, last = turns
     history = _shown(history, history_turns)
-    question = _rendered(template, tokenizer, system_prompt, [*history, last])
-    return "\n\n".join([*(i for i in instructions if i), question])
+    pieces: list[Piece] = []
+    for text in (i for i in instructions if i):
+        pieces += [(text, True), ("\n\n", False)]
+    pieces += _rendered(template, tokenizer, system_prompt, [*history, last]).pieces()
+    return ChatText.from_pieces(pieces)
 
 
 def _rendered(
     template: PromptTemplate, tokenizer: Any, system_prompt: str, turns: list[dict[str, str]]
-) -> str:
+) -> ChatText:
     """User/assistant turns (starting and ending with the user's) as the question's text."""
     if len(turns) == 1:
-        return turns[0]["content"]
+        return ChatText.from_pieces([(turns[0]["content"], True)])
     system = {"role": "system", "content": system_prompt}
     rendered = template.render_chat(tokenizer, [system, *turns])
     if rendered.startswith(template.prefix) and rendered.endswith(template.suffix):
-        return rendered[len(template.prefix) : len(rendered) - len(template.suffix)]
+        return rendered.cut(len(template.prefix), len(rendered) - len(template.suffix))
     # no chat template: the layout's own "Question: ...<suffix> answer" form
-    text = turns[0]["content"]
+    pieces: list[Piece] = [(turns[0]["content"], True)]
     for turn in turns[1:]:
-        if turn["role"] == "user":
-            text += f"\n\nQuestion: {turn['content']}"
-        else:
-            text += f"{template.suffix} {turn['content']}"
-    return text
+        glue = "\n\nQuestion: " if turn["role"] == "user" else f"{template.suffix} "
+        pieces += [(glue, False), (turn["content"], True)]
+    return ChatText.from_pieces(pieces)
 
 
 def earlier_answers(

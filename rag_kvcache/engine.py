@@ -23,6 +23,7 @@ from rag_kvcache.answer import (
     prompt_in_position_order,
 )
 from rag_kvcache.chat import HISTORY_TURNS, Message, chat_question
+from rag_kvcache.chat_text import ChatText
 from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, StoreConfig
 from rag_kvcache.errors import (
     CalibrationError,
@@ -292,6 +293,9 @@ class RagKVCache:
     ) -> Answer | AnswerStream:
         """Answer `query` over the cached chunks, in order, after the system prompt.
 
+        The query is the user's text, read as text (a control token spelled in it is
+        characters); a chat's question (`chat_question`) keeps its template's control tokens.
+
         strategy: how the context is computed (default: the config's); `prefill` is the plain
         baseline. With stream=True, an AnswerStream of text pieces. Sampling settings left
         None are the engine's (`GenerationConfig`; temperature 0 is greedy).
@@ -341,7 +345,8 @@ class RagKVCache:
         seed: int | None = None,
     ) -> Answer | AnswerStream:
         """Plain generation from an already formatted prompt (no cached chunks): what any LLM
-        does. The prompt is tokenized as is (no special tokens added), prefilled, and decoded."""
+        does. The prompt is tokenized as is (no special tokens added; control tokens spelled
+        in it are tokens, except in the messages of a `chat_prompt`), prefilled, and decoded."""
         ids = self.prompt_tokens(prompt)
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
@@ -410,15 +415,17 @@ class RagKVCache:
             raise ConfigError("the prompt is empty: give the text to continue")
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """Render chat messages ({"role", "content"}) with the model's own chat template."""
+    def chat_prompt(self, messages: list[dict[str, str]]) -> ChatText:
+        """Render chat messages ({"role", "content"}) with the model's own chat template,
+        for `complete`: the messages' text is read as text, never as control tokens."""
         return self.template.render_chat(self.lm.tokenizer, messages)
 
     def chat_question(
         self, messages: Sequence[Message], history_turns: int | None = HISTORY_TURNS
-    ) -> str:
+    ) -> ChatText:
         """The question for `generate` that answers a chat's last (user) message over linked
-        chunks: earlier turns rendered as the chat template renders them (see `chat`)."""
+        chunks: earlier turns rendered as the chat template renders them (see `chat`), the
+        messages' text read as text (`ChatText`)."""
         return chat_question(
             self.template, self.lm.tokenizer, self.config.system_prompt, messages, history_turns
         )

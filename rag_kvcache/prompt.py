@@ -7,12 +7,15 @@ question sit in the user turn).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from rag_kvcache.chat_text import ChatText, Piece, pieces_ids, pieces_of, stripped
 from rag_kvcache.errors import ConfigError
 
 MARKER = "\x00RAG_KVCACHE_USER\x00"
+MESSAGE_MARKER = "\x00RAG_KVCACHE_MESSAGE_{}\x00"  # where message i's content goes
 
 
 def check_text(text: str) -> str:
@@ -48,27 +51,36 @@ class PromptTemplate:
         return cls(system_prompt + "\n\n", "\nAnswer:")
 
     @staticmethod
-    def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-        """Chat messages as the model's chat template renders them, ready for the reply. A
-        chat the template refuses (e.g. two user turns in a row, where turns must alternate) is
-        a ConfigError naming the template's reason."""
+    def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> ChatText:
+        """Chat messages as the model's chat template renders them, ready for the reply; the
+        messages' text is the users' (`ChatText`: read as text, never as control tokens). A
+        chat the template refuses (e.g. two user turns in a row, where turns must alternate)
+        is a ConfigError naming the template's reason."""
         for message in messages:  # a bad character named where the client wrote it
             check_text(message["content"])
-        if getattr(tokenizer, "chat_template", None):
-            from jinja2 import TemplateError
-
-            try:
-                rendered = tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-            except TemplateError as e:
-                raise ConfigError(f"the model's chat template refuses these messages: {e}") from e
-            return str(rendered)
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join(lines) + "\nassistant:"
+        if not getattr(tokenizer, "chat_template", None):
+            pieces: list[Piece] = []
+            for i, m in enumerate(messages):
+                pieces += [(("\n" if i else "") + f"{m['role']}: ", False), (m["content"], True)]
+            return ChatText.from_pieces([*pieces, ("\nassistant:", False)])
+        rendered = _apply_template(tokenizer, messages)
+        # rendered again with a marker for each message's content, to find where each lies
+        marked = [{**m, "content": MESSAGE_MARKER.format(i)} for i, m in enumerate(messages)]
+        parts = re.split(MESSAGE_MARKER.format("([0-9]+)"), _apply_template(tokenizer, marked))
+        if parts[1::2] == [str(i) for i in range(len(messages))]:
+            pieces = [(parts[0], False)]
+            for i, m in enumerate(messages):
+                pieces += [(m["content"], True), (parts[2 * i + 2], False)]
+            found = ChatText.from_pieces(pieces)
+            if found == rendered:
+                return found
+        # a template that rewrites what it is given: its text is all the template's
+        return ChatText(rendered)
 
     def tokenize(self, tokenizer: Any, text: str) -> list[int]:
-        return list(tokenizer(check_text(text), add_special_tokens=False)["input_ids"])
+        """A prompt's tokens as written: control tokens spelled in it are tokens, except
+        where a `ChatText` says a user wrote them."""
+        return pieces_ids(tokenizer, pieces_of(check_text(text), by_user=False))
 
     def prefix_ids(self, tokenizer: Any) -> list[int]:
         return self.tokenize(tokenizer, self.prefix)
@@ -83,10 +95,27 @@ class PromptTemplate:
         return list(ids)
 
     def question_ids(self, tokenizer: Any, question: str) -> list[int]:
-        """The question's tokens as the prompt holds them; an empty or blank question is an
-        error (there is nothing to answer: the model would only continue the documents)."""
+        """The question's tokens as the prompt holds them. The question is the user's text,
+        read as text (`<|im_end|>` in it is characters); a `ChatText` (a chat's question) keeps
+        its template's control tokens. An empty or blank question is an error (there is
+        nothing to answer: the model would only continue the documents)."""
         if not isinstance(question, str):
             raise ConfigError(f"the question must be text (str), not {type(question).__name__}")
-        if not question.strip():
+        asked = stripped(pieces_of(check_text(question), by_user=True))
+        if not asked:
             raise ConfigError(f"the question is empty ({question!r}): ask something")
-        return self.tokenize(tokenizer, "Question: " + question.strip() + self.suffix)
+        return pieces_ids(tokenizer, [("Question: ", False), *asked, (self.suffix, False)])
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The chat template's text for `messages`, ready for the reply (its refusal a
+    ConfigError)."""
+    from jinja2 import TemplateError
+
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError as e:
+        raise ConfigError(f"the model's chat template refuses these messages: {e}") from e
+    return str(rendered)
