@@ -28,6 +28,7 @@ from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, Sto
 from rag_kvcache.errors import (
     CalibrationError,
     ConfigError,
+    ContextTooLongError,
     EmptyChunkError,
     EngineClosedError,
     FingerprintMismatchError,
@@ -276,7 +277,7 @@ class RagKVCache:
         """The full prompt, token for token, that linking reproduces (for the baseline)."""
         chunks = self.store.get([self.prefix_id, *cache_ids])
         return prompt_in_position_order(
-            chunks, self.template.question_ids(self.lm.tokenizer, query)
+            chunks, self._question_ids(query)
         )
 
     def generate(
@@ -301,7 +302,7 @@ class RagKVCache:
         None are the engine's (`GenerationConfig`; temperature 0 is greedy).
         """
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        question = self.template.question_ids(self.lm.tokenizer, query)
+        question = self._question_ids(query)
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
@@ -365,7 +366,7 @@ class RagKVCache:
         forcing), over the context `generate` would compute: how close a strategy's
         distributions stay to another's."""
         strategy = Strategy.parse(strategy)
-        question = self.template.question_ids(self.lm.tokenizer, query)
+        question = self._question_ids(query)
         chunks = self.store.get([self.prefix_id, *strategy.arrange(cache_ids)])
         calibration = self.calibration() if strategy.calibrated else None
         prepared = prepare(
@@ -407,13 +408,34 @@ class RagKVCache:
         data = calibration.to_bytes()
         return self.store.put_calibration(self.lm.fingerprint, self.doc_settings.key(), data)
 
+    def _question_ids(self, query: str) -> list[int]:
+        """The question's token ids as the linked prompt holds them (`PromptTemplate`)."""
+        self._check_length(query, "question")
+        return self.template.question_ids(self.lm.tokenizer, query)
+
     def prompt_tokens(self, prompt: str) -> list[int]:
         """A plain prompt's token ids, as `complete` prefills them; an empty prompt is a
         ConfigError (there is nothing to continue)."""
+        self._check_length(prompt, "prompt")
         ids = self.template.tokenize(self.lm.tokenizer, prompt)
         if not ids:
             raise ConfigError("the prompt is empty: give the text to continue")
         return ids
+
+    @cached_property
+    def _longest_token(self) -> int:
+        """The most characters one token spells (its vocabulary's longest entry)."""
+        return max((len(t) for t in self.lm.tokenizer.get_vocab()), default=1)
+
+    def _check_length(self, text: str, what: str) -> None:
+        """A text too long for the window is refused before it is tokenized (a few MB take
+        seconds): past twice the characters the window's tokens can spell (the margin for a
+        normalizer that joins characters), it cannot fit."""
+        if isinstance(text, str) and len(text) > 2 * self.lm.max_context * self._longest_token:
+            raise ContextTooLongError(
+                f"the {what} is {len(text):,} characters: more tokens than the model's window "
+                f"of {self.lm.max_context} holds; send a shorter {what}"
+            )
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> ChatText:
         """Render chat messages ({"role", "content"}) with the model's own chat template,
@@ -602,7 +624,7 @@ class RagKVCache:
         self, query: str, cache_ids: list[str], strategy: Strategy, generation: GenerationConfig
     ) -> LoopRequest:
         check_batchable(strategy)
-        question = self.template.question_ids(self.lm.tokenizer, query)
+        question = self._question_ids(query)
         path = (self.prefix_id, *strategy.arrange(cache_ids))
         return LoopRequest(path, tuple(question), generation, strategy)
 

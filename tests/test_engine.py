@@ -18,6 +18,7 @@ from rag_kvcache import (
     UnknownCacheIdError,
 )
 from rag_kvcache.link.linker import link, link_reference
+from rag_kvcache.prompt import PromptTemplate
 from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.serving.decoding import prefill
 from rag_kvcache.strategy import Strategy
@@ -114,6 +115,40 @@ def test_bad_input(tiny_engine, tiny32) -> None:
     stranger = tiny_engine.generate_context_cache(["only the float64 model encoded this"])
     with pytest.raises(FingerprintMismatchError, match="re-encode"):
         other.generate("q", stranger)
+
+
+def test_a_text_too_long_for_the_window_is_refused_before_it_is_tokenized(
+    tiny_engine, monkeypatch
+) -> None:
+    """A few MB of question or prompt took seconds to tokenize only to be refused: past
+    twice the characters the window's tokens can spell, it is refused unread. Under that, the
+    tokens decide (as before)."""
+    short = tiny_engine.generate_context_cache(["The harbor is deep."])
+    longest = max(len(t) for t in tiny_engine.lm.tokenizer.get_vocab())
+    limit = 2 * tiny_engine.lm.max_context * longest
+    read: list[int] = []
+
+    def counted(original):
+        def tokenize(self, tokenizer, text):
+            read.append(len(text))
+            return original(self, tokenizer, text)
+
+        return tokenize
+
+    for name in ("question_ids", "tokenize"):
+        monkeypatch.setattr(PromptTemplate, name, counted(getattr(PromptTemplate, name)))
+    huge = "harbor " * (limit // 7 + 1)
+    with pytest.raises(ContextTooLongError, match=f"{len(huge):,} characters: more tokens"):
+        tiny_engine.generate(huge, short)
+    with pytest.raises(ContextTooLongError, match="send a shorter prompt"):
+        tiny_engine.complete(huge)
+    with pytest.raises(ContextTooLongError, match="send a shorter question"):
+        tiny_engine.generate_batch([BatchRequest(huge, short)])
+    assert read == []
+    under = huge[: limit - 7]  # tokenized: then past the window by its tokens
+    with pytest.raises(ContextTooLongError, match="ask a shorter question"):
+        tiny_engine.generate(under, short)
+    assert read == [len(under)]
 
 
 def test_sampling_is_reproducible(tiny_engine) -> None:
