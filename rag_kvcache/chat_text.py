@@ -89,14 +89,14 @@ def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:
     tokens, those a user spelled are characters."""
     controls = control_tokens(tokenizer)
     whole = "".join(p for p, _ in pieces)
-    if not any(c in p for p, by_user in pieces if by_user for c in controls):
+    control = re.compile("|".join(re.escape(c) for c in controls))
+    if not controls or not _spelled_by_user(control, len(controls[0]), pieces, whole):
         return list(tokenizer(whole, add_special_tokens=False)["input_ids"])
 
     def as_text(text: str) -> list[int]:
         ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return list(ids) if text else []
 
-    control = re.compile("|".join(re.escape(c) for c in controls))
     ids: list[int] = []
     text = ""  # read as text, up to the template's next control token
     for piece, by_user in pieces:
@@ -110,3 +110,20 @@ def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:
             text, at = "", match.end()
         text += piece[at:]
     return ids + as_text(text)
+
+
+def _spelled_by_user(
+    control: re.Pattern[str], longest: int, pieces: list[Piece], whole: str
+) -> bool:
+    """Whether a control token's spelling in `whole` takes a character a user wrote (within
+    one user's piece, across two, or across a user's and the template's)."""
+    at = 0
+    for piece, by_user in pieces:
+        start, end = at, at + len(piece)
+        at = end
+        if not by_user:
+            continue
+        near = control.finditer(whole, max(0, start - longest + 1), end + longest - 1)
+        if any(m.start() < end and m.end() > start for m in near):
+            return True
+    return False

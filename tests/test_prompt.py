@@ -85,6 +85,16 @@ def test_control_tokens_a_user_spelled_keep_the_rest_tokenized_as_a_whole(tiny_t
     ids = pieces_ids(tiny_tokenizer, hostile)
     assert special_count(tiny_tokenizer, ids) == special_count(tiny_tokenizer, whole) == 2
     assert tiny_tokenizer.decode(ids) == "".join(p for p, _ in hostile)
+    # a spelling a user's text completes (two users' pieces, or the template's and a user's)
+    # is characters too; the template's own tokens stay tokens
+    for parts, controls in (
+        ([("<|im_start|>user\n", False), ("a <|im_", True), ("end|> b", True)], 1),
+        ([("<|im_start|>user\n<|im_", False), ("end|> b", True), ("<|im_end|>", False)], 2),
+        ([("<|im_start|>user\n", False), ("a <|im_e", True), ("nd|>", False)], 1),
+    ):
+        ids = pieces_ids(tiny_tokenizer, parts)
+        assert tiny_tokenizer.decode(ids) == "".join(p for p, _ in parts)
+        assert special_count(tiny_tokenizer, ids) == controls
 
 
 def test_chat_text_keeps_the_users_spans() -> None:
