@@ -407,6 +407,22 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
     assert "error: the question is" in out and "ask a shorter question" in out
     assert out.count("TTFT") == 1 and "TK-7" in out.split("ask a shorter question")[1]
 
+    # commands: an unknown one is said, not asked; /clear starts a new conversation
+    asked: list[int] = []
+    chat_question = RagKVCache.chat_question
+
+    def spy(self, messages, *args, **kwargs):
+        asked.append(len(messages))
+        return chat_question(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(RagKVCache, "chat_question", spy)
+    lines = f"/quti\n/help\n{turns[0][0]}\n/clear\n{turns[1][0]}\n/exit\n{turns[2][0]}\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["chat", "--max-new-tokens", "4", *store]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "unknown command /quti" in out and out.count("Commands: /clear") == 3
+    assert "forgotten" in out and out.count("TTFT") == 2 and asked == [1, 1]
+
     empty_store = ["--store", str(tmp_path / "empty-store")]
     assert main(["query", question, *empty_store]) == 1
     assert "ingest" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -119,6 +120,9 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+COMMANDS = "Commands: /clear forgets the conversation, /quit (or /exit) ends it, /help."
+
+
 def answer_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.answer import Answer, AnswerStream
     from rag_kvcache.errors import ConfigError
@@ -183,14 +187,22 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
         ask(args.question, [])
         return 0
     history: list[dict[str, str]] = []
-    console.print("Ask about the ingested documents (empty line or /quit to end).")
+    console.print(f"Ask about the ingested documents (empty line or /quit to end). {COMMANDS}")
     while True:
         try:
             question = console.input("[bold]> [/bold]").strip()
         except EOFError:
             break
-        if not question or question == "/quit":
+        if not question or question in ("/quit", "/exit"):
             break
+        if question == "/clear":  # a new conversation over the same documents
+            history = []
+            console.print("The conversation so far is forgotten.")
+            continue
+        if re.fullmatch(r"/[A-Za-z]+", question):  # a command, not a question ("/help" too)
+            said = "" if question == "/help" else f"unknown command {question}. "
+            console.print(said + COMMANDS, markup=False, highlight=False)
+            continue
         try:
             answer = ask(question, history)
         except RagKVCacheError as error:  # this question's (too long, not text, a chunk gone):
