@@ -9,13 +9,23 @@ HTML is safe; any string operation on it gives a plain `str` again.
 
 Tokens: text whose users' words spell no control token is tokenized whole, exactly as before;
 otherwise it is cut at the template's control tokens only, and the text between them is
-tokenized with every control spelling read as characters (tokenizers cut at control tokens
-first, so ordinary text gets the same tokens either way).
+tokenized with every control spelling read as characters. Tokenizers cut at control tokens
+first, so for byte-level BPE (SmolLM2, Llama 3, Qwen, GPT) the rest gets the same tokens
+either way; a SentencePiece tokenizer that marks only the start of a text (`prepend_scheme
+= "first"`) marks each cut text's start there too.
+
+Text is read as characters by a copy of the tokenizer (`text_reader`), never by passing
+`split_special_tokens=True` to the shared one: that flips a setting of the one Rust tokenizer
+every call shares, and a call in another thread meanwhile (the server's requests tokenize in
+worker threads) would read a user's `<|im_end|>` as the token, or the template's as text.
 """
 
 from __future__ import annotations
 
+import copy
 import re
+import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -84,6 +94,14 @@ def control_tokens(tokenizer: Any) -> list[str]:
     return sorted((t for t in found if t), key=len, reverse=True)  # longest first
 
 
+def count_controls(tokenizer: Any, text: str) -> int:
+    """How many control tokens `text` spells."""
+    controls = control_tokens(tokenizer)
+    if not controls:
+        return 0
+    return sum(1 for _ in re.finditer("|".join(re.escape(c) for c in controls), text))
+
+
 def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:
     """Token ids of the pieces back to back: the control tokens the template wrote are
     tokens, those a user spelled are characters."""
@@ -94,8 +112,7 @@ def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:
         return list(tokenizer(whole, add_special_tokens=False)["input_ids"])
 
     def as_text(text: str) -> list[int]:
-        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return list(ids) if text else []
+        return text_ids(tokenizer, text)
 
     ids: list[int] = []
     text = ""  # read as text, up to the template's next control token
@@ -127,3 +144,26 @@ def _spelled_by_user(
         if any(m.start() < end and m.end() > start for m in near):
             return True
     return False
+
+
+_readers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_readers_lock = threading.Lock()
+
+
+def text_reader(tokenizer: Any) -> Any:
+    """A copy of `tokenizer` that reads every control spelling as characters (made once per
+    tokenizer; see the module's note on threads)."""
+    with _readers_lock:
+        reader = _readers.get(tokenizer)
+        if reader is None:
+            reader = copy.deepcopy(tokenizer)
+            reader.split_special_tokens = True  # its default for every call, never flipped
+            _readers[tokenizer] = reader
+    return reader
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """`text`'s token ids as characters only: `<|im_end|>` in it is those characters."""
+    if not text:
+        return []
+    return list(text_reader(tokenizer)(text, add_special_tokens=False)["input_ids"])

@@ -276,9 +276,7 @@ class RagKVCache:
     def prompt_ids(self, query: str, cache_ids: list[str]) -> list[int]:
         """The full prompt, token for token, that linking reproduces (for the baseline)."""
         chunks = self.store.get([self.prefix_id, *cache_ids])
-        return prompt_in_position_order(
-            chunks, self._question_ids(query)
-        )
+        return prompt_in_position_order(chunks, self._question_ids(query))
 
     def generate(
         self,

@@ -11,7 +11,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rag_kvcache.chat_text import ChatText, Piece, pieces_ids, pieces_of, stripped
+from rag_kvcache.chat_text import (
+    ChatText,
+    Piece,
+    count_controls,
+    pieces_ids,
+    pieces_of,
+    stripped,
+    text_ids,
+)
 from rag_kvcache.errors import ConfigError
 
 MARKER = "\x00RAG_KVCACHE_USER\x00"
@@ -67,15 +75,23 @@ class PromptTemplate:
         # rendered again with a marker for each message's content, to find where each lies
         marked = [{**m, "content": MESSAGE_MARKER.format(i)} for i, m in enumerate(messages)]
         parts = re.split(MESSAGE_MARKER.format("([0-9]+)"), _apply_template(tokenizer, marked))
-        if parts[1::2] == [str(i) for i in range(len(messages))]:
-            pieces = [(parts[0], False)]
-            for i, m in enumerate(messages):
-                pieces += [(m["content"], True), (parts[2 * i + 2], False)]
-            found = ChatText.from_pieces(pieces)
-            if found == rendered:
-                return found
-        # a template that rewrites what it is given: its text is all the template's
-        return ChatText(rendered)
+        found = [int(i) for i in parts[1::2]]
+        if all(i < len(messages) for i in found):  # (a marker spelled in a role names none)
+            for read in (str, str.strip):  # as given, or trimmed as many templates do
+                pieces = [(parts[0], False)]
+                for i, after in zip(found, parts[2::2], strict=True):
+                    pieces += [(read(messages[i]["content"]), True), (after, False)]
+                if (text := ChatText.from_pieces(pieces)) == rendered:
+                    return text
+        # the template rewrote the messages: safe only if they hold no control token of their own
+        own = "".join(parts[0::2])
+        if count_controls(tokenizer, rendered) == count_controls(tokenizer, own):
+            return ChatText(rendered)
+        raise ConfigError(
+            "a message spells a control token, and this model's chat template changes the "
+            "messages it is given, so their text cannot be told from the template's: remove "
+            "the spelling from the message"
+        )
 
     def tokenize(self, tokenizer: Any, text: str) -> list[int]:
         """A prompt's tokens as written: control tokens spelled in it are tokens, except
@@ -90,9 +106,7 @@ class PromptTemplate:
         text only: a document that spells a control token (`<|im_end|>`, `<|endoftext|>`: a
         page about tokenizers, or one written to end the user turn early) holds those
         characters, never the token, which would end a turn or the text inside the KV."""
-        text = check_text(text.strip() + "\n\n")
-        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return list(ids)
+        return text_ids(tokenizer, check_text(text.strip() + "\n\n"))
 
     def question_ids(self, tokenizer: Any, question: str) -> list[int]:
         """The question's tokens as the prompt holds them. The question is the user's text,

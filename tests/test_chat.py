@@ -121,20 +121,55 @@ def test_a_chats_messages_are_read_as_text(tiny_tokenizer, templated) -> None:
     )
 
 
-def test_a_template_that_rewrites_the_messages_still_renders(tiny_tokenizer) -> None:
-    """Where the template changes a message's text (here, upper case), the users' spans
-    cannot be found in its output: the rendering is the template's as a whole, unchanged."""
-    loud = copy.copy(tiny_tokenizer)
-    loud.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}"
-        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+TURN = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ CONTENT }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "m['content'] | trim",  # Llama 3's templates trim every message
+        "m['content'] if m['role'] != 'system' else ''",  # one that leaves system messages out
+    ],
+)
+def test_messages_are_found_in_templates_that_trim_or_drop_them(tiny_tokenizer, content):
+    """A template that trims the messages or leaves some out still shows where each one it
+    writes lies: a user's control spellings stay characters."""
+    trimming = copy.copy(tiny_tokenizer)
+    trimming.chat_template = TURN.replace("CONTENT", content) + "<|im_start|>assistant\n"
+    template = PromptTemplate.from_tokenizer(trimming, SYSTEM)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": HOSTILE + "\n"}]
+    rendered = template.render_chat(trimming, chat)
+    assert HOSTILE in rendered and rendered.user_spans
+    ids = template.tokenize(trimming, rendered)
+    assert trimming.decode(ids) == rendered
+    plain = template.render_chat(trimming, [chat[0], {"role": "user", "content": "Why?"}])
+    special = set(trimming.all_special_ids)
+    own = sum(i in special for i in template.tokenize(trimming, plain))
+    assert sum(i in special for i in ids) == own
+
+
+def test_a_template_that_rewrites_the_messages_reads_only_its_own_control_tokens(
+    tiny_tokenizer,
+) -> None:
+    """Where the template changes a message's text, the messages cannot be found in its
+    output: it renders as a whole if its messages spell no control token, and a message that
+    spells one is refused (never read as the token)."""
+    rewriting = copy.copy(tiny_tokenizer)
+    rewriting.chat_template = (
+        TURN.replace("CONTENT", "m['content'] | upper") + "<|im_start|>assistant\n"
     )
-    template = PromptTemplate.from_tokenizer(loud, SYSTEM)
-    rendered = template.render_chat(loud, [CHAT[0]])
+    template = PromptTemplate.from_tokenizer(rewriting, SYSTEM)
+    rendered = template.render_chat(rewriting, [CHAT[0]])
     assert rendered == "<|im_start|>user\nWHO DESIGNED THE LIGHTHOUSE?<|im_end|>\n" + (
         "<|im_start|>assistant"
     )
     assert rendered.user_spans == ()
+    shouted = template.render_chat(rewriting, [{"role": "user", "content": HOSTILE}])
+    assert "<|IM_END|>" in shouted  # upper case spells no control token
+    rewriting.chat_template = TURN.replace("CONTENT", "m['content'] | replace('Stop', 'Halt')")
+    with pytest.raises(ConfigError, match="spells a control token"):
+        template.render_chat(rewriting, [{"role": "user", "content": HOSTILE}])
+    assert template.render_chat(rewriting, [{"role": "user", "content": "Stop."}]).user_spans == ()
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 
 from rag_kvcache.chat_text import ChatText, pieces_ids, stripped
+from rag_kvcache.markup.prompt import text_ids as markup_text_ids
 from rag_kvcache.prompt import PromptTemplate
 
 
@@ -113,3 +115,30 @@ def test_chat_text_keeps_the_users_spans() -> None:
         ("a", False),
         ("b", True),
     ]
+
+
+def test_reading_text_never_flips_the_shared_tokenizer(tiny_tokenizer) -> None:
+    """`split_special_tokens=True` flips a setting of the Rust tokenizer that every call
+    shares, so another thread's call meanwhile read a user's `<|im_end|>` as the token, or a
+    template's as text (3.5% of calls with two server threads). Text is read by a copy:
+    the shared tokenizer is never flipped, and threads agree with one thread."""
+    template = PromptTemplate.from_tokenizer(tiny_tokenizer, "Answer.")
+    backend = tiny_tokenizer._tokenizer
+    template.question_ids(tiny_tokenizer, HOSTILE)
+    template.chunk_ids(tiny_tokenizer, HOSTILE)
+    markup_text_ids(tiny_tokenizer, HOSTILE)
+    assert backend.encode_special_tokens is False
+    asked = {q: template.question_ids(tiny_tokenizer, q) for q in (HOSTILE, "When?" * 50)}
+    wrong: list[str] = []
+
+    def ask(question: str) -> None:
+        for _ in range(300):
+            if template.question_ids(tiny_tokenizer, question) != asked[question]:
+                wrong.append(question)
+
+    threads = [threading.Thread(target=ask, args=(q,)) for q in asked]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []

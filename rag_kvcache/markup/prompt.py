@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rag_kvcache import chat_text
 from rag_kvcache.markup.language import (
     ROLES,
     Element,
@@ -190,7 +191,7 @@ def text_ids(tokenizer: Any, text: str) -> list[int]:
     """What a prompt writes (an argument, free text, a turn's text) as text: `<|im_end|>`
     spelled in it (`&lt;|im_end|&gt;`) is those characters, never the control token, which
     would end a turn or forge one. Tokenized alone, so no token crosses into the template's."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    return chat_text.text_ids(tokenizer, text)
 
 
 def select_units(schema: Schema, imported: set[str]) -> tuple[Unit, ...]:
