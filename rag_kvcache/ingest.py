@@ -17,11 +17,12 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from rag_kvcache.config import printable_path
 from rag_kvcache.engine import DocumentIngest, RagKVCache
@@ -120,20 +121,46 @@ def read_text(path: Path, max_bytes: int = MAX_BYTES) -> tuple[str, str]:
     return text, digest.hexdigest()
 
 
+def _opened(path: Path, max_bytes: int) -> tuple[BinaryIO, int]:
+    """The file open for reading and its size now: what is read of it, however it grows
+    meanwhile (a live log appended faster than it is split was read for ever). SkipFile for
+    anything but a regular file of 1 to `max_bytes` bytes; opened without blocking, so a file
+    replaced by a FIFO since it was listed is said, not waited on."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    f = os.fdopen(fd, "rb")
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise SkipFile("not a regular file")
+        if status.st_size == 0:
+            raise SkipFile("empty file")
+        if status.st_size > max_bytes:
+            size, limit = status.st_size / 2**20, max_bytes / 2**20
+            raise SkipFile(f"{size:.1f} MiB is over the {limit:.1f} MiB limit")
+    except BaseException:
+        f.close()
+        raise
+    return f, status.st_size
+
+
+def _blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
+    """The file's first `size` bytes, READ_BYTES at a time."""
+    while size > 0 and (block := f.read(min(READ_BYTES, size))):
+        size -= len(block)
+        yield block
+
+
 def _read_pieces(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
     """The text of a file, a piece at a time as it is read, hashing its bytes into `digest`;
     SkipFile says why it cannot be ingested."""
-    size = path.stat().st_size
-    if size == 0:
-        raise SkipFile("empty file")
-    if size > max_bytes:
-        raise SkipFile(f"{size / 2**20:.1f} MiB is over the {max_bytes / 2**20:.1f} MiB limit")
-    with open(path, "rb") as f:
-        block = f.read(READ_BYTES)
+    f, size = _opened(path, max_bytes)
+    with f:
+        blocks = _blocks(f, size)
+        block = next(blocks, b"")
         if block.startswith(b"%PDF"):
             while block:
                 digest.update(block)
-                block = f.read(READ_BYTES)
+                block = next(blocks, b"")
             yield from _pdf_pages(path)
             return
         if b"\x00" in block[:8192]:
@@ -155,7 +182,7 @@ def _read_pieces(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
             if not block:
                 return
             offset += len(block)
-            block = f.read(READ_BYTES)
+            block = next(blocks, b"")
 
 
 def _segments(pieces: Iterable[str]) -> Iterator[str]:
@@ -240,14 +267,10 @@ def plan_ingest(
 
 def _file_digest(path: Path, max_bytes: int) -> str:
     """sha256 of a file's bytes (read in blocks), after the size checks."""
-    size = path.stat().st_size
-    if size == 0:
-        raise SkipFile("empty file")
-    if size > max_bytes:
-        raise SkipFile(f"{size / 2**20:.1f} MiB is over the {max_bytes / 2**20:.1f} MiB limit")
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(READ_BYTES):
+    f, size = _opened(path, max_bytes)
+    with f:
+        for block in _blocks(f, size):
             digest.update(block)
     return digest.hexdigest()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import rag_kvcache.ingest as ingest_module
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
 from rag_kvcache.errors import ConfigError, StoreFullError
@@ -129,6 +130,47 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(engine, tmp_path: Pat
     assert engine.retrieve("What colour is the lighthouse on Quell Island?", 1)[0].text == (
         "The Quell Island lighthouse is painted red."
     )
+
+
+def test_a_file_growing_while_read_is_read_as_it_was_opened(
+    engine, tmp_path: Path, monkeypatch
+) -> None:
+    """A live log appended to faster than it is split was read for ever (past the size
+    limit, hundreds of MB): a reading stops at the size the file had when opened."""
+    monkeypatch.setattr(ingest_module, "READ_BYTES", 1024)  # small reads and segments: the
+    monkeypatch.setattr(ingest_module, "SEGMENT_CHARS", 1024)  # writer gets in between them
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    log = docs / "live.log"
+    log.write_text("\n\n".join(f"Entry {i}: the ferry left on time." for i in range(400)))
+    size = log.stat().st_size
+    appended: list[int] = []
+
+    def split_while_written(text: str) -> list[str]:
+        if len(appended) < 100:  # a writer appends a little more than each read takes
+            with log.open("a") as f:
+                f.write("\n\nAnother entry." * 80)
+            appended.append(1)
+        return paragraphs(text)
+
+    plan = plan_ingest(engine, [docs], split_while_written, max_bytes=100 * size)
+    assert len(appended) > 5 and log.stat().st_size > 2 * size  # it grew while read
+    assert [d.chunk_count for d in plan.todo] == [400]  # what it held when opened
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_a_file_replaced_by_a_fifo_after_listing_is_said_not_waited_on(engine, tmp_path):
+    docs = tmp_path / "docs"
+    write_docs(docs)
+
+    def swap() -> None:  # between listing the folder and reading its files
+        ferry = docs / "ferry.md"
+        if ferry.is_file():
+            ferry.unlink()
+            os.mkfifo(ferry)
+
+    plan = plan_ingest(engine, [docs], paragraphs, on_file=swap)
+    assert {Path(s.path).name: s.reason for s in plan.skipped} == {"ferry.md": "not a regular file"}
 
 
 def test_read_text_strips_a_byte_order_mark(tmp_path: Path) -> None:
