@@ -465,6 +465,23 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
     assert "unknown command /quti" in out and out.count("Commands: /clear") == 3
     assert "forgotten" in out and out.count("TTFT") == 2 and asked == [1, 1]
 
+    # Ctrl-C while an answer is computed stops that answer; the session and its history go on
+    asked.clear()
+    generate = RagKVCache.generate
+
+    def stopped_once(self, *args, **kwargs):
+        if len(asked) == 1:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(RagKVCache, "generate", stopped_once)
+    lines = "".join(f"{question}\n" for question, _ in turns)
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["chat", "--max-new-tokens", "4", *store]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("answer stopped") == 1 and out.count("TTFT") == 2
+    assert asked == [1, 1, 3]  # the stopped answer left no turn behind
+
     empty_store = ["--store", str(tmp_path / "empty-store")]
     assert main(["query", question, *empty_store]) == 1
     assert "ingest" in capsys.readouterr().out

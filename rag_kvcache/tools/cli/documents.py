@@ -209,5 +209,8 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             # said, and the session goes on with its history; one bad line ended it
             console.print(Text.assemble(("error: ", "red"), str(error)), highlight=False)
             continue
+        except KeyboardInterrupt:  # Ctrl-C stops this answer, not the session (nor its history)
+            console.print("\n[red]answer stopped[/red] (Ctrl-C at the prompt, or /quit, ends)")
+            continue
         history += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return 0
