@@ -458,7 +458,7 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
         return chat_question(self, messages, *args, **kwargs)
 
     monkeypatch.setattr(RagKVCache, "chat_question", spy)
-    lines = f"/quti\n/help\n{turns[0][0]}\n/clear\n{turns[1][0]}\n/exit\n{turns[2][0]}\n"
+    lines = f"/quti\n/Help\n{turns[0][0]}\n/CLEAR\n{turns[1][0]}\n/Exit\n{turns[2][0]}\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))
     assert main(["chat", "--max-new-tokens", "4", *store]) == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -193,14 +193,15 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             question = console.input("[bold]> [/bold]").strip()
         except EOFError:
             break
-        if not question or question in ("/quit", "/exit"):
+        command = question.lower()  # (/Quit is /quit)
+        if not question or command in ("/quit", "/exit"):
             break
-        if question == "/clear":  # a new conversation over the same documents
+        if command == "/clear":  # a new conversation over the same documents
             history = []
             console.print("The conversation so far is forgotten.")
             continue
         if re.fullmatch(r"/[A-Za-z]+", question):  # a command, not a question ("/help" too)
-            said = "" if question == "/help" else f"unknown command {question}. "
+            said = "" if command == "/help" else f"unknown command {question}. "
             console.print(said + COMMANDS, markup=False, highlight=False)
             continue
         try:
