@@ -94,12 +94,18 @@ def control_tokens(tokenizer: Any) -> list[str]:
     return sorted((t for t in found if t), key=len, reverse=True)  # longest first
 
 
-def count_controls(tokenizer: Any, text: str) -> int:
-    """How many control tokens `text` spells."""
+def controls_in(tokenizer: Any, text: str) -> list[str]:
+    """The control tokens `text` spells, in order."""
     controls = control_tokens(tokenizer)
     if not controls:
-        return 0
-    return sum(1 for _ in re.finditer("|".join(re.escape(c) for c in controls), text))
+        return []
+    return re.findall("|".join(re.escape(c) for c in controls), text)
+
+
+def inert_text(tokenizer: Any, text: str) -> str:
+    """`text` with every character a control token is spelled with made `_`: as long, as
+    blank or not, and it can spell no control token, alone or beside other text."""
+    return text.translate({ord(c): "_" for c in "".join(control_tokens(tokenizer))})
 
 
 def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:

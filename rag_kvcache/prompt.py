@@ -14,7 +14,8 @@ from typing import Any
 from rag_kvcache.chat_text import (
     ChatText,
     Piece,
-    count_controls,
+    controls_in,
+    inert_text,
     pieces_ids,
     pieces_of,
     stripped,
@@ -83,9 +84,12 @@ class PromptTemplate:
                     pieces += [(read(messages[i]["content"]), True), (after, False)]
                 if (text := ChatText.from_pieces(pieces)) == rendered:
                     return text
-        # the template rewrote the messages: safe only if they hold no control token of their own
-        own = "".join(parts[0::2])
-        if count_controls(tokenizer, rendered) == count_controls(tokenizer, own):
+        # the template rewrote the messages: its text is read as written only if every control
+        # token in it is one it writes for messages that spell none (the same ones in order)
+        inert = [{**m, "content": inert_text(tokenizer, m["content"])} for m in messages]
+        if controls_in(tokenizer, rendered) == controls_in(
+            tokenizer, _apply_template(tokenizer, inert)
+        ):
             return ChatText(rendered)
         raise ConfigError(
             "a message spells a control token, and this model's chat template changes the "

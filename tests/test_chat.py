@@ -172,6 +172,27 @@ def test_a_template_that_rewrites_the_messages_reads_only_its_own_control_tokens
     assert template.render_chat(rewriting, [{"role": "user", "content": "Stop."}]).user_spans == ()
 
 
+def test_a_template_that_skips_messages_by_their_text_never_reads_a_users_token(
+    tiny_tokenizer,
+) -> None:
+    """A template that writes a turn only for a message with text: the marked rendering
+    cannot show where the messages lie. A skipped turn's control tokens are not the template's
+    to give to a user's spelling: such a chat is refused, one that spells none renders."""
+    skipping = copy.copy(tiny_tokenizer)
+    skipping.chat_template = (
+        "{% for m in messages %}{% if m['content'] %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant\n"
+    )
+    template = PromptTemplate.from_tokenizer(skipping, SYSTEM)
+    chat = [CHAT[0], {"role": "assistant", "content": ""}, {"role": "user", "content": HOSTILE}]
+    with pytest.raises(ConfigError, match="spells a control token"):
+        template.render_chat(skipping, chat)
+    plain = template.render_chat(skipping, [*chat[:2], {"role": "user", "content": "Why?"}])
+    assert plain.count("<|im_start|>") == 3 and plain.endswith(
+        "Why?<|im_end|>\n<|im_start|>assistant"
+    )
+
+
 @pytest.mark.parametrize(
     ("messages", "why"),
     [
