@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import io
 import os
 import stat
 import time
@@ -157,11 +158,13 @@ def _read_pieces(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
     with f:
         blocks = _blocks(f, size)
         block = next(blocks, b"")
-        if block.startswith(b"%PDF"):
+        if block.startswith(b"%PDF"):  # parsed from the bytes read (hashed), not the path again
+            data = io.BytesIO()
             while block:
                 digest.update(block)
+                data.write(block)
                 block = next(blocks, b"")
-            yield from _pdf_pages(path)
+            yield from _pdf_pages(data)
             return
         if b"\x00" in block[:8192]:
             raise SkipFile("binary file")
@@ -208,7 +211,7 @@ def iter_chunks(path: Path, split: Splitter, max_bytes: int, digest: Any) -> Ite
         yield from (c for c in split(segment) if c.strip())
 
 
-def _pdf_pages(path: Path) -> Iterator[str]:
+def _pdf_pages(data: BinaryIO) -> Iterator[str]:
     """The text of each page, pages apart by a paragraph break."""
     try:
         from pypdf import PdfReader
@@ -216,7 +219,7 @@ def _pdf_pages(path: Path) -> Iterator[str]:
     except ImportError:
         raise SkipFile("PDF, and no PDF reader is installed (pip install pypdf)") from None
     try:
-        for number, page in enumerate(PdfReader(path).pages):
+        for number, page in enumerate(PdfReader(data).pages):
             yield ("\n\n" if number else "") + (page.extract_text() or "")
     except (PyPdfError, ValueError, KeyError) as e:
         raise SkipFile(f"unreadable PDF ({e})") from None

@@ -5,6 +5,7 @@ commands. Engine tests use the tiny model (SmolLM2's tokenizer); the commands us
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import os
 import re
@@ -171,6 +172,24 @@ def test_a_file_replaced_by_a_fifo_after_listing_is_said_not_waited_on(engine, t
 
     plan = plan_ingest(engine, [docs], paragraphs, on_file=swap)
     assert {Path(s.path).name: s.reason for s in plan.skipped} == {"ferry.md": "not a regular file"}
+
+
+def test_a_pdf_is_parsed_from_the_bytes_read(tmp_path: Path, monkeypatch) -> None:
+    """A PDF's text comes from the bytes hashed for it: the path opened again could be
+    another file by then (a FIFO waited on for ever, or a text the digest does not match)."""
+    path = tmp_path / "scan.pdf"
+    path.write_bytes(minimal_pdf("The Quell Island lighthouse is painted red."))
+    blocks = ingest_module._blocks
+
+    def then_replaced(f, size):
+        yield from blocks(f, size)
+        path.unlink()
+        os.mkfifo(path)
+
+    monkeypatch.setattr(ingest_module, "_blocks", then_replaced)
+    text, digest = read_text(path)
+    assert text == "The Quell Island lighthouse is painted red."
+    assert digest == hashlib.sha256(minimal_pdf(text)).hexdigest()
 
 
 def test_read_text_strips_a_byte_order_mark(tmp_path: Path) -> None:
