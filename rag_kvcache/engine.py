@@ -421,15 +421,24 @@ class RagKVCache:
         return ids
 
     @cached_property
-    def _longest_token(self) -> int:
-        """The most characters one token spells (its vocabulary's longest entry)."""
+    def _longest_token(self) -> int | None:
+        """The most characters one token spells: its vocabulary's longest entry, where every
+        character is read into some token (BPE with unknowns apart, byte fallback); None where
+        a token may stand for any run of characters (fused unknowns, Unigram, whole words)."""
+        model = getattr(getattr(self.lm.tokenizer, "backend_tokenizer", None), "model", None)
+        bpe = type(model).__name__ == "BPE" and not getattr(model, "fuse_unk", True)
+        if not (bpe or getattr(model, "byte_fallback", False)):
+            return None
         return max((len(t) for t in self.lm.tokenizer.get_vocab()), default=1)
 
     def _check_length(self, text: str, what: str) -> None:
         """A text too long for the window is refused before it is tokenized (a few MB take
         seconds): past twice the characters the window's tokens can spell (the margin for a
         normalizer that joins characters), it cannot fit."""
-        if isinstance(text, str) and len(text) > 2 * self.lm.max_context * self._longest_token:
+        longest = self._longest_token
+        if longest is None or not isinstance(text, str):
+            return
+        if len(text) > 2 * self.lm.max_context * longest:
             raise ContextTooLongError(
                 f"the {what} is {len(text):,} characters: more tokens than the model's window "
                 f"of {self.lm.max_context} holds; send a shorter {what}"

@@ -2,6 +2,7 @@
 SmolLM2."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,6 +150,27 @@ def test_a_text_too_long_for_the_window_is_refused_before_it_is_tokenized(
     with pytest.raises(ContextTooLongError, match="ask a shorter question"):
         tiny_engine.generate(under, short)
     assert read == [len(under)]
+
+
+def test_the_length_bound_holds_only_where_every_character_is_read(tiny_tokenizer) -> None:
+    """The early refusal counts the characters a token can spell. A tokenizer that folds any
+    run of unknown characters into one token (BPE with fused unknowns, Unigram) has no such
+    bound: there it is left to the tokens (1000 snowmen are one token)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    def longest(tokenizer) -> int | None:
+        return RagKVCache._longest_token.func(
+            SimpleNamespace(lm=SimpleNamespace(tokenizer=tokenizer))
+        )
+
+    fused = Tokenizer(models.BPE({"[UNK]": 0, "a": 1}, [], unk_token="[UNK]", fuse_unk=True))
+    unigram = Tokenizer(models.Unigram([("[UNK]", 0.0), ("a", -1.0)], unk_id=0))
+    for model in (fused, unigram):
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]")
+        assert tokenizer("☃" * 1000, add_special_tokens=False)["input_ids"] == [0]
+        assert longest(tokenizer) is None
+    assert longest(tiny_tokenizer) == max(len(t) for t in tiny_tokenizer.get_vocab())
 
 
 def test_sampling_is_reproducible(tiny_engine) -> None:
