@@ -10,6 +10,7 @@ import io
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,11 @@ def write_docs(folder: Path) -> None:
 def paragraphs(text: str) -> list[str]:
     """A splitter that makes one chunk per paragraph, so tests can count chunks exactly."""
     return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def kv_readers() -> list[threading.Thread]:
+    """The store's reader threads alive now."""
+    return [t for t in threading.enumerate() if t.name.startswith("kv-read")]
 
 
 @pytest.fixture
@@ -442,7 +448,10 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
 
     question = "When was Hallam Point Light built?"
     args = ["--max-new-tokens", "16", "--compare", "--strategy", "full", *store]
+    readers = set(kv_readers())
     assert main(["query", question, *args]) == 0
+    assert set(kv_readers()) <= readers  # the command's store is closed with it: its reader
+    # threads are not left for the interpreter's exit, where a Ctrl-C met them with a traceback
     out = capsys.readouterr().out
     assert "full prefill" in out and "answers agree" in out  # full == prefill, token for token
     assert "01_harbor_town_of_velmora.md" in out and "TTFT" in out

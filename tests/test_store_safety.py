@@ -472,11 +472,13 @@ def test_verify_repair_on_a_full_disk_checks_everything_and_says_why_it_stopped(
     with tmpfs(tmp_path / "small", "8m") as small:
         store = ["--store", str(small / "kv"), "--model", "random:tiny"]
         assert main(["ingest", str(docs), *store]) == 0
+        # the store stays open meanwhile, as a server on it keeps it: SQLite's WAL files exist,
+        # so the catalog opens on the full disk (opened with no process on it, it must create
+        # them, which a full disk refuses: then a catalog error, said as such)
         opened = TieredStore(small / "kv", create=False)
         ids = sorted(opened.catalog.documented_ids())
         for cache_id in ids:
             opened.durable.path(cache_id).unlink()  # type: ignore[attr-defined]
-        opened.close()
         with suppress(OSError), (small / "filler").open("wb") as filler:
             while True:
                 filler.write(bytes(1 << 16))
@@ -490,6 +492,7 @@ def test_verify_repair_on_a_full_disk_checks_everything_and_says_why_it_stopped(
         assert main(["verify", "--repair", *store]) == 0
         assert f"{len(ids)} repaired" in " ".join(capsys.readouterr().out.split())
         assert main(["verify", *store]) == 0
+        opened.close()
 
 
 def test_opening_a_missing_catalog_to_read_is_not_found(target: Target, tmp_path: Path) -> None:

@@ -154,7 +154,23 @@ def open_engine(
         open_store(args).close()
     config = engine_config(args, keep_hot)
     with console.status("loading the model"):
-        return RagKVCache(config)
+        engine = RagKVCache(config)
+    vars(args).setdefault("opened_engines", []).append(engine)  # for `close_opened`
+    return engine
+
+
+def close_opened(args: argparse.Namespace) -> None:
+    """Stop the engines the command opened and close their stores, so that their reader
+    threads end with the command, not at the interpreter's exit (where a Ctrl-C met them
+    with a traceback)."""
+    from rag_kvcache.storage.store import TieredStore
+
+    engines = vars(args).pop("opened_engines", [])
+    while engines:
+        engine = engines.pop()
+        engine.close()
+        if isinstance(engine.store, TieredStore):  # (a store in memory holds no threads)
+            engine.store.close()
 
 
 def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConfig:

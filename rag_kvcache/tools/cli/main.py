@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from rag_kvcache.tools.cli import calibration, documents, markup, measure, serve, store
-from rag_kvcache.tools.cli.common import output_folder
+from rag_kvcache.tools.cli.common import close_opened, output_folder
 
 
 class DefaultsShown(argparse.HelpFormatter):
@@ -91,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     console = Console()
     try:
-        if isinstance(out := getattr(args, "out", None), Path):
-            output_folder(out)
-        return int(args.run(args, console))
+        try:
+            if isinstance(out := getattr(args, "out", None), Path):
+                output_folder(out)
+            return int(args.run(args, console))
+        finally:  # (a Ctrl-C meanwhile is caught below too)
+            close_opened(args)
     except RagKVCacheError as e:  # bad input: say what and why, no traceback
         console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)  # text, not markup
         return 1
