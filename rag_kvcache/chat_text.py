@@ -94,12 +94,16 @@ def control_tokens(tokenizer: Any) -> list[str]:
     return sorted((t for t in found if t), key=len, reverse=True)  # longest first
 
 
+def control_pattern(controls: list[str]) -> re.Pattern[str] | None:
+    """A pattern that finds any of the control spellings `controls` (longest first); None for
+    none."""
+    return re.compile("|".join(re.escape(c) for c in controls)) if controls else None
+
+
 def controls_in(tokenizer: Any, text: str) -> list[str]:
     """The control tokens `text` spells, in order."""
-    controls = control_tokens(tokenizer)
-    if not controls:
-        return []
-    return re.findall("|".join(re.escape(c) for c in controls), text)
+    control = control_pattern(control_tokens(tokenizer))
+    return control.findall(text) if control else []
 
 
 def inert_text(tokenizer: Any, text: str) -> str:
@@ -113,13 +117,9 @@ def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:
     tokens, those a user spelled are characters."""
     controls = control_tokens(tokenizer)
     whole = "".join(p for p, _ in pieces)
-    control = re.compile("|".join(re.escape(c) for c in controls))
-    if not controls or not _spelled_by_user(control, len(controls[0]), pieces, whole):
+    control = control_pattern(controls)
+    if control is None or not _spelled_by_user(control, len(controls[0]), pieces, whole):
         return list(tokenizer(whole, add_special_tokens=False)["input_ids"])
-
-    def as_text(text: str) -> list[int]:
-        return text_ids(tokenizer, text)
-
     ids: list[int] = []
     text = ""  # read as text, up to the template's next control token
     for piece, by_user in pieces:
@@ -128,11 +128,11 @@ def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:
             continue
         at = 0
         for match in control.finditer(piece):
-            ids += as_text(text + piece[at : match.start()])
+            ids += text_ids(tokenizer, text + piece[at : match.start()])
             ids.append(int(tokenizer.convert_tokens_to_ids(match.group())))
             text, at = "", match.end()
         text += piece[at:]
-    return ids + as_text(text)
+    return ids + text_ids(tokenizer, text)
 
 
 def _spelled_by_user(
