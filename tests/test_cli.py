@@ -668,6 +668,49 @@ def test_bad_values_and_ctrl_c_end_a_command_in_one_line(tmp_path: Path, capsys,
     assert "interrupted" in capsys.readouterr().out
 
 
+def test_ctrl_c_while_closing_lets_the_store_close_then_says_interrupted(
+    tiny32, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A Ctrl-C that landed inside the store's close cut SQLite's close in two (SQLAlchemy
+    logged its traceback above `interrupted`); now it waits for the close, then stops."""
+    import signal
+
+    engine = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=tiny32)
+    catalog_type = type(engine.store.catalog)
+    real_close, closed = catalog_type.close, []
+
+    def pressed_while_closing(self) -> None:  # type: ignore[no-untyped-def]
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next line
+        real_close(self)
+        closed.append(True)
+
+    def opened_an_engine(args, console) -> int:
+        vars(args).setdefault("opened_engines", []).append(engine)  # as `open_engine` does
+        return 0
+
+    monkeypatch.setattr(catalog_type, "close", pressed_while_closing)
+    monkeypatch.setattr(cli_store, "store_command", opened_an_engine)
+    handler = signal.getsignal(signal.SIGINT)
+    assert main(["stats", "--store", str(tmp_path)]) == 130
+    assert closed == [True] and "interrupted" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C is the user's again
+
+
+def test_a_second_ctrl_c_while_closing_stops_at_once() -> None:
+    """The first Ctrl-C waits for the close; a user who presses again will not wait."""
+    import signal
+
+    from rag_kvcache.tools.cli.common import ctrl_c_held
+
+    reached, handler = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), ctrl_c_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append("first held")
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append("second held")
+    assert reached == ["first held"] and signal.getsignal(signal.SIGINT) is handler
+
+
 def test_a_question_that_is_not_unicode_is_refused(tiny32, tmp_path: Path) -> None:
     """What a shell passes for bytes that are not UTF-8 (lone surrogates) is a ConfigError at
     retrieval and at tokenizing, not a tokenizer's TypeError."""

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,15 +165,41 @@ def open_engine(
 def close_opened(args: argparse.Namespace) -> None:
     """Stop the engines the command opened and close their stores, so that their reader
     threads end with the command, not at the interpreter's exit (where a Ctrl-C met them
-    with a traceback)."""
+    with a traceback). A Ctrl-C meanwhile is held until they are closed (`ctrl_c_held`)."""
     from rag_kvcache.storage.store import TieredStore
 
     engines = vars(args).pop("opened_engines", [])
-    while engines:
-        engine = engines.pop()
-        engine.close()
-        if isinstance(engine.store, TieredStore):  # (a store in memory holds no threads)
-            engine.store.close()
+    with ctrl_c_held():
+        while engines:
+            engine = engines.pop()
+            engine.close()
+            if isinstance(engine.store, TieredStore):  # (a store in memory holds no threads)
+                engine.store.close()
+
+
+@contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold a Ctrl-C back until the block ends, then raise it; a second one raises at once.
+
+    Closing is short, and a KeyboardInterrupt inside it cut SQLite's close in two: SQLAlchemy
+    logged its traceback above `interrupted`. Only the main thread receives signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[bool] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if pressed:  # pressed again: the user will not wait
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:  # (None: a handler set outside Python; Python's own is the one to restore)
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConfig:
