@@ -282,18 +282,43 @@ def run_ingest(
     engine: RagKVCache, plan: IngestPlan, on_encoded: Callable[[int], None] | None = None
 ) -> list[DocumentIngest]:
     """Encode, store and index each planned document (recorded in one catalog transaction
-    each); a file that went bad since it was planned is added to `plan.skipped`."""
+    each); a file that went bad since it was planned is added to `plan.skipped`.
+    `on_encoded` is told each document's planned chunks, however many it has by now
+    (`PlannedShare`), so that its calls add up to `plan.total_chunks`."""
     done = []
     for document in plan.todo:
+        share = PlannedShare(document.chunk_count, on_encoded)
         try:
-            done.append(_ingest_document(engine, plan, document, on_encoded))
+            done.append(_ingest_document(engine, plan, document, share))
         except SkipFile as e:
             plan.skipped.append(Skipped(document.source, str(e)))
         except StoreError:  # a full disk fails every file after it too: stop, and say so
             raise
         except OSError as e:
             plan.skipped.append(Skipped(document.source, f"cannot read: {e.strerror or e}"))
+        share.finish()
     return done
+
+
+@dataclass
+class PlannedShare:
+    """A document's chunks as progress, held to the count planned: a file edited between
+    planning and encoding (a progress bar ran past its total) or gone bad since (one stopped
+    short of it) still reports exactly what was planned."""
+
+    planned: int
+    report: Callable[[int], None] | None
+    reported: int = 0
+
+    def __call__(self, chunks: int) -> None:
+        chunks = min(chunks, self.planned - self.reported)
+        if chunks > 0 and self.report is not None:
+            self.report(chunks)
+        self.reported += max(chunks, 0)
+
+    def finish(self) -> None:
+        """The document is done (ingested or skipped): the rest of its planned share."""
+        self(self.planned - self.reported)
 
 
 def _ingest_document(

@@ -274,6 +274,22 @@ def test_an_interrupted_run_resumes_without_reencoding(engine, tmp_path: Path) -
     assert len(engine.retrieve("rowing crews", 10)) == 7
 
 
+def test_progress_adds_up_to_the_plan_when_files_change_before_encoding(engine, tmp_path):
+    """A file edited between planning and encoding took the progress bar past its total, and
+    one gone since left it short: each document now reports the chunks planned for it."""
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    plan = plan_ingest(engine, [docs], paragraphs)
+    (docs / "bakery.md").write_text("\n\n".join(f"Loaf {i} was rye." for i in range(12)))
+    (docs / "ferry.md").unlink()
+    reported: list[int] = []
+    done = run_ingest(engine, plan, reported.append)
+    assert sorted(Path(d.source).name for d in done) == ["bakery.md", "league.md"]
+    assert len(next(d for d in done if d.source.endswith("bakery.md")).cache_ids) == 12
+    assert [Path(s.path).name for s in plan.skipped] == ["ferry.md"]
+    assert sum(reported) == plan.total_chunks and min(reported) > 0
+
+
 def test_prune_removes_documents_whose_file_is_gone(engine, tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     write_docs(docs)
