@@ -33,12 +33,18 @@ import streamlit as st
 from rag_kvcache import Answer, AnswerStream, RagKVCache
 from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig, default_cache_dir
 from rag_kvcache.engine import DocumentIngest
-from rag_kvcache.errors import ContextTooLongError, RagKVCacheError, UnknownCacheIdError
+from rag_kvcache.errors import (
+    ConfigError,
+    ContextTooLongError,
+    RagKVCacheError,
+    UnknownCacheIdError,
+)
 from rag_kvcache.ingest import Skipped, plan_ingest, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.retrieval.index import Retrieved
 from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools.server.api_key import check_api_key
 
 log = logging.getLogger("rag_kvcache.demo")
 
@@ -379,8 +385,11 @@ class Server:
             "stream_options": {"include_usage": True},
             "rag": {**chunks, "strategy": strategy},
         }
-        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
-            raise RemoteError(f"${API_KEY_ENV} must be printable ASCII (an HTTP header carries it)")
+        if self.api_key is not None:  # the server's own rule: a key it could never match
+            try:
+                check_api_key(self.api_key)
+            except ConfigError as e:
+                raise RemoteError(f"${API_KEY_ENV}: {e}") from None
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         url = f"{self.url.rstrip('/')}/v1/chat/completions"
         try:

@@ -160,4 +160,7 @@ def test_a_misbehaving_server_is_a_clear_error_never_a_hang(misbehaving, monkeyp
     finally:
         tracemalloc.stop()
     assert "RAG_KVCACHE_APP_SERVER is not a URL" in error("http://[::1")
-    assert "must be printable ASCII" in error(misbehaving, "cl\u00e9")
+    for key in ("cl\u00e9", "key ", "\tkey"):  # the server's rule: a key it could match
+        assert "RAG_KVCACHE_APP_API_KEY: an API key must be printable ASCII" in error(
+            misbehaving, key
+        )

@@ -9,7 +9,8 @@ from rich.console import Console
 from rag_kvcache.config import EngineConfig
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.tools.cli.common import engine_options, open_engine, whole
-from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES, check_api_key
+from rag_kvcache.tools.server.api_key import check_api_key
+from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES
 
 LINK_BUDGET_S = EngineConfig.link_budget_s  # the engine's default, in seconds
 # bounded: a stream asking for the whole window would otherwise hold a stop for hours on a CPU
@@ -75,7 +76,7 @@ def body_limit(text: str) -> float:
 
 
 def api_key(text: str) -> str:
-    """--api-key: one a client can send (`gate.check_api_key`)."""
+    """--api-key: one a client can send (`api_key.check_api_key`)."""
     try:
         return check_api_key(text)
     except ConfigError as e:

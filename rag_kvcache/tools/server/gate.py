@@ -18,22 +18,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rag_kvcache.errors import ConfigError
+from rag_kvcache.tools.server.api_key import check_api_key
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~0.5 MB of text
 Reject = Callable[[int, str, str | None], Response]  # status, message, code -> the error body
-
-
-def check_api_key(key: str) -> str:
-    """An API key a client can send: printable ASCII, not empty, no space at either end. A
-    header's bytes reach the server as Latin-1, and its ends are trimmed: any other key would
-    match no request, and the server would refuse every client with no sign why."""
-    if not key or not (key.isascii() and key.isprintable()) or key.strip() != key:
-        raise ConfigError(
-            "an API key must be printable ASCII, not empty, with no space at either end (it "
-            "travels in an HTTP header)"
-        )
-    return key
 
 
 class Gate:
