@@ -493,7 +493,8 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
     assert "error: the question is" in out and "ask a shorter question" in out
     assert out.count("TTFT") == 1 and "TK-7" in out.split("ask a shorter question")[1]
 
-    # commands: an unknown one is said, not asked; /clear starts a new conversation
+    # commands (the first word, in any case): an unknown one is said, not asked; /clear starts
+    # a new conversation
     asked: list[int] = []
     chat_question = RagKVCache.chat_question
 
@@ -502,7 +503,7 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
         return chat_question(self, messages, *args, **kwargs)
 
     monkeypatch.setattr(RagKVCache, "chat_question", spy)
-    lines = f"/quti\n/Help\n{turns[0][0]}\n/CLEAR\n{turns[1][0]}\n/Exit\n{turns[2][0]}\n"
+    lines = f"/quti\n/Help me\n{turns[0][0]}\n/CLEAR all\n{turns[1][0]}\n/Exit now\n{turns[2][0]}\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))
     assert main(["chat", "--max-new-tokens", "4", *store]) == 0
     out = " ".join(capsys.readouterr().out.split())

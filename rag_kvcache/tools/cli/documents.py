@@ -193,14 +193,15 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             question = console.input("[bold]> [/bold]").strip()
         except EOFError:
             break
-        command = question.lower()  # (/Quit is /quit)
+        # a command is its first word, in any case: "/Quit now" is /quit, not a question
+        command = question.split(maxsplit=1)[0].lower() if question else ""
         if not question or command in ("/quit", "/exit"):
             break
         if command == "/clear":  # a new conversation over the same documents
             history = []
             console.print("The conversation so far is forgotten.")
             continue
-        if re.fullmatch(r"/[A-Za-z]+", question):  # a command, not a question ("/help" too)
+        if command == "/help" or re.fullmatch(r"/[A-Za-z]+", question):  # not a question
             said = "" if command == "/help" else f"unknown command {question}. "
             console.print(said + COMMANDS, markup=False, highlight=False)
             continue
