@@ -40,7 +40,7 @@ from rag_kvcache.tools.diagnosis import (
     prepare_traced,
     question_attention,
 )
-from rag_kvcache.tools.eval import EvalItem
+from rag_kvcache.tools.eval.dataset import EvalItem
 
 DOCS = (
     "The lighthouse at Hallam Point was built in 1788 by the harbor guild.",

@@ -18,31 +18,14 @@ from rag_kvcache.errors import ConfigError
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.tools.cli import main
-from rag_kvcache.tools.eval import (
-    NEEDLE,
-    NEEDLES,
-    EvalItem,
-    Evaluator,
-    ItemResult,
-    Journal,
-    against_floor,
-    check_strategies,
-    comparisons,
-    in_retrieval_order,
-    item_digests,
-    kept_against,
-    load_dataset,
-    markdown_table,
-    needle_cells,
-    needle_item,
-    other_run,
-    report_dict,
-    reused_rows,
-    run_eval,
-    same_model,
-    save_eval,
-    summarize,
-)
+from rag_kvcache.tools.eval.dataset import EvalItem, in_retrieval_order, load_dataset
+from rag_kvcache.tools.eval.evaluator import Evaluator, check_strategies, run_eval
+from rag_kvcache.tools.eval.floor import against_floor, kept_against, other_run
+from rag_kvcache.tools.eval.journal import Journal
+from rag_kvcache.tools.eval.needle import NEEDLE, NEEDLES, needle_cells, needle_item
+from rag_kvcache.tools.eval.report import comparisons, report_dict, save_eval
+from rag_kvcache.tools.eval.results import ItemResult, markdown_table, summarize
+from rag_kvcache.tools.eval.reuse import item_digests, reused_rows, same_model
 from rag_kvcache.tools.metrics import (
     Estimate,
     accuracy,

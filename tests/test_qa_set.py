@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rag_kvcache.tools.cli import main
-from rag_kvcache.tools.eval import load_dataset
+from rag_kvcache.tools.eval.dataset import load_dataset
 from rag_kvcache.tools.qa_set import CONTEXT_DOCUMENTS, DOCUMENT_WORDS, make_split
 
 

@@ -61,7 +61,7 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.model.lora import LinkLoRA
     from rag_kvcache.tools.calibrate import LORA_RESULT, CalibrateConfig, calibrate
     from rag_kvcache.tools.cli.common import open_engine
-    from rag_kvcache.tools.eval import load_dataset
+    from rag_kvcache.tools.eval.dataset import load_dataset
 
     given = {f.name: getattr(args, f.name, None) for f in fields(CalibrateConfig)}
     config = CalibrateConfig(**{k: v for k, v in given.items() if v is not None})

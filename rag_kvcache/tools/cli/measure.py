@@ -22,7 +22,8 @@ from rag_kvcache.tools.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from rag_kvcache.tools.eval import ItemResult, OtherRun
+    from rag_kvcache.tools.eval.floor import OtherRun
+    from rag_kvcache.tools.eval.results import ItemResult
 
 
 CHUNK = 256  # tokens in a chunk of `bench ttft` and `bench store`: a context holds one or more
@@ -259,7 +260,15 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
 
     from rag_kvcache.config import ModelConfig
     from rag_kvcache.model.loading import load_model
-    from rag_kvcache.tools import eval as ev
+    from rag_kvcache.tools.eval.dataset import EvalItem, in_retrieval_order, load_dataset
+    from rag_kvcache.tools.eval.evaluator import DEFAULT_STRATEGIES, check_strategies, run_eval
+    from rag_kvcache.tools.eval.floor import other_run
+    from rag_kvcache.tools.eval.journal import Journal
+    from rag_kvcache.tools.eval.needle import NEEDLES, needle_item
+    from rag_kvcache.tools.eval.plots import plot_needle
+    from rag_kvcache.tools.eval.report import comparisons, report_dict, save_eval
+    from rag_kvcache.tools.eval.results import markdown_table
+    from rag_kvcache.tools.eval.reuse import item_digests, reused_rows
 
     if args.combine is not None:
         if args.needle or args.dataset is not None:
@@ -271,22 +280,22 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         return 2
     if args.needle:
         strategies = args.strategies or ["full", "naive", "legolink:2", "legolink0"]
-        if not 1 <= args.needles <= len(ev.NEEDLES):
-            console.print(f"[red]--needles takes 1 to {len(ev.NEEDLES)}")
+        if not 1 <= args.needles <= len(NEEDLES):
+            console.print(f"[red]--needles takes 1 to {len(NEEDLES)}")
             return 2
         lm = load_model(
             ModelConfig(path=args.model, dtype=args.dtype, device=args.device, lora=args.lora)
         )
         items = [
-            ev.needle_item(lm, n, d, args.chunk_tokens, k)
+            needle_item(lm, n, d, args.chunk_tokens, k)
             for n in args.lengths
             for d in args.depths
             for k in range(args.needles)
         ]
         name = "needle"
     else:
-        strategies = args.strategies or list(ev.DEFAULT_STRATEGIES)
-        items = ev.load_dataset(args.dataset)[: args.limit]
+        strategies = args.strategies or list(DEFAULT_STRATEGIES)
+        items = load_dataset(args.dataset)[: args.limit]
         lm = load_model(
             ModelConfig(path=args.model, dtype=args.dtype, device=args.device, lora=args.lora)
         )
@@ -294,8 +303,8 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     if args.retrieval_order:  # the needle's chunks too: as a retriever would rank them
         from rag_kvcache.retrieval.embedding import Embedder
 
-        items = ev.in_retrieval_order(items, Embedder.shared())
-    strategies = ev.check_strategies(strategies, with_full=args.teacher_tokens > 0)
+        items = in_retrieval_order(items, Embedder.shared())
+    strategies = check_strategies(strategies, with_full=args.teacher_tokens > 0)
     calibration = None
     if args.calibration is not None:
         from rag_kvcache.link.calibration import Calibration
@@ -334,10 +343,10 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
 
         facts["calibration"] = hashlib.sha256(args.calibration.read_bytes()).hexdigest()
     # read before answering: a report that cannot be read is refused before the run, not after
-    other = ev.other_run(args.kept_against) if args.kept_against else None
+    other = other_run(args.kept_against) if args.kept_against else None
     reuse = None
     if args.reuse is not None:
-        reuse = ev.reused_rows(args.reuse, facts, items)
+        reuse = reused_rows(args.reuse, facts, items)
         # its rows' TTFTs are that run's: the report says whose
         facts["reused"] = {
             "report": str(args.reuse),
@@ -347,7 +356,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         }
     # a killed run, started again with the same settings, goes on from where it stopped
     # (a larger --limit too: the items measured are kept, the new ones run)
-    journal = ev.Journal(args.out / f"{name}.partial.jsonl", facts)
+    journal = Journal(args.out / f"{name}.partial.jsonl", facts)
     resumed = len(journal.results())
     if resumed:
         console.print(
@@ -358,7 +367,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     with Progress(console=console) as progress:
         task = progress.add_task(f"{name}: {len(strategies)} strategies", total=len(items))
 
-        def on_item(item: ev.EvalItem) -> None:
+        def on_item(item: EvalItem) -> None:
             progress.advance(task)
             if not console.is_terminal:  # a log file gets a line per item instead of a bar
                 done = int(progress.tasks[0].completed)
@@ -366,7 +375,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
                     f"{name}: {done}/{len(items)} items ({item.id})", markup=False, highlight=False
                 )
 
-        results, summary = ev.run_eval(
+        results, summary = run_eval(
             lm,
             items,
             strategies,
@@ -380,14 +389,14 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         )
     if other is not None:
         facts["kept_against"] = kept_against_other(results, other, console)
-    sections, compared = ev.comparisons(results, strategies, needle=args.needle, other=other)
-    digests = ev.item_digests(items)  # what a later --reuse of this report checks
-    report = ev.report_dict(name, results, summary, **facts, **compared, item_digests=digests)
-    ev.save_eval(args.out, name, report, summary, sections)
+    sections, compared = comparisons(results, strategies, needle=args.needle, other=other)
+    digests = item_digests(items)  # what a later --reuse of this report checks
+    report = report_dict(name, results, summary, **facts, **compared, item_digests=digests)
+    save_eval(args.out, name, report, summary, sections)
     if args.needle:
-        ev.plot_needle(results, strategies, args.out / "needle_heatmap.png")
+        plot_needle(results, strategies, args.out / "needle_heatmap.png")
     journal.close()
-    console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
+    console.print(markdown_table(summary) + sections, markup=False, highlight=False)
     console.print(f"wrote {args.out / name}.json, .md and plots", markup=False, highlight=False)
     return 0
 
@@ -400,16 +409,16 @@ def kept_against_other(
     from dataclasses import asdict
 
     from rag_kvcache.strategy import Strategy
-    from rag_kvcache.tools import eval as ev
+    from rag_kvcache.tools.eval.floor import kept_against
 
-    against = ev.kept_against(results, other)
+    against = kept_against(results, other)
     for strategy, estimate in against.items():
         console.print(
             f"{strategy}: kept {estimate} against {other.report}'s prefill",
             markup=False,
             highlight=False,
         )
-    placed = ev.kept_against(results, other, same_placement=True)
+    placed = kept_against(results, other, same_placement=True)
     for strategy, estimate in placed.items():
         base = Strategy.parse(strategy).baseline
         console.print(f"{strategy}: kept {estimate} against its {base}", highlight=False)
@@ -422,22 +431,25 @@ def kept_against_other(
 
 def combine_command(args: argparse.Namespace, console: Console) -> int:
     """`eval --combine`: several reports written as one (`eval.combined`)."""
-    from rag_kvcache.tools import eval as ev
+    from rag_kvcache.tools.eval.floor import other_run
+    from rag_kvcache.tools.eval.report import comparisons, report_dict, save_eval
+    from rag_kvcache.tools.eval.results import markdown_table, summarize
+    from rag_kvcache.tools.eval.reuse import combined
 
-    both = ev.combined(args.combine)
+    both = combined(args.combine)
     if both.dropped:
         console.print(f"left out, not in every report: {', '.join(both.dropped)}", markup=False)
     timed_report, timed_items = both.longest()
-    summary = ev.summarize(both.results, both.strategies, timed_items)
+    summary = summarize(both.results, both.strategies, timed_items)
     facts = {**both.facts, "timed_report": timed_report}
-    other = ev.other_run(args.kept_against) if args.kept_against else None
+    other = other_run(args.kept_against) if args.kept_against else None
     if other is not None:
         facts["kept_against"] = kept_against_other(both.results, other, console)
-    sections, compared = ev.comparisons(both.results, both.strategies, other=other)
+    sections, compared = comparisons(both.results, both.strategies, other=other)
     sections += both.speed_by_report()
-    report = ev.report_dict("eval", both.results, summary, **facts, **compared)
-    ev.save_eval(args.out, "eval", report, summary, sections)
-    console.print(ev.markdown_table(summary) + sections, markup=False, highlight=False)
+    report = report_dict("eval", both.results, summary, **facts, **compared)
+    save_eval(args.out, "eval", report, summary, sections)
+    console.print(markdown_table(summary) + sections, markup=False, highlight=False)
     items = len({r.item for r in both.results})
     console.print(
         f"{items} items from {len(args.combine)} reports: wrote {args.out}/eval.json",
@@ -451,7 +463,7 @@ def diagnose_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.config import ModelConfig
     from rag_kvcache.model.loading import load_model
     from rag_kvcache.tools import diagnosis
-    from rag_kvcache.tools.eval import load_dataset
+    from rag_kvcache.tools.eval.dataset import load_dataset
 
     items = load_dataset(args.dataset)[: args.limit]  # the set's faults before the model loads
     gold = diagnosis.load_gold(args.dataset)

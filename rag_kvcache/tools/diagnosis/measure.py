@@ -26,7 +26,7 @@ from rag_kvcache.tools.diagnosis.records import (
     ItemDiagnosis,
     KVDeviation,
 )
-from rag_kvcache.tools.eval import EvalItem
+from rag_kvcache.tools.eval.dataset import EvalItem
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from rag_kvcache.tools.diagnosis.records import (
     Outcome,
 )
 from rag_kvcache.tools.diagnosis.summary import json_ready, readable_json, summary
-from rag_kvcache.tools.eval import EvalItem, read_json_text
+from rag_kvcache.tools.eval.dataset import EvalItem, read_json_text
 from rag_kvcache.tools.metrics import contains_answer
 
 
