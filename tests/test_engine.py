@@ -18,7 +18,8 @@ from rag_kvcache import (
     RagKVCache,
     UnknownCacheIdError,
 )
-from rag_kvcache.link.linker import link, link_reference
+from rag_kvcache.link.linker import link
+from rag_kvcache.link.reference import link_reference
 from rag_kvcache.prompt import PromptTemplate
 from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.serving.decoding import prefill

@@ -17,7 +17,8 @@ from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import prepare
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import link, place_into
+from rag_kvcache.link.linker import link
+from rag_kvcache.link.placement import place_into
 from rag_kvcache.model import graphs
 from rag_kvcache.model.adapter import release_buffers, unpack_cache
 from rag_kvcache.model.loading import describe, load_model

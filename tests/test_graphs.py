@@ -17,7 +17,8 @@ from rag_kvcache.answer import prepare
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import LinkedPrefix, link, place_together
+from rag_kvcache.link.linker import LinkedPrefix, link
+from rag_kvcache.link.placement import place_together
 from rag_kvcache.model import adapter, graphs
 from rag_kvcache.model.adapter import (
     buffered_cache,

@@ -16,7 +16,9 @@ from rag_kvcache.errors import (
 )
 from rag_kvcache.kv import EncodeSettings
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import link, link_mask, link_reference, place_into, place_together
+from rag_kvcache.link.linker import link, link_mask
+from rag_kvcache.link.placement import place_into, place_together
+from rag_kvcache.link.reference import link_reference
 from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
 from rag_kvcache.model.rope import apply_rope
 from rag_kvcache.serving.decoding import decode, prefill

@@ -32,7 +32,8 @@ from rag_kvcache.config import ModelConfig
 from rag_kvcache.errors import UnsupportedModelError
 from rag_kvcache.kv import EncodeSettings
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import link, link_reference
+from rag_kvcache.link.linker import link
+from rag_kvcache.link.reference import link_reference
 from rag_kvcache.model.adapter import forward, unpack_cache
 from rag_kvcache.model.loading import LoadedModel, describe, load_model
 from rag_kvcache.model.rope import apply_rope

@@ -22,7 +22,8 @@ from rag_kvcache.engine import reencoder
 from rag_kvcache.kv import ChunkKV, EncodeSettings, make_cache_id
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.link.layer_feed import LayerFeed
-from rag_kvcache.link.linker import link, place_into
+from rag_kvcache.link.linker import link
+from rag_kvcache.link.placement import place_into
 from rag_kvcache.model.adapter import new_buffers
 from rag_kvcache.storage import streaming
 from rag_kvcache.storage.store import TieredStore

@@ -11,7 +11,7 @@ would do, at the cost of the copy stream waiting on the compute stream; worth it
 the GPU runs show memory, not transfer, is what limits).
 
 Off CUDA, the same per-layer placement runs synchronously, which is how the CPU tests check it
-against `linker.place_into` (the eager reference); there, what it overlaps is the reading of
+against `placement.place_into` (the eager reference); there, what it overlaps is the reading of
 chunks still arriving from disk (`ChunkKV.arrival`): placing layer i waits only for layer i.
 """
 

@@ -45,7 +45,8 @@ import torch
 from rag_kvcache.config import GenerationConfig
 from rag_kvcache.errors import ConfigError, KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.link.linker import LinkedPrefix, check_chunks, link, linked_layers
+from rag_kvcache.link.checks import check_chunks
+from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
 from rag_kvcache.model.adapter import (
     forward,
     hook_cache,

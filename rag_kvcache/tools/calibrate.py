@@ -49,7 +49,8 @@ from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.block_attention import block_logits
 from rag_kvcache.link.block_attention import check_trainable as check_lora_trainable
 from rag_kvcache.link.calibration import Calibration, soft_inputs, with_link_slots
-from rag_kvcache.link.linker import check_chunks, place_into
+from rag_kvcache.link.checks import check_chunks
+from rag_kvcache.link.placement import place_into
 from rag_kvcache.link.selection import select_positions
 from rag_kvcache.model.adapter import additive_mask, build_cache, embed, forward
 from rag_kvcache.model.calibration_file import write_atomically
