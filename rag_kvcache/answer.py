@@ -29,12 +29,12 @@ from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.linker import link
 from rag_kvcache.model.adapter import (
     Cache,
-    additive_mask,
     buffered_cache,
     forward,
     new_buffers,
     release_buffers,
 )
+from rag_kvcache.model.attention import additive_mask
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.rope import rotate_into
 from rag_kvcache.serving.decoding import decode, prefill

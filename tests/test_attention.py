@@ -7,14 +7,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from rag_kvcache.link.linker import link_mask
-from rag_kvcache.model.adapter import (
+from rag_kvcache.model.adapter import gqa_sdpa_attention, reference_attention
+from rag_kvcache.model.attention import (
     BLOCK_ROWS,
     QUERY_BLOCK,
     additive_mask,
     cut_rows,
-    gqa_sdpa_attention,
     query_blocks,
-    reference_attention,
     with_key_bias,
 )
 

@@ -16,7 +16,6 @@ from rag_kvcache.link.reference import blend_reference
 from rag_kvcache.link.selection import filter_counts
 from rag_kvcache.model.adapter import (
     LayerRows,
-    additive_mask,
     buffered_cache,
     forward,
     forward_by_layer,
@@ -24,6 +23,7 @@ from rag_kvcache.model.adapter import (
     unpack_cache,
     write_at,
 )
+from rag_kvcache.model.attention import additive_mask
 from rag_kvcache.model.loading import describe
 from rag_kvcache.serving.decoding import prefill
 from rag_kvcache.strategy import Strategy

@@ -19,15 +19,15 @@ from rag_kvcache.errors import StrategyError
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.link.placement import place_together
-from rag_kvcache.model import adapter, graphs
+from rag_kvcache.model import attention, graphs
 from rag_kvcache.model.adapter import (
     buffered_cache,
     capture_queries,
-    grouped_sdpa,
     new_buffers,
     release_buffers,
     unpack_cache,
 )
+from rag_kvcache.model.attention import grouped_sdpa
 from rag_kvcache.serving.decoding import decode, prefill
 from rag_kvcache.strategy import DEFAULT, Strategy
 
@@ -48,7 +48,7 @@ class _Module:  # what transformers' sdpa reads off an attention module
 def test_grouped_attention_equals_transformers_sdpa(
     queries, heads, kv_heads, keys, math_rows, monkeypatch
 ) -> None:
-    monkeypatch.setattr(adapter, "MATH_ROWS", math_rows)
+    monkeypatch.setattr(attention, "MATH_ROWS", math_rows)
     torch.manual_seed(queries + heads)
     q = torch.randn(1, heads, queries, 16, dtype=torch.float64)
     k, v = (torch.randn(1, kv_heads, keys, 16, dtype=torch.float64) for _ in range(2))

@@ -16,7 +16,8 @@ from rag_kvcache.errors import ContextTooLongError
 from rag_kvcache.markup.language import MarkupError, compile_schema
 from rag_kvcache.markup.prompt import compile_prompt
 from rag_kvcache.markup.prompt_cache import PromptCache, linked_order, schema_placement
-from rag_kvcache.model.adapter import additive_mask, build_cache, forward, unpack_cache
+from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
+from rag_kvcache.model.attention import additive_mask
 from rag_kvcache.serving.decoding import prefill
 
 SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"

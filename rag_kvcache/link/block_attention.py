@@ -17,7 +17,8 @@ import torch
 
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.kv import ChunkKV
-from rag_kvcache.model.adapter import additive_mask, forward
+from rag_kvcache.model.adapter import forward
+from rag_kvcache.model.attention import additive_mask
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.strategy import Strategy
 

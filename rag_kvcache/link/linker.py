@@ -37,7 +37,6 @@ from rag_kvcache.link.selection import GradualFilter, select_positions
 from rag_kvcache.model.adapter import (
     Cache,
     LayerRows,
-    additive_mask,
     before_layer_update,
     buffered_cache,
     forward,
@@ -48,6 +47,7 @@ from rag_kvcache.model.adapter import (
     unpack_cache,
     write_at,
 )
+from rag_kvcache.model.attention import additive_mask
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.timing import STAGE_FORWARD, STAGE_PLACE, STAGE_SELECT, stage

@@ -18,7 +18,6 @@ from rag_kvcache.link.linker import LinkedContext
 from rag_kvcache.link.selection import filter_counts, select_positions
 from rag_kvcache.model.adapter import (
     LayerRows,
-    additive_mask,
     buffered_cache,
     build_cache,
     forward,
@@ -27,6 +26,7 @@ from rag_kvcache.model.adapter import (
     unpack_cache,
     write_at,
 )
+from rag_kvcache.model.attention import additive_mask
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.rope import apply_rope
 from rag_kvcache.strategy import Strategy

@@ -52,7 +52,8 @@ from rag_kvcache.link.calibration import Calibration, soft_inputs, with_link_slo
 from rag_kvcache.link.checks import check_chunks
 from rag_kvcache.link.placement import place_into
 from rag_kvcache.link.selection import select_positions
-from rag_kvcache.model.adapter import additive_mask, build_cache, embed, forward
+from rag_kvcache.model.adapter import build_cache, embed, forward
+from rag_kvcache.model.attention import additive_mask
 from rag_kvcache.model.calibration_file import write_atomically
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.lora import TARGETS, LinkLoRA, add_lora, lora_tensors, remove_lora
