@@ -711,6 +711,28 @@ def test_a_second_ctrl_c_while_closing_stops_at_once() -> None:
     assert reached == ["first held"] and signal.getsignal(signal.SIGINT) is handler
 
 
+def test_a_ctrl_c_held_goes_to_the_handler_there_was_before() -> None:
+    """A process started with SIGINT ignored (a job run in the background by a script) kept
+    ignoring it, except while a command closed its stores, where it was raised anyway."""
+    import signal
+
+    from rag_kvcache.tools.cli.common import ctrl_c_held
+
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # ignored, and still so
+        seen: list[int] = []
+        signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+        with ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            assert seen == []  # held while the block runs
+        assert seen == [signal.SIGINT]  # then the user's own handler gets it
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
 def test_a_question_that_is_not_unicode_is_refused(tiny32, tmp_path: Path) -> None:
     """What a shell passes for bytes that are not UTF-8 (lone surrogates) is a ConfigError at
     retrieval and at tokenizing, not a tokenizer's TypeError."""

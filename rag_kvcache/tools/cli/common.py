@@ -179,7 +179,9 @@ def close_opened(args: argparse.Namespace) -> None:
 
 @contextmanager
 def ctrl_c_held() -> Iterator[None]:
-    """Hold a Ctrl-C back until the block ends, then raise it; a second one raises at once.
+    """Hold a Ctrl-C back until the block ends, then hand it to the handler there was before
+    (Python's raises KeyboardInterrupt; an ignored SIGINT stays ignored); a second Ctrl-C
+    raises at once.
 
     Closing is short, and a KeyboardInterrupt inside it cut SQLite's close in two: SQLAlchemy
     logged its traceback above `interrupted`. Only the main thread receives signals."""
@@ -189,17 +191,17 @@ def ctrl_c_held() -> Iterator[None]:
     pressed: list[bool] = []
 
     def hold(signum: int, frame: object) -> None:
-        if pressed:  # pressed again: the user will not wait
-            raise KeyboardInterrupt
         pressed.append(True)
+        if len(pressed) > 1:  # pressed again: the user will not wait
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:  # (None: a handler set outside Python; Python's own is the one to restore)
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-    if pressed:
-        raise KeyboardInterrupt
+        if len(pressed) == 1:  # held: delivered now, to that handler
+            signal.raise_signal(signal.SIGINT)
 
 
 def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConfig:
