@@ -503,7 +503,8 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
         return chat_question(self, messages, *args, **kwargs)
 
     monkeypatch.setattr(RagKVCache, "chat_question", spy)
-    lines = f"/quti\n/Help me\n{turns[0][0]}\n/CLEAR all\n{turns[1][0]}\n/Exit now\n{turns[2][0]}\n"
+    first, second, third = (turn[0] for turn in turns[:3])
+    lines = f"/quti now\n/Help me\n{first}\n/CLEAR all\n{second}\n/Exit now\n{third}\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))
     assert main(["chat", "--max-new-tokens", "4", *store]) == 0
     out = " ".join(capsys.readouterr().out.split())

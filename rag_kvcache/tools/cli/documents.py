@@ -201,8 +201,8 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             history = []
             console.print("The conversation so far is forgotten.")
             continue
-        if command == "/help" or re.fullmatch(r"/[A-Za-z]+", question):  # not a question
-            said = "" if command == "/help" else f"unknown command {question}. "
+        if re.fullmatch(r"/[a-z]+", command):  # a command, not a question (a path has two /)
+            said = "" if command == "/help" else f"unknown command {command}. "
             console.print(said + COMMANDS, markup=False, highlight=False)
             continue
         try:
