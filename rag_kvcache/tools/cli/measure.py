@@ -430,7 +430,7 @@ def kept_against_other(
 
 
 def combine_command(args: argparse.Namespace, console: Console) -> int:
-    """`eval --combine`: several reports written as one (`eval.combined`)."""
+    """`eval --combine`: several reports written as one (`eval.reuse.combined`)."""
     from rag_kvcache.tools.eval.floor import other_run
     from rag_kvcache.tools.eval.report import comparisons, report_dict, save_eval
     from rag_kvcache.tools.eval.results import markdown_table, summarize
