@@ -37,6 +37,7 @@ from rag_kvcache.errors import (
     UnsupportedModelError,
 )
 from rag_kvcache.model.adapter import ATTENTION, register_attention, rope_frequencies
+from rag_kvcache.model.cpu_linear import use_onednn_linears
 
 log = logging.getLogger(__name__)
 
@@ -458,8 +459,10 @@ def with_lora(lm: LoadedModel, data: bytes, where: str) -> LoadedModel:
 
 
 def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
-    """Wrap an already loaded HF model (e.g. a tiny test model) as a LoadedModel."""
+    """Wrap an already loaded HF model (e.g. a tiny test model) as a LoadedModel. Its plain
+    linear layers compute float32 on the CPU with oneDNN from then on (`cpu_linear`)."""
     check_supported(model.config, model)
+    use_onednn_linears(model)
     register_attention()
     if model.config._attn_implementation in ("sdpa", ATTENTION):
         model.set_attn_implementation(ATTENTION)

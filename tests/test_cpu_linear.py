@@ -1,0 +1,126 @@
+"""Float32 CPU linear layers through oneDNN (`model.cpu_linear`): equal to `F.linear`, their
+reference, to float32 rounding; taken where they serve and only there; and the models the
+library loads use them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import build_tiny, tiny_config
+from torch import nn
+from torch.profiler import profile
+from transformers import LlamaForCausalLM
+
+from rag_kvcache.model.cpu_linear import (
+    AVAILABLE,
+    OneDNNLinear,
+    linear,
+    onednn_serves,
+    use_onednn_linears,
+)
+from rag_kvcache.model.loading import LoadedModel
+
+needs_onednn = pytest.mark.skipif(not AVAILABLE, reason="this torch is built without oneDNN")
+ONEDNN_OP = "mkldnn::_linear_pointwise"
+
+
+def onednn_calls(fn) -> int:  # type: ignore[no-untyped-def]
+    with profile() as p:
+        fn()
+    return sum(e.count for e in p.key_averages() if e.key == ONEDNN_OP)
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("rows", "inner", "outer", "bias"),
+    [(1, 576, 1536, False), (64, 576, 1536, True), (300, 64, 128, False), (7, 33, 5, True)],
+)
+def test_linear_equals_f_linear(rows: int, inner: int, outer: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, inner, generator=g)
+    w = torch.randn(outer, inner, generator=g) / inner**0.5
+    b = torch.randn(outer, generator=g) if bias else None
+    assert onednn_serves(x, w, b)
+    out = linear(x, w, b)
+    assert out.shape == (2, rows, outer)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert onednn_calls(lambda: linear(x, w, b)) == 1
+
+
+@needs_onednn
+def test_linear_of_a_strided_view_equals_f_linear() -> None:
+    """The last row of hidden states (what `logits_to_keep=1` hands the LM head) is a view."""
+    x = torch.randn(1, 9, 48)[:, -1:, :]
+    xt = torch.randn(48, 1, 10).transpose(0, 2)  # [10, 1, 48], not contiguous
+    w = torch.randn(20, 48)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(xt, w), F.linear(xt, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_falls_back_where_onednn_cannot_serve() -> None:
+    w = torch.randn(8, 4)
+    cases = {
+        "bfloat16": (torch.randn(3, 4, dtype=torch.bfloat16), w.bfloat16()),
+        "float64": (torch.randn(3, 4, dtype=torch.float64), w.double()),
+        "one dimension": (torch.randn(4), w),
+        "no rows": (torch.randn(0, 4), w),
+    }
+    for name, (x, weight) in cases.items():
+        assert not onednn_serves(x, weight, None), name
+        assert onednn_calls(lambda x=x, weight=weight: linear(x, weight)) == 0, name
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), msg=name)
+
+
+def test_gradients_flow_through_the_fallback() -> None:
+    """Calibration trains through the model's linears: where a gradient is wanted, autograd's
+    F.linear computes it (oneDNN's op has none)."""
+    x = torch.randn(5, 4, requires_grad=True)
+    w = torch.randn(3, 4)
+    assert not onednn_serves(x, w, None)
+    linear(x, w).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, w.sum(dim=0).expand(5, 4))
+    with torch.no_grad():
+        assert onednn_serves(x, w, None) == AVAILABLE
+
+
+@needs_onednn
+def test_only_plain_linears_are_swapped() -> None:
+    class Quantized(nn.Linear):  # stands in for bitsandbytes' and adapters' subclasses
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), Quantized(6, 2), nn.Linear(2, 3))
+    assert use_onednn_linears(model) == 2
+    assert [type(m) for m in model] == [OneDNNLinear, nn.ReLU, Quantized, OneDNNLinear]
+    assert use_onednn_linears(model) == 0  # already swapped
+
+
+@needs_onednn
+def test_a_swapped_model_computes_what_the_plain_one_does() -> None:
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM._from_config(tiny_config(), attn_implementation="sdpa").eval()
+    swapped = copy.deepcopy(plain)
+    assert use_onednn_linears(swapped) == 3 * 7 + 1  # q k v o, gate up down; the LM head
+    assert swapped.state_dict().keys() == plain.state_dict().keys()
+    ids = torch.randint(3, 1000, (1, 40))
+    with torch.no_grad():
+        expected = plain(ids).logits
+        got = swapped(ids).logits
+        assert onednn_calls(lambda: swapped(ids)) == 3 * 7 + 1
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@needs_onednn
+def test_loaded_models_use_onednn_in_float32_only(tiny32: LoadedModel) -> None:
+    linears = [m for m in tiny32.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is OneDNNLinear for m in linears)
+    ids = torch.randint(3, 1000, (1, 12))
+    with torch.no_grad():
+        assert onednn_calls(lambda: tiny32.model(ids)) == len(linears)
+    tiny_bf16 = build_tiny(torch.bfloat16)  # bfloat16: torch's own linear (oneDNN already)
+    with torch.no_grad():
+        assert onednn_calls(lambda: tiny_bf16.model(ids)) == 0
