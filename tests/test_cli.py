@@ -14,6 +14,7 @@ from rag_kvcache.errors import ConfigError
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.cli import store as cli_store
+from rag_kvcache.tools.cli.documents import unknown_command
 
 
 @pytest.mark.slow  # the bench's default model is SmolLM2
@@ -761,3 +762,20 @@ def test_a_prompt_argument_is_a_file_or_the_prompt_itself(tmp_path: Path) -> Non
     assert is_file(str(binary))
     with pytest.raises(MarkupError, match="not UTF-8 text"):
         read_source(binary)
+
+
+@pytest.mark.parametrize(
+    ("line", "unknown"),
+    [
+        ("/quti now", True),  # a typo of /quit, with words after it
+        ("/hepl", True),
+        ("/Help me", True),  # /help: the commands are listed
+        ("/frobnicate", True),  # a lone /word is meant as a command
+        ("/usr is mounted where?", False),  # a question that starts with a slash is asked
+        ("/etc/hosts lists what?", False),
+        ("What is /usr?", False),
+        ("/quit", True),  # (known commands are handled before this is asked)
+    ],
+)
+def test_chat_tells_unknown_commands_from_questions(line: str, unknown: bool) -> None:
+    assert unknown_command(line, line.split()[0].lower()) is unknown

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Iterator
+from difflib import get_close_matches
 from functools import partial
 from pathlib import Path
 
@@ -121,6 +122,16 @@ def counted(n: int, noun: str) -> str:
 
 
 COMMANDS = "Commands: /clear forgets the conversation, /quit (or /exit) ends it, /help."
+COMMAND_WORDS = ("/clear", "/quit", "/exit", "/help")
+
+
+def unknown_command(line: str, command: str) -> bool:
+    """Is this chat line meant as a command we do not have (said so, not asked)? `/help`, a
+    lone `/word`, or a `/word` a typo away from a command (`/quti now`); a question that merely
+    starts with a slash (`/usr is mounted where?`, `/etc/hosts lists what?`) is asked."""
+    if not re.fullmatch(r"/[a-z]+", command):
+        return False
+    return line.lower() == command or bool(get_close_matches(command, COMMAND_WORDS, cutoff=0.7))
 
 
 def answer_command(args: argparse.Namespace, console: Console) -> int:
@@ -201,7 +212,7 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             history = []
             console.print("The conversation so far is forgotten.")
             continue
-        if re.fullmatch(r"/[a-z]+", command):  # a command, not a question (a path has two /)
+        if unknown_command(question, command):
             said = "" if command == "/help" else f"unknown command {command}. "
             console.print(said + COMMANDS, markup=False, highlight=False)
             continue
