@@ -124,3 +124,23 @@ def test_loaded_models_use_onednn_in_float32_only(tiny32: LoadedModel) -> None:
     tiny_bf16 = build_tiny(torch.bfloat16)  # bfloat16: torch's own linear (oneDNN already)
     with torch.no_grad():
         assert onednn_calls(lambda: tiny_bf16.model(ids)) == 0
+
+
+@needs_onednn
+def test_the_retrieval_encoder_uses_onednn_and_embeds_as_before() -> None:
+    """The MiniLM encoder's linears compute by oneDNN too; its embeddings are those of the
+    plain model, to float32 rounding."""
+    from rag_kvcache.retrieval.embedding import Embedder
+
+    embedder = Embedder()
+    linears = [m for m in embedder.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is OneDNNLinear for m in linears)
+    texts = ["The harbor of Velmora has a lighthouse.", "Rowing crews train at dawn. " * 30]
+    fast = embedder.embed(texts)
+    for m in linears:
+        m.__class__ = nn.Linear
+    try:
+        plain = embedder.embed(texts)
+    finally:
+        use_onednn_linears(embedder.model)
+    torch.testing.assert_close(torch.from_numpy(fast), torch.from_numpy(plain), atol=1e-5, rtol=0)

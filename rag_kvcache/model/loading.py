@@ -502,9 +502,11 @@ def default_embedding_path() -> Path:
 
 
 def load_encoder(path: Path) -> tuple[Any, Any]:
-    """A sentence-embedding encoder (BERT-like) and its tokenizer, in float32 on the CPU."""
+    """A sentence-embedding encoder (BERT-like) and its tokenizer, in float32 on the CPU, its
+    linear layers by oneDNN (`cpu_linear`)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    use_onednn_linears(model)
     return tokenizer, model
 
 
