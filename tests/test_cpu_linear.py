@@ -14,6 +14,7 @@ from torch import nn
 from torch.profiler import profile
 from transformers import LlamaForCausalLM
 
+from rag_kvcache.model import cpu_linear
 from rag_kvcache.model.cpu_linear import (
     AVAILABLE,
     OneDNNLinear,
@@ -58,6 +59,27 @@ def test_linear_of_a_strided_view_equals_f_linear() -> None:
     w = torch.randn(20, 48)
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(xt, w), F.linear(xt, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_or_missing_private_op_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op is private: a torch that removed it, changed its arguments or its meaning
+    makes `AVAILABLE` false (F.linear everywhere), not every forward fail."""
+    assert cpu_linear._works() == torch.backends.mkldnn.is_available()
+
+    def changed(x, w, b, attr, scalars, algorithm, extra):  # type: ignore[no-untyped-def]
+        return F.linear(x, w, b)  # takes one argument more: a call as ours raises TypeError
+
+    def other_meaning(x, w, b, *args):  # type: ignore[no-untyped-def]
+        return F.linear(x, w)  # drops the bias
+
+    for fake in (changed, other_meaning):
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", fake)
+        assert not cpu_linear._works()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not cpu_linear._works()
+    monkeypatch.undo()
+    assert cpu_linear._works() == torch.backends.mkldnn.is_available()
 
 
 def test_linear_falls_back_where_onednn_cannot_serve() -> None:

@@ -21,7 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+def _works() -> bool:
+    """Is the private op there, taking the arguments it took when this was written, and
+    computing a linear? Asked once, on a tiny case: a torch that renamed or changed it falls
+    back to `F.linear` instead of failing every forward."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    x = torch.arange(15.0).reshape(3, 5) / 7  # (no random numbers: the global RNG is the user's)
+    w, b = torch.arange(20.0).reshape(4, 5).cos(), torch.arange(4.0)
+    try:
+        out = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    except Exception:  # missing, renamed, other arguments: whatever it raises, not used
+        return False
+    return bool(torch.allclose(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4))
+
+
+AVAILABLE = _works()
 
 
 def onednn_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
