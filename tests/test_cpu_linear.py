@@ -52,13 +52,21 @@ def test_linear_equals_f_linear(rows: int, inner: int, outer: int, bias: bool) -
 
 
 @needs_onednn
-def test_linear_of_a_strided_view_equals_f_linear() -> None:
-    """The last row of hidden states (what `logits_to_keep=1` hands the LM head) is a view."""
+def test_linear_of_strided_views_equals_f_linear() -> None:
+    """The last row of hidden states (what `logits_to_keep=1` hands the LM head) is a view;
+    a bias may be one too (the op reads a bias as contiguous: it is made so)."""
     x = torch.randn(1, 9, 48)[:, -1:, :]
     xt = torch.randn(48, 1, 10).transpose(0, 2)  # [10, 1, 48], not contiguous
     w = torch.randn(20, 48)
-    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear(xt, w), F.linear(xt, w), rtol=1e-5, atol=1e-5)
+    wt = torch.randn(48, 20).t()  # a transposed weight
+    every_other = torch.randn(40)[::2]
+    broadcast = torch.randn(1).expand(20)
+    cases = [(x, w, None), (xt, w, None), (x, wt, None), (x, w, every_other), (xt, w, broadcast)]
+    for inputs, weight, bias in cases:
+        assert onednn_serves(inputs, weight, bias)
+        got = linear(inputs, weight, bias)
+        torch.testing.assert_close(got, F.linear(inputs, weight, bias), rtol=1e-5, atol=1e-5)
+        assert onednn_calls(lambda i=inputs, w=weight, b=bias: linear(i, w, b)) == 1
 
 
 def test_a_changed_or_missing_private_op_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,6 +102,29 @@ def test_linear_falls_back_where_onednn_cannot_serve() -> None:
         assert not onednn_serves(x, weight, None), name
         assert onednn_calls(lambda x=x, weight=weight: linear(x, weight)) == 0, name
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), msg=name)
+
+
+def test_autocast_and_onednn_switched_off_are_obeyed() -> None:
+    """CPU autocast computes F.linear in bfloat16 (the op would ignore it); switching oneDNN
+    off (`torch.backends.mkldnn.enabled`) leaves the linear to torch's default."""
+    x, w = torch.randn(6, 16), torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not onednn_serves(x, w, None)
+        assert linear(x, w).dtype == F.linear(x, w).dtype == torch.bfloat16
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert not onednn_serves(x, w, None)
+        assert onednn_calls(lambda: linear(x, w)) == 0
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert onednn_serves(x, w, None) == AVAILABLE
+
+
+def test_shapes_that_do_not_fit_raise_f_linears_error() -> None:
+    x, w = torch.randn(3, 5), torch.randn(4, 6)
+    for bias in (None, torch.randn(3)):
+        with pytest.raises(RuntimeError, match="shape|size"):
+            linear(x, w if bias is None else torch.randn(4, 5), bias)
 
 
 def test_gradients_flow_through_the_fallback() -> None:

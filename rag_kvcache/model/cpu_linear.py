@@ -10,7 +10,7 @@ computes bfloat16 linears with oneDNN; for float32 it is reached through the pri
 `linear` falls back to `F.linear`, its reference (the two agree to float32 rounding), wherever
 the op cannot serve: other dtypes or devices, autograd needing a gradient (calibration
 training), a torch built without oneDNN. Prefill, encoding and linking all go through the same
-layers, so every path gains alike.
+layers, so every path gains (prefill a little more than the cache's short forwards).
 """
 
 from __future__ import annotations
@@ -41,12 +41,18 @@ AVAILABLE = _works()
 
 
 def onednn_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Can oneDNN compute this linear: float32 on the CPU, no gradient wanted."""
-    if not AVAILABLE or x.device.type != "cpu" or x.dim() < 2 or x.numel() == 0:
+    """Can oneDNN compute this linear: float32 on the CPU, shapes that fit, no gradient
+    wanted, no CPU autocast (which F.linear obeys and the op would not), oneDNN not switched
+    off (`torch.backends.mkldnn.enabled`). Anything else is F.linear's, errors included."""
+    if not AVAILABLE or not torch.backends.mkldnn.enabled or x.device.type != "cpu":
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
         return False
-    if bias is not None and bias.dtype != torch.float32:
+    if x.dim() < 2 or x.numel() == 0 or x.shape[-1] != weight.shape[1]:
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]):
+        return False
+    if torch.is_autocast_enabled("cpu"):
         return False
     tracked = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
     return not (tracked and torch.is_grad_enabled())
@@ -55,6 +61,8 @@ def onednn_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, by oneDNN where it serves (`onednn_serves`)."""
     if onednn_serves(x, weight, bias):
+        if bias is not None:  # the op reads the bias as if contiguous: a strided view would
+            bias = bias.contiguous()  # give wrong sums (weights and inputs may be strided)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
