@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from rag_kvcache.link.linker import link_mask
+from rag_kvcache.link.masks import link_mask
 from rag_kvcache.model.adapter import gqa_sdpa_attention, reference_attention
 from rag_kvcache.model.attention import (
     BLOCK_ROWS,

@@ -11,7 +11,8 @@ from helpers import random_chunks, tiny_config
 from transformers import LlamaForCausalLM
 
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import link, link_mask
+from rag_kvcache.link.linker import link
+from rag_kvcache.link.masks import link_mask
 from rag_kvcache.link.reference import blend_reference
 from rag_kvcache.link.selection import filter_counts
 from rag_kvcache.model.adapter import (

@@ -16,7 +16,8 @@ from rag_kvcache.errors import (
 )
 from rag_kvcache.kv import EncodeSettings
 from rag_kvcache.link.encoder import encode_chunks
-from rag_kvcache.link.linker import link, link_mask
+from rag_kvcache.link.linker import link
+from rag_kvcache.link.masks import link_mask
 from rag_kvcache.link.placement import place_into, place_together
 from rag_kvcache.link.reference import link_reference
 from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
@@ -254,7 +255,7 @@ def test_ape_temperature_equals_linking_keys_divided_by_it(tiny64) -> None:
 
 
 def test_ape_scale_biases_exactly_the_stale_document_tokens(tiny64) -> None:
-    from rag_kvcache.link.linker import stale_context
+    from rag_kvcache.link.ape import stale_context
 
     chunks, _ = _setup(tiny64)
     recompute = torch.tensor([6, 7, 17, 18, 21, 22])  # legolink:2's: 2 per document chunk

@@ -15,23 +15,24 @@ the mask chooses, per layer, between each token's fresh and cached K/V.
 
 The recomputed tokens and the query write their fresh K/V at their own positions of the
 buffer inside the forward (over the stale copies), so the mask is causal by position: a new
-token at position p sees positions <= p, recomputed ones already fresh.
+token at position p sees positions <= p, recomputed ones already fresh (`masks`). APE's
+tempering of the tokens left stale is `ape`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from rag_kvcache.errors import StrategyError
 from rag_kvcache.kv import ChunkKV
+from rag_kvcache.link.ape import stale_context, temper
 from rag_kvcache.link.calibration import Calibration, soft_inputs, with_link_slots
 from rag_kvcache.link.checks import check_calibration, check_chunks
 from rag_kvcache.link.layer_feed import LayerFeed
+from rag_kvcache.link.masks import link_mask, window_reach
 from rag_kvcache.link.placement import place_into
 from rag_kvcache.link.selection import GradualFilter, select_positions
 from rag_kvcache.model.adapter import (
@@ -43,7 +44,6 @@ from rag_kvcache.model.adapter import (
     forward_by_layer,
     new_buffers,
     released_on_error,
-    set_key_bias,
     unpack_cache,
     write_at,
 )
@@ -256,53 +256,6 @@ def _recomputed(
     return recompute, token_ids
 
 
-def stale_context(chunks: list[ChunkKV], recompute: torch.Tensor, start: int) -> torch.Tensor:
-    """Positions [s] of the document tokens left stale: after the exact system prefix (chunk 0,
-    or a linked prefix of `start` tokens), not recomputed."""
-    first = start if start else chunks[0].num_tokens
-    end = start + sum(c.num_tokens for c in chunks)
-    stale = torch.ones(end, dtype=torch.bool, device=recompute.device)
-    stale[:first] = False
-    stale[recompute] = False
-    return stale.nonzero().flatten()
-
-
-def temper(
-    lm: LoadedModel,
-    cache: Cache,
-    keys: torch.Tensor,
-    stale: torch.Tensor,
-    strategy: Strategy,
-    capacity: int,
-    layer_calls: list[Callable[[], None]],
-    prefix_bias: torch.Tensor | None = None,
-) -> list[Callable[[], None]]:
-    """APE on the stale context tokens: their keys [layers, kv_heads, cap, d] divided by the
-    temperature (every later score on them is divided by it) and log(scale) added to their
-    scores (a key bias kept with the cache, so decoding applies it too; a linked prefix's
-    own, `prefix_bias`, kept before them). Chunks placed layer by layer (`layer_calls`) are
-    tempered as each layer arrives: the calls to run instead."""
-    if strategy.scale != 1:
-        bias = torch.zeros(capacity, dtype=lm.dtype, device=lm.device)
-        if prefix_bias is not None:
-            bias[: len(prefix_bias)] = prefix_bias
-        bias[stale] = math.log(strategy.scale)
-        set_key_bias(cache, bias)
-    if strategy.temperature == 1:
-        return layer_calls
-
-    def tempered(layer: int) -> None:
-        if layer_calls:
-            layer_calls[layer]()
-        keys[layer, :, stale] /= strategy.temperature
-
-    if not layer_calls:  # placed already: temper every layer now
-        for layer in range(len(keys)):
-            tempered(layer)
-        return []
-    return [partial(tempered, layer) for layer in range(len(keys))]
-
-
 def linked_layers(
     linked: LinkedContext, start: int, end: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -314,46 +267,3 @@ def linked_layers(
         [k[0, :, start:end].clone() for k, _ in layers],
         [v[0, :, start:end].clone() for _, v in layers],
     )
-
-
-def link_mask(
-    new_positions: torch.Tensor, length: int, reach: tuple[torch.Tensor, int] | None = None
-) -> torch.Tensor:
-    """Boolean [N, length]: a new token at position p sees every position <= p; with `reach`
-    (`window_reach`: per row the first document position it may see, and the system
-    prefix's length), only the system prefix and the positions from its reach to p.
-
-    Causal by position is enough because the new tokens' fresh K/V are written over their
-    stale copies before attention: a recomputed position holds fresh K/V when it is read.
-    """
-    keys = torch.arange(length, device=new_positions.device)[None, :]
-    allowed = keys <= new_positions[:, None]
-    if reach is not None:
-        first, system = reach
-        allowed &= (keys < system) | (keys >= first[:, None])
-    return allowed
-
-
-def window_reach(
-    new_positions: torch.Tensor,
-    chunks: list[ChunkKV],
-    prefix: LinkedPrefix | None,
-    context: int,
-    window: int,
-) -> tuple[torch.Tensor, int]:
-    """For `+window:W`: per new token [N], the first position it may see past the system
-    prefix: W before its own chunk's start for a recomputed document token, 0 (everything)
-    for the system prefix's tokens and the question. With the system prefix's length."""
-    if prefix is None:
-        system, start = chunks[0].num_tokens, 0
-    elif prefix.system_tokens is None:
-        raise StrategyError("+window after a linked prefix needs the prefix's system_tokens")
-    else:
-        system, start = prefix.system_tokens, prefix.num_tokens
-    lengths = [c.num_tokens for c in chunks]
-    starts = torch.tensor(
-        [start + sum(lengths[:i]) for i in range(len(lengths) + 1)], device=new_positions.device
-    )  # [chunks + 1]: where each placed chunk begins, then the context's end
-    own = starts[torch.searchsorted(starts, new_positions, right=True).clamp(min=1) - 1]
-    document = (new_positions >= system) & (new_positions < context)
-    return torch.where(document, (own - window).clamp(min=system), 0), system
