@@ -279,15 +279,20 @@ def _file_digest(path: Path, max_bytes: int) -> str:
 
 
 def run_ingest(
-    engine: RagKVCache, plan: IngestPlan, on_encoded: Callable[[int], None] | None = None
+    engine: RagKVCache,
+    plan: IngestPlan,
+    on_encoded: Callable[[int], None] | None = None,
+    on_dropped: Callable[[int], None] | None = None,
 ) -> list[DocumentIngest]:
     """Encode, store and index each planned document (recorded in one catalog transaction
     each); a file that went bad since it was planned is added to `plan.skipped`.
     `on_encoded` is told each document's planned chunks, however many it has by now
-    (`PlannedShare`), so that its calls add up to `plan.total_chunks`."""
+    (`PlannedShare`), so that its calls add up to `plan.total_chunks`; with `on_dropped`, the
+    planned chunks that never came (a file skipped, or shorter than planned) are told to it
+    instead, so that `on_encoded` counts only chunks done (a progress bar's rate)."""
     done = []
     for document in plan.todo:
-        share = PlannedShare(document.chunk_count, on_encoded)
+        share = PlannedShare(document.chunk_count, on_encoded, on_dropped)
         try:
             done.append(_ingest_document(engine, plan, document, share))
         except SkipFile as e:
@@ -308,6 +313,7 @@ class PlannedShare:
 
     planned: int
     report: Callable[[int], None] | None
+    drop: Callable[[int], None] | None = None  # told the rest at the end, if given
     reported: int = 0
 
     def __call__(self, chunks: int) -> None:
@@ -317,8 +323,13 @@ class PlannedShare:
         self.reported += max(chunks, 0)
 
     def finish(self) -> None:
-        """The document is done (ingested or skipped): the rest of its planned share."""
-        self(self.planned - self.reported)
+        """The document is done (ingested or skipped): the rest of its planned share, to
+        `drop` when given (those chunks never came), else as if done."""
+        rest = self.planned - self.reported
+        if rest > 0 and self.drop is not None:
+            self.drop(rest)
+            self.reported += rest
+        self(rest)
 
 
 def _ingest_document(

@@ -290,6 +290,22 @@ def test_progress_adds_up_to_the_plan_when_files_change_before_encoding(engine, 
     assert sum(reported) == plan.total_chunks and min(reported) > 0
 
 
+def test_progress_counts_a_skipped_files_chunks_as_dropped_not_done(engine, tmp_path):
+    """With `on_dropped`, a file gone since planning takes its planned chunks out of the
+    total instead of counting them as encoded at once (which made the bar's chunks/s jump)."""
+    docs = tmp_path / "docs"
+    write_docs(docs)
+    plan = plan_ingest(engine, [docs], paragraphs)
+    ferry = next(d.chunk_count for d in plan.todo if d.source.endswith("ferry.md"))
+    (docs / "ferry.md").unlink()
+    reported: list[int] = []
+    dropped: list[int] = []
+    done = run_ingest(engine, plan, reported.append, dropped.append)
+    assert sorted(Path(d.source).name for d in done) == ["bakery.md", "league.md"]
+    assert dropped == [ferry] and ferry > 0
+    assert sum(reported) == sum(len(d.cache_ids) for d in done) == plan.total_chunks - ferry
+
+
 def test_prune_removes_documents_whose_file_is_gone(engine, tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     write_docs(docs)

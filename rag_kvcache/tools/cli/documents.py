@@ -95,7 +95,11 @@ def ingest_command(args: argparse.Namespace, console: Console) -> int:
             done = progress.tasks[encoding].completed
             progress.update(encoding, rate=f"{done / (time.perf_counter() - began):.1f} chunks/s")
 
-        done = run_ingest(engine, plan, advance)
+        def dropped(n: int) -> None:  # planned chunks that never came (a file skipped):
+            total = progress.tasks[encoding].total or 0  # out of the total, not counted
+            progress.update(encoding, total=total - n)  # as done (the rate stays true)
+
+        done = run_ingest(engine, plan, advance, dropped)
     pruned = prune(engine, args.paths) if args.prune else []
     if plan.skipped:
         table = Table("skipped", "why", title="not ingested", title_justify="left")
