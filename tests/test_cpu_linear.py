@@ -127,6 +127,22 @@ def test_shapes_that_do_not_fit_raise_f_linears_error() -> None:
             linear(x, w if bias is None else torch.randn(4, 5), bias)
 
 
+def test_another_device_is_left_to_torch() -> None:
+    """Off the CPU (here the meta device stands in for a GPU) nothing is swapped, and a
+    swapped layer whose model moved there computes by F.linear."""
+    layer = nn.Linear(4, 5).to("meta")
+    assert use_onednn_linears(nn.Sequential(layer)) == 0 and type(layer) is nn.Linear
+    x, w = torch.randn(3, 4, device="meta"), torch.randn(5, 4, device="meta")
+    assert not onednn_serves(x, w, None)
+    out = linear(x, w)
+    assert out.device.type == "meta" and out.shape == (3, 5)
+    if AVAILABLE:
+        moved = nn.Sequential(nn.Linear(4, 5))
+        assert use_onednn_linears(moved) == 1
+        moved.to("meta")
+        assert type(moved[0]) is OneDNNLinear and moved(x).device.type == "meta"
+
+
 def test_gradients_flow_through_the_fallback() -> None:
     """Calibration trains through the model's linears: where a gradient is wanted, autograd's
     F.linear computes it (oneDNN's op has none)."""
