@@ -326,10 +326,11 @@ class PlannedShare:
         """The document is done (ingested or skipped): the rest of its planned share, to
         `drop` when given (those chunks never came), else as if done."""
         rest = self.planned - self.reported
-        if rest > 0 and self.drop is not None:
-            self.drop(rest)
-            self.reported += rest
-        self(rest)
+        if rest <= 0 or self.drop is None:
+            self(rest)
+            return
+        self.drop(rest)
+        self.reported += rest
 
 
 def _ingest_document(
