@@ -15,6 +15,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from rag_kvcache.model import cpu_attention
+
 QUERY_BLOCK = 32  # masks of up to this many query rows are attended in one call
 BLOCK_ROWS = (16, 32, 64, 128, 256)  # the sizes query_blocks cuts a masked query into
 # what one attention call costs beyond its rows' work, in rows of it (CPU flash attention:
@@ -206,6 +208,10 @@ def _sdpa(
     mask: torch.Tensor | None,  # [B, 1, Q, K] additive or boolean, or None (causal)
     scale: float | None,
 ) -> torch.Tensor:
+    """The CPU's attention: float32 by oneDNN matmuls where they serve (`cpu_attention`),
+    otherwise torch's fused kernel, their reference."""
+    if cpu_attention.serves(query, key, value, mask):
+        return cpu_attention.attention(query, key, value, mask, scale)
     return F.scaled_dot_product_attention(
         query,
         key,

@@ -9,7 +9,8 @@ computes bfloat16 linears with oneDNN; for float32 it is reached through the pri
 
 `linear` falls back to `F.linear`, its reference (the two agree to float32 rounding), wherever
 the op cannot serve: other dtypes or devices, autograd needing a gradient (calibration
-training), a torch built without oneDNN. Prefill, encoding and linking all go through the same
+training), a torch built without oneDNN. Attention's two matmuls take the same op
+(`cpu_attention`). Prefill, encoding and linking all go through the same
 layers, so every path gains (prefill a little more than the cache's short forwards).
 """
 
@@ -63,8 +64,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if onednn_serves(x, weight, bias):
         if bias is not None:  # the op reads the bias as if contiguous: a strided view would
             bias = bias.contiguous()  # give wrong sums (weights and inputs may be strided)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The op itself, `x @ weight.T (+ bias)`, for callers that checked `onednn_serves` (or
+    its equivalent: `cpu_attention`'s matmuls, whose weights are the cached keys and the
+    transposed values). Inputs and weights may be strided views; a bias must be contiguous."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class OneDNNLinear(nn.Linear):
