@@ -112,6 +112,8 @@ def test_a_mask_is_read_again_once_written_and_an_all_zero_mask_adds_nothing() -
             cpu_attention.attention(q, k, v, mask), reference(q, k, v, mask), rtol=1e-5, atol=1e-5
         )
         del mask
+    remembered = [entry[2] for entry in cpu_attention._firsts.values()]
+    assert remembered and all(type(first) is int for first in remembered)  # no mask kept alive
 
 
 def _refused() -> list[tuple[str, tuple]]:

@@ -17,6 +17,7 @@ few matmuls (a decode step's row over a few thousand keys).
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -25,7 +26,7 @@ from rag_kvcache.model import cpu_linear
 
 CAUSAL_BLOCK = 128  # a causal prefill attends in blocks of this many query tokens
 MIN_SCORES = 65_536  # fewer scores than this per KV head (stacked rows x keys): the fused kernel
-KEPT_TAILS = 16  # masks whose `_tail` is remembered (a forward's query blocks: a few)
+KEPT_MASKS = 16  # masks whose `_tail` is remembered (a forward's query blocks: a few)
 
 
 def serves(
@@ -94,23 +95,25 @@ def _tail(mask: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """For an additive mask [1, 1, Q, K]: (the first column not zero in every row, the mask's
     rows [Q, K - first] from there on; None where it is all zero). Adding only that part
     spares a pass over the scores for the context the question's tokens all see whole. A
-    forward hands every layer the same masks (one per query block), so the answers for the
-    last few are kept: for the same tensor (a weak reference: it lives no longer) not written
-    since (its version)."""
-    kept = _tails.get(id(mask))
-    if kept is not None and kept[0]() is mask and kept[1] == mask._version:
-        return kept[2]
+    forward hands every layer the same masks (one per query block), so where the last few
+    masks start is kept: for the same tensor (a weak reference: it lives no longer) not
+    written since (its version)."""
     rows = mask[0, 0]
-    live = rows.ne(0).any(dim=0)
-    first = int(live.to(torch.uint8).argmax()) if bool(live.any()) else rows.shape[1]
-    tail = (first, rows[:, first:] if first < rows.shape[1] else None)
-    while len(_tails) >= KEPT_TAILS:
-        _tails.pop(next(iter(_tails)), None)  # the oldest
-    _tails[id(mask)] = (weakref.ref(mask), mask._version, tail)
-    return tail
+    kept = _firsts.get(id(mask))
+    if kept is not None and kept[0]() is mask and kept[1] == mask._version:
+        first = kept[2]
+    else:
+        live = rows.ne(0).any(dim=0)
+        first = int(live.to(torch.uint8).argmax()) if bool(live.any()) else rows.shape[1]
+        with _firsts_lock:  # requests in threads share it
+            while len(_firsts) >= KEPT_MASKS:
+                del _firsts[next(iter(_firsts))]  # the oldest
+            _firsts[id(mask)] = (weakref.ref(mask), mask._version, first)
+    return first, rows[:, first:] if first < rows.shape[1] else None
 
 
-_tails: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, torch.Tensor | None]]] = {}
+_firsts: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+_firsts_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=4)
