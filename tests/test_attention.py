@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from rag_kvcache.link.masks import link_mask
+from rag_kvcache.model import adapter, attention
 from rag_kvcache.model.adapter import gqa_sdpa_attention, reference_attention
 from rag_kvcache.model.attention import (
     BLOCK_ROWS,
@@ -73,6 +74,31 @@ def test_fast_attention_equals_reference(dtype, queries: int, mask_kind: str) ->
     slow, _ = reference_attention(Heads(), q, k, v, mask, scaling=0.25)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(fast, slow, rtol=tol, atol=tol)
+
+
+class OneKVHeadPerQueryHead(Heads):
+    num_key_value_groups = 1
+
+
+def test_a_multi_head_model_is_attended_in_blocks_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with as many KV heads as query heads takes the same CPU path (query blocks, each
+    over the keys its rows see) as a grouped one, and gives transformers' sdpa's result."""
+    g = torch.Generator().manual_seed(1)
+    queries, keys_len = 3 * QUERY_BLOCK + 7, 200
+    q = torch.randn(1, 4, queries, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 4, keys_len, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 4, keys_len, 16, generator=g, dtype=torch.float64)
+    positions = torch.randint(0, keys_len, (queries,), generator=g).sort().values
+    mask = additive_mask(link_mask(positions, keys_len), torch.float64)
+    blocks = query_blocks(mask)
+    assert blocks is not None and len(blocks) > 1
+    calls = []
+    monkeypatch.setattr(adapter, "_sdpa", lambda *a: calls.append(a) or attention._sdpa(*a))
+    heads = OneKVHeadPerQueryHead()
+    fast, _ = gqa_sdpa_attention(heads, q, k, v, mask, scaling=0.25, query_blocks=blocks)
+    slow, _ = reference_attention(heads, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
+    assert len(calls) == len(blocks)
 
 
 def test_rows_are_cut_where_the_calls_cost_least() -> None:

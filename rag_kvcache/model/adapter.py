@@ -58,6 +58,7 @@ def gqa_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """HF's sdpa, made cheaper on CPU for the linker's masked forward.
 
+    On the CPU (multi-head models as well as grouped ones):
     - grouped KV heads are read as they are (`enable_gqa`); HF repeats K/V for every query
       head whenever a mask is given, and the linker always gives one;
     - a tall masked query is attended in blocks of rows (`query_blocks`, planned once per
@@ -84,7 +85,7 @@ def gqa_sdpa_attention(
     if query.device.type != "cpu" and grouped and attention_mask is not None:
         out = grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling"))
         return out.transpose(1, 2).contiguous(), None
-    if query.device.type != "cpu" or not grouped:
+    if query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling")
     blocks: list[QueryBlock] | None = kwargs.get("query_blocks")
