@@ -4,6 +4,9 @@ only there; and the model's forwards (prefill, linking) compute through it."""
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,7 @@ from rag_kvcache.strategy import Strategy
 needs_onednn = pytest.mark.skipif(not AVAILABLE, reason="this torch is built without oneDNN")
 ONEDNN_OP = "mkldnn::_linear_pointwise"
 MIN = torch.finfo(torch.float32).min
+FIRST_ROW = torch.tensor([0])
 
 
 def onednn_calls(fn) -> int:  # type: ignore[no-untyped-def]
@@ -52,15 +56,15 @@ def qkv(heads: int, kv_heads: int, queries: int, keys: int, seed: int = 0):  # t
 
 @needs_onednn
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
-@pytest.mark.parametrize("queries", [1 + 2 * cpu_attention.CAUSAL_BLOCK, 300])
+@pytest.mark.parametrize("queries", [1 + 2 * cpu_attention.ROW_BLOCK, 300])
 def test_a_causal_prefill_equals_sdpa_across_its_blocks(heads, kv_heads, queries) -> None:
-    """Blocks of CAUSAL_BLOCK tokens, the last a single one: each reads the keys up to its
-    last token, its diagonal masked."""
+    """Blocks of ROW_BLOCK tokens, the last a single one: each reads the keys up to its last
+    token, its diagonal masked."""
     q, k, v = qkv(heads, kv_heads, queries, queries)
     assert cpu_attention.serves(q, k, v, None)
     out = cpu_attention.attention(q, k, v, None)
     torch.testing.assert_close(out, reference(q, k, v, None), rtol=1e-5, atol=1e-5)
-    blocks = -(-queries // cpu_attention.CAUSAL_BLOCK)
+    blocks = -(-queries // cpu_attention.ROW_BLOCK)
     assert onednn_calls(lambda: cpu_attention.attention(q, k, v, None)) == 2 * kv_heads * blocks
 
 
@@ -88,32 +92,82 @@ def test_a_link_forward_over_cached_keys_equals_sdpa(scale) -> None:
 
 
 @needs_onednn
-def test_a_mask_is_read_again_once_written_and_an_all_zero_mask_adds_nothing() -> None:
-    """`_tail` remembers each mask's masked columns for the forward's other layers, but not
-    for a mask written in place since, nor for a new mask that reuses a freed one's memory."""
+def test_keys_and_values_in_transformers_layout_and_values_of_another_width() -> None:
+    """Keys and values as transformers computes them (heads interleaved per token: a key row
+    stride of kv_heads x head_dim), values narrower than keys, a tall masked query attended
+    ROW_BLOCK rows at a time."""
+    queries, keys = 300, 600
+    k = torch.randn(1, keys, 3, 64).transpose(1, 2)
+    v = torch.randn(1, keys, 3, 48).transpose(1, 2)
+    q = torch.randn(1, queries, 9, 64).transpose(1, 2)
+    mask = additive_mask(torch.ones(queries, keys).tril(keys - queries).bool(), torch.float32)
+    assert k.stride(2) == 3 * 64 and cpu_attention.serves(q, k, v, mask)
+    out = cpu_attention.attention(q, k, v, mask)
+    assert out.shape == (1, 9, queries, 48)
+    torch.testing.assert_close(out, reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    blocks = -(-queries // cpu_attention.ROW_BLOCK)
+    assert onednn_calls(lambda: cpu_attention.attention(q, k, v, mask)) == 2 * 3 * blocks
+
+
+@needs_onednn
+def test_a_mask_is_scanned_once_and_again_once_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mask_facts` scans each mask once for the forward's layers, and again for a mask written
+    in place since, or for a new mask at the address of a freed one; what it keeps of a mask
+    does not keep the mask alive. An all-zero mask adds nothing."""
+    scans = []
+    real_scan = cpu_attention._scan
+
+    def counted(mask: torch.Tensor) -> cpu_attention.MaskFacts:
+        scans.append(tuple(mask.shape))  # (not the mask: it would keep it alive)
+        return real_scan(mask)
+
+    monkeypatch.setattr(cpu_attention, "_scan", counted)
     q, k, v = qkv(9, 3, 32, 1024)
     zeros = torch.zeros(1, 1, 32, 1024)
-    assert cpu_attention._tail(zeros) == (1024, None)
-    torch.testing.assert_close(
-        cpu_attention.attention(q, k, v, zeros), reference(q, k, v, zeros), rtol=1e-5, atol=1e-5
-    )
-    zeros[..., 5] = MIN  # written in place: key 5 hidden from now on
-    first, tail = cpu_attention._tail(zeros)
-    assert first == 5 and tail is not None and tail.shape == (32, 1019)
-    torch.testing.assert_close(
-        cpu_attention.attention(q, k, v, zeros), reference(q, k, v, zeros), rtol=1e-5, atol=1e-5
-    )
-    del zeros, tail
-    for column in (700, 9):  # new masks, maybe at the same address
-        mask = torch.zeros(1, 1, 32, 1024)
-        mask[..., column] = MIN
-        assert cpu_attention._tail(mask)[0] == column
+    for _ in range(3):  # three layers
         torch.testing.assert_close(
-            cpu_attention.attention(q, k, v, mask), reference(q, k, v, mask), rtol=1e-5, atol=1e-5
+            cpu_attention.attention(q, k, v, zeros), reference(q, k, v, zeros), rtol=1e-5, atol=1e-5
         )
-        del mask
-    remembered = [entry[2] for entry in cpu_attention._firsts.values()]
-    assert remembered and all(type(first) is int for first in remembered)  # no mask kept alive
+    assert len(scans) == 1 and cpu_attention.mask_facts(zeros) == (1024, True)
+    zeros[..., 5] = MIN  # written in place: key 5 hidden from now on
+    assert cpu_attention.mask_facts(zeros) == (5, True) and len(scans) == 2
+    torch.testing.assert_close(
+        cpu_attention.attention(q, k, v, zeros), reference(q, k, v, zeros), rtol=1e-5, atol=1e-5
+    )
+    assert len(scans) == 2
+    # a freed mask's entry, at the address of a new one: its weak reference is dead
+    mask = torch.zeros(1, 1, 32, 1024)
+    mask[..., 700] = MIN
+    stale = torch.zeros(1)
+    cpu_attention._facts[id(mask)] = (
+        weakref.ref(stale),
+        mask._version,
+        cpu_attention.MaskFacts(3, True),
+    )
+    del stale
+    assert cpu_attention.mask_facts(mask) == (700, True) and len(scans) == 3
+    gone = weakref.ref(mask)
+    del mask
+    assert gone() is None
+
+
+@needs_onednn
+def test_under_inference_mode_masks_are_scanned_each_time(tiny32) -> None:
+    """Tensors made under `torch.inference_mode` have no version to check a write by: their
+    masks are scanned at every call, and a link under it gives what it gives outside."""
+    q, k, v = qkv(9, 3, 32, 1024)
+    with torch.inference_mode():
+        mask = torch.zeros(1, 1, 32, 1024)
+        mask[..., 9] = MIN
+        assert cpu_attention.serves(q, k, v, mask)
+        out = cpu_attention.attention(q, k, v, mask)
+        torch.testing.assert_close(out, reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    ids = random_chunks([12, 40, 33, 25], seed=3)
+    chunks = encode_chunks(tiny32, ids)
+    outside = link(tiny32, chunks, [7, 8, 9], Strategy.parse("legolink:2"))
+    with torch.inference_mode():
+        inside = link(tiny32, chunks, [7, 8, 9], Strategy.parse("legolink:2"))
+    torch.testing.assert_close(inside.next_logits, outside.next_logits)
 
 
 def _refused() -> list[tuple[str, tuple]]:
@@ -123,6 +177,11 @@ def _refused() -> list[tuple[str, tuple]]:
         ("float64", (q.double(), k.double(), v.double(), causal.double())),
         ("bfloat16", (q.bfloat16(), k.bfloat16(), v.bfloat16(), causal.bfloat16())),
         ("a boolean mask", (q, k, v, causal > MIN / 2)),
+        ("-inf in the mask", (q, k, v, causal.masked_fill(causal < 0, float("-inf")))),
+        (
+            "a row masked whole by -inf",
+            (q, k, v, causal.index_fill(2, torch.tensor([0]), -math.inf)),
+        ),
         ("a batch of two", tuple(t.expand(2, -1, -1, -1) for t in (q, k, v, causal))),
         ("no mask but fewer queries than keys", (q, k, v, None)),
         ("a decode step", (q[:, :, :1], k, v, None)),
@@ -136,14 +195,16 @@ def _refused() -> list[tuple[str, tuple]]:
 @needs_onednn
 @pytest.mark.parametrize("case", range(len(_refused())), ids=[c[0] for c in _refused()])
 def test_what_it_does_not_serve_goes_to_sdpa(case: int) -> None:
-    """Refused cases are computed by torch's kernel, through the CPU path's `_sdpa`, with the
-    result it gives, and no oneDNN call."""
+    """Refused cases go to torch's kernel through the CPU path's `_sdpa`: no oneDNN call (the
+    result is then torch's own, NaN-free for the row masked whole)."""
     _, (q, k, v, mask) = _refused()[case]
     assert not cpu_attention.serves(q, k, v, mask)
     expected = reference(q, k, v, mask)
     assert onednn_calls(lambda: _sdpa(q, k, v, mask, None)) == 0
     if q.dtype == torch.float32:
-        torch.testing.assert_close(_sdpa(q, k, v, mask, None), expected)
+        got = _sdpa(q, k, v, mask, None)
+        torch.testing.assert_close(got, expected, equal_nan=True)
+        assert not got.isnan().any()
 
 
 @needs_onednn
@@ -168,11 +229,14 @@ def test_a_model_prefills_and_links_through_it_and_full_still_equals_prefill(
     tokens, query = [t for c in ids for t in c], [7, 8, 9, 10, 11]
     _, fused = prefill(tiny32, tokens + query)
     linears = onednn_calls(lambda: prefill(tiny32, tokens + query))
+    full = Strategy.parse("full")
+    link_linears = onednn_calls(lambda: link(tiny32, chunks, query, full))
     monkeypatch.setattr(cpu_attention, "MIN_SCORES", 1)
     calls = onednn_calls(lambda: prefill(tiny32, tokens + query))
     assert calls - linears == 2 * 2 * tiny32.num_layers  # 2 matmuls, 2 KV heads, 1 block
     _, logits = prefill(tiny32, tokens + query)
     torch.testing.assert_close(logits, fused, rtol=1e-4, atol=1e-4)
-    linked = link(tiny32, chunks, query, Strategy.parse("full"))
+    assert onednn_calls(lambda: link(tiny32, chunks, query, full)) > link_linears
+    linked = link(tiny32, chunks, query, full)
     torch.testing.assert_close(linked.next_logits, logits, rtol=1e-4, atol=1e-4)
     assert int(linked.next_logits.argmax()) == int(logits.argmax())

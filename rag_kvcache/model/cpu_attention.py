@@ -10,8 +10,8 @@ against torch's 4.6, and a causal prefill of 4160 tokens 77 ms a layer against 1
 
 `F.scaled_dot_product_attention` is the reference (the two agree to float32 rounding) and
 serves everything `serves` refuses: other dtypes or devices, a batch, a gradient wanted,
-boolean masks, and small attentions, where the fused kernel's single call is cheaper than a
-few matmuls (a decode step's row over a few thousand keys).
+boolean masks or masks with -inf, and small attentions, where the fused kernel's single call
+is cheaper than a few matmuls (such as a decode step's row over a few thousand keys).
 """
 
 from __future__ import annotations
@@ -19,14 +19,22 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from rag_kvcache.model import cpu_linear
 
-CAUSAL_BLOCK = 128  # a causal prefill attends in blocks of this many query tokens
+ROW_BLOCK = 128  # query tokens attended together (a causal prefill's blocks; a tall mask's)
 MIN_SCORES = 65_536  # fewer scores than this per KV head (stacked rows x keys): the fused kernel
-KEPT_MASKS = 16  # masks whose `_tail` is remembered (a forward's query blocks: a few)
+KEPT_MASKS = 1024  # masks whose `MaskFacts` are remembered (a forward's query blocks: a few)
+
+
+class MaskFacts(NamedTuple):
+    """What `attention` needs to know of an additive mask [1, 1, Q, K], found in one scan."""
+
+    masked_from: int  # the first column that is not zero in some row (K: none)
+    finite: bool  # no -inf or NaN: a row masked whole by -inf would give NaN here, not in sdpa
 
 
 def serves(
@@ -50,7 +58,20 @@ def serves(
         return False
     if heads // kv_heads * q * n < MIN_SCORES or torch.is_autocast_enabled("cpu"):
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return mask is None or mask_facts(mask).finite
+
+
+class _Rows(NamedTuple):
+    """Query tokens start..stop-1, attending to the first `keys` keys; `mask` [stop - start,
+    keys - masked_from] is added to their scores from column `masked_from` on (None: none)."""
+
+    start: int
+    stop: int
+    keys: int
+    masked_from: int
+    mask: torch.Tensor | None
 
 
 def attention(
@@ -60,63 +81,74 @@ def attention(
     mask: torch.Tensor | None,  # [1, 1, Q, K] additive, or None: causal (Q == K)
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention [1, heads, Q, d_v] for the cases `serves` accepts.
-
-    With a mask the rows attend in one block (the linker plans its query blocks before:
-    `attention.query_blocks`); a causal prefill attends in blocks of CAUSAL_BLOCK tokens, each
-    over the keys up to its last token, its diagonal masked."""
+    """Attention [1, heads, Q, d_v] for the cases `serves` accepts, ROW_BLOCK query tokens at a
+    time (the scores of a block are what it holds in memory): a causal prefill's blocks each over
+    the keys up to their last token, their diagonal masked; a masked query's over every key,
+    adding only the mask's columns that are not zero everywhere (the linker plans its blocks
+    before, each over the keys its rows see: `attention.query_blocks`)."""
     heads, q, d = query.shape[1:]
     kv_heads, n = key.shape[1:3]
     groups = heads // kv_heads
     out = query.new_empty(1, heads, q, value.shape[-1])
     scaled = query[0] * (d**-0.5 if scale is None else scale)  # [heads, Q, d]
-    if mask is not None:
-        blocks = [(0, q, n, _tail(mask))]
-    else:
-        blocks = []
-        for start in range(0, q, CAUSAL_BLOCK):
-            stop = min(start + CAUSAL_BLOCK, q)
-            blocks.append((start, stop, stop, (start, _diagonal(stop - start))))
-    for start, stop, keys, (masked_from, tail) in blocks:
+    for block in _row_blocks(q, n, mask):
+        start, stop, keys = block.start, block.stop, block.keys
         rows = stop - start
         for h in range(kv_heads):
             group = slice(h * groups, (h + 1) * groups)
             stacked = scaled[group, start:stop].reshape(groups * rows, d)
             scores = cpu_linear.onednn_linear(stacked, key[0, h, :keys])  # [groups*rows, keys]
-            if tail is not None:  # the mask's columns that are not all zero
-                scores.view(groups, rows, keys)[:, :, masked_from:].add_(tail)
+            if block.mask is not None:
+                scores.view(groups, rows, keys)[:, :, block.masked_from :].add_(block.mask)
             probs = scores.softmax(dim=-1)
             mixed = cpu_linear.onednn_linear(probs, value[0, h, :keys].t())
             out[0, group, start:stop] = mixed.view(groups, rows, -1)
     return out
 
 
-def _tail(mask: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-    """For an additive mask [1, 1, Q, K]: (the first column not zero in every row, the mask's
-    rows [Q, K - first] from there on; None where it is all zero). Adding only that part
-    spares a pass over the scores for the context the question's tokens all see whole. A
-    forward hands every layer the same masks (one per query block), so where the last few
-    masks start is kept: for the same tensor (a weak reference: it lives no longer) not
-    written since (its version)."""
-    rows = mask[0, 0]
-    kept = _firsts.get(id(mask))
+def _row_blocks(q: int, n: int, mask: torch.Tensor | None) -> list[_Rows]:
+    spans = [(start, min(start + ROW_BLOCK, q)) for start in range(0, q, ROW_BLOCK)]
+    if mask is None:  # causal, Q == K
+        return [_Rows(a, b, b, a, _diagonal(b - a)) for a, b in spans]
+    first = mask_facts(mask).masked_from
+    if first == n:
+        return [_Rows(a, b, n, n, None) for a, b in spans]
+    return [_Rows(a, b, n, first, mask[0, 0, a:b, first:]) for a, b in spans]
+
+
+def mask_facts(mask: torch.Tensor) -> MaskFacts:
+    """`MaskFacts` of an additive mask [1, 1, Q, K]. A forward hands every layer the same masks
+    (one per query block), so the facts of the last KEPT_MASKS are kept: for the same tensor (a
+    weak reference: it lives no longer) not written since (its version). A mask made under
+    `torch.inference_mode` has no version to check, and is scanned each time."""
+    if mask.is_inference():
+        return _scan(mask)
+    kept = _facts.get(id(mask))
     if kept is not None and kept[0]() is mask and kept[1] == mask._version:
-        first = kept[2]
-    else:
-        live = rows.ne(0).any(dim=0)
-        first = int(live.to(torch.uint8).argmax()) if bool(live.any()) else rows.shape[1]
-        with _firsts_lock:  # requests in threads share it
-            while len(_firsts) >= KEPT_MASKS:
-                del _firsts[next(iter(_firsts))]  # the oldest
-            _firsts[id(mask)] = (weakref.ref(mask), mask._version, first)
-    return first, rows[:, first:] if first < rows.shape[1] else None
+        return kept[2]
+    facts = _scan(mask)
+    with _facts_lock:  # requests in threads share it
+        if len(_facts) >= KEPT_MASKS:  # the dead first, then the oldest
+            for gone in [i for i, entry in _facts.items() if entry[0]() is None]:
+                del _facts[gone]
+            while len(_facts) >= KEPT_MASKS:
+                del _facts[next(iter(_facts))]
+        _facts[id(mask)] = (weakref.ref(mask), mask._version, facts)
+    return facts
 
 
-_firsts: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
-_firsts_lock = threading.Lock()
+def _scan(mask: torch.Tensor) -> MaskFacts:
+    rows = mask[0, 0]
+    live = rows.ne(0).any(dim=0)
+    first = int(live.to(torch.uint8).argmax()) if bool(live.any()) else rows.shape[1]
+    return MaskFacts(first, bool(rows.isfinite().all()))
+
+
+_facts: dict[int, tuple[weakref.ref[torch.Tensor], int, MaskFacts]] = {}
+_facts_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=4)
 def _diagonal(size: int) -> torch.Tensor:
     """The additive causal mask of a block of `size` tokens over its own keys (read only)."""
-    return torch.full((size, size), float("-inf")).triu_(1)
+    return torch.full((size, size), float("-inf"), dtype=torch.float32).triu_(1)
