@@ -100,7 +100,7 @@ def attention(
             scores = cpu_linear.onednn_linear(stacked, key[0, h, :keys])  # [groups*rows, keys]
             if block.mask is not None:
                 scores.view(groups, rows, keys)[:, :, block.masked_from :].add_(block.mask)
-            probs = scores.softmax(dim=-1)
+            probs = torch.softmax(scores, dim=-1, out=scores)  # in place: one buffer less
             mixed = cpu_linear.onednn_linear(probs, value[0, h, :keys].t())
             out[0, group, start:stop] = mixed.view(groups, rows, -1)
     return out
