@@ -5,8 +5,9 @@ code path on AMD processors (as `F.linear` does: see `cpu_linear`). Here each KV
 heads are stacked as the rows of one matrix and attend by `scores = rows @ keys.T` (the cached
 keys are the matmul's weight, read where they lie), an additive mask, a softmax and
 `probs @ values` (the values' transposed view as the weight). On an AMD EPYC with AVX-512
-(2 cores), SmolLM2-135M's shapes: 64 query tokens over 4160 cached keys took 2.7 ms a layer
-against torch's 4.6, and a causal prefill of 4160 tokens 77 ms a layer against 125.
+(2 cores), SmolLM2-135M's shapes: 64 query tokens over 4160 cached keys took 2.6-2.7 ms a layer
+against torch's 4.6, and a causal prefill of 4160 tokens 76-84 ms against 132-135
+(`demos/results/cpu/ttft-onednn-attention/attention_layer.md`).
 
 `F.scaled_dot_product_attention` is the reference (the two agree to float32 rounding) and
 serves everything `serves` refuses: other dtypes or devices, a batch, a gradient wanted,
@@ -84,8 +85,8 @@ def attention(
     """Attention [1, heads, Q, d_v] for the cases `serves` accepts, ROW_BLOCK query tokens at a
     time (the scores of a block are what it holds in memory): a causal prefill's blocks each over
     the keys up to their last token, their diagonal masked; a masked query's over every key,
-    adding only the mask's columns that are not zero everywhere (the linker plans its blocks
-    before, each over the keys its rows see: `attention.query_blocks`)."""
+    the mask added from its first column that is not zero in some row on (the linker plans its
+    blocks before, each over the keys its rows see: `attention.query_blocks`)."""
     heads, q, d = query.shape[1:]
     kv_heads, n = key.shape[1:3]
     groups = heads // kv_heads
@@ -107,6 +108,7 @@ def attention(
 
 
 def _row_blocks(q: int, n: int, mask: torch.Tensor | None) -> list[_Rows]:
+    """The ROW_BLOCK-token blocks of a query of q tokens over n keys, with what each adds."""
     spans = [(start, min(start + ROW_BLOCK, q)) for start in range(0, q, ROW_BLOCK)]
     if mask is None:  # causal, Q == K
         return [_Rows(a, b, b, a, _diagonal(b - a)) for a, b in spans]
