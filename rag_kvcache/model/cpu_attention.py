@@ -45,7 +45,7 @@ def serves(
     mask: torch.Tensor | None,  # [B, 1, Q, K] additive, or None: causal with Q == K
 ) -> bool:
     """Can `attention` compute this (else `F.scaled_dot_product_attention` does)."""
-    if not cpu_linear.AVAILABLE or not torch.backends.mkldnn.enabled:
+    if not cpu_linear.onednn_enabled():
         return False
     tensors = (query, key, value) if mask is None else (query, key, value, mask)
     if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 4 for t in tensors):
@@ -57,9 +57,7 @@ def serves(
         return False
     if mask is not None and tuple(mask.shape) != (1, 1, q, n):
         return False
-    if heads // kv_heads * q * n < MIN_SCORES or torch.is_autocast_enabled("cpu"):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if heads // kv_heads * q * n < MIN_SCORES or cpu_linear.wants_grad(*tensors):
         return False
     return mask is None or mask_facts(mask).finite
 

@@ -41,11 +41,23 @@ def _works() -> bool:
 AVAILABLE = _works()
 
 
+def onednn_enabled() -> bool:
+    """May the op compute here at all: it works (`AVAILABLE`), oneDNN is not switched off
+    (`torch.backends.mkldnn.enabled`) and no CPU autocast is on (which torch's own ops obey
+    and the op would not). The linears and attention (`cpu_attention`) both ask."""
+    on = AVAILABLE and bool(torch.backends.mkldnn.enabled)
+    return on and not torch.is_autocast_enabled("cpu")
+
+
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Would autograd track a result of these (the op has no backward)?"""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def onednn_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Can oneDNN compute this linear: float32 on the CPU, shapes that fit, no gradient
-    wanted, no CPU autocast (which F.linear obeys and the op would not), oneDNN not switched
-    off (`torch.backends.mkldnn.enabled`). Anything else is F.linear's, errors included."""
-    if not AVAILABLE or not torch.backends.mkldnn.enabled or x.device.type != "cpu":
+    """Can oneDNN compute this linear: `onednn_enabled`, float32 on the CPU, shapes that fit,
+    no gradient wanted. Anything else is F.linear's, errors included."""
+    if not onednn_enabled() or x.device.type != "cpu":
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
         return False
@@ -53,10 +65,7 @@ def onednn_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]):
         return False
-    if torch.is_autocast_enabled("cpu"):
-        return False
-    tracked = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
-    return not (tracked and torch.is_grad_enabled())
+    return not wants_grad(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
