@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
+from torch.profiler import profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rag_kvcache.link.linker import LinkedContext, linked_layers
+from rag_kvcache.model.cpu_linear import AVAILABLE as ONEDNN_AVAILABLE
 from rag_kvcache.model.loading import LoadedModel, describe
 from rag_kvcache.serving.batch_kv import BatchKV
 from rag_kvcache.serving.prefix_tree import TreeNode
@@ -26,6 +29,18 @@ SERVING_DOCS = [
 ]
 
 TINY_VOCAB = 49152  # SmolLM2's vocabulary, so the tiny model can share its tokenizer
+
+
+needs_onednn = pytest.mark.skipif(not ONEDNN_AVAILABLE, reason="this torch is built without oneDNN")
+ONEDNN_OP = "mkldnn::_linear_pointwise"
+
+
+def onednn_calls(fn) -> int:  # type: ignore[no-untyped-def]
+    """How many times `fn()` calls the oneDNN op (`model.cpu_linear`), counted by torch's
+    profiler."""
+    with profile() as p:
+        fn()
+    return sum(e.count for e in p.key_averages() if e.key == ONEDNN_OP)
 
 
 def tiny_config(**overrides: object) -> LlamaConfig:

@@ -10,28 +10,18 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import random_chunks
-from torch.profiler import profile
+from helpers import needs_onednn, onednn_calls, random_chunks
 
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.link.linker import link
 from rag_kvcache.link.masks import link_mask
 from rag_kvcache.model import cpu_attention
 from rag_kvcache.model.attention import _sdpa, additive_mask
-from rag_kvcache.model.cpu_linear import AVAILABLE
 from rag_kvcache.serving.decoding import prefill
 from rag_kvcache.strategy import Strategy
 
-needs_onednn = pytest.mark.skipif(not AVAILABLE, reason="this torch is built without oneDNN")
-ONEDNN_OP = "mkldnn::_linear_pointwise"
 MIN = torch.finfo(torch.float32).min
 FIRST_ROW = torch.tensor([0])
-
-
-def onednn_calls(fn) -> int:  # type: ignore[no-untyped-def]
-    with profile() as p:
-        fn()
-    return sum(e.count for e in p.key_averages() if e.key == ONEDNN_OP)
 
 
 def reference(q, k, v, mask, scale=None):  # type: ignore[no-untyped-def]

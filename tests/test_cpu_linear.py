@@ -9,9 +9,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import build_tiny, tiny_config
+from helpers import build_tiny, needs_onednn, onednn_calls, tiny_config
 from torch import nn
-from torch.profiler import profile
 from transformers import LlamaForCausalLM
 
 from rag_kvcache.model import cpu_linear
@@ -23,15 +22,6 @@ from rag_kvcache.model.cpu_linear import (
     use_onednn_linears,
 )
 from rag_kvcache.model.loading import LoadedModel
-
-needs_onednn = pytest.mark.skipif(not AVAILABLE, reason="this torch is built without oneDNN")
-ONEDNN_OP = "mkldnn::_linear_pointwise"
-
-
-def onednn_calls(fn) -> int:  # type: ignore[no-untyped-def]
-    with profile() as p:
-        fn()
-    return sum(e.count for e in p.key_averages() if e.key == ONEDNN_OP)
 
 
 @needs_onednn
