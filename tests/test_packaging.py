@@ -55,6 +55,29 @@ def test_importing_the_engine_imports_no_framework(tmp_path: Path) -> None:
     assert not [m for m in modules if m.startswith(("rag_kvcache.tools", "rag_kvcache.integ"))]
 
 
+def test_the_command_runs_without_the_extras(tmp_path: Path) -> None:
+    """`pip install rag-kvcache` with no extra: every command parses (the bench and store
+    commands are what a GPU machine runs), and `serve` says which extra to install. The
+    extras' frameworks are made unimportable, as on a machine that never installed them."""
+    hidden = (*EXTRAS_ONLY, "starlette", "prometheus_client")
+    code = (
+        "import importlib.abc, sys\n"
+        "class Absent(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {hidden!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "from rag_kvcache.tools.cli.main import build_parser, main\n"
+        "args = build_parser().parse_args(['bench', 'ttft', '--contexts', '512'])\n"
+        "print('bench parsed', args.contexts)\n"
+        f"print('serve exit', main(['serve', '--store', {str(tmp_path / 'store')!r}]))\n"
+    )
+    out = python(code, cwd=tmp_path)
+    assert "bench parsed" in out
+    assert "serve exit 1" in out
+    assert 'pip install "rag-kvcache[serve]"' in " ".join(out.split())
+
+
 def test_a_missing_extra_says_what_to_install() -> None:
     from rag_kvcache.extras import LazyModule, MissingExtraError, require
 

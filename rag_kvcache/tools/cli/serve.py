@@ -10,7 +10,7 @@ from rag_kvcache.config import EngineConfig
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.tools.cli.common import engine_options, open_engine, whole
 from rag_kvcache.tools.server.api_key import check_api_key
-from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES
+from rag_kvcache.tools.server.limits import DEFAULT_MAX_BODY_BYTES
 
 LINK_BUDGET_S = EngineConfig.link_budget_s  # the engine's default, in seconds
 # bounded: a stream asking for the whole window would otherwise hold a stop for hours on a CPU
@@ -94,6 +94,10 @@ def link_budget(text: str) -> int | None:
 
 
 def serve_command(args: argparse.Namespace, console: Console) -> int:
+    from rag_kvcache.extras import require
+
+    for needed in ("fastapi", "uvicorn", "prometheus_client"):  # one line naming the extra
+        require(needed, extra="serve", purpose="rag-kvcache serve")
     import uvicorn
 
     from rag_kvcache.tools.cli.common import open_store

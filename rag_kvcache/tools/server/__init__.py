@@ -2,7 +2,7 @@
 
 `create_app(load)` builds the app; `load` returns the engine and runs in a thread after the
 server starts, so `/health` can say 503 while the model loads. Imported when first named, so
-that the command's parser can read `gate`'s defaults without loading torch.
+that the command's parser can read `limits` without loading torch or the web stack.
 """
 
 from __future__ import annotations

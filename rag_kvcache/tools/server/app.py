@@ -40,7 +40,8 @@ from rag_kvcache.serving.batch import BatchLoad
 from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.server.api_key import check_api_key
-from rag_kvcache.tools.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
+from rag_kvcache.tools.server.gate import Gate
+from rag_kvcache.tools.server.limits import DEFAULT_MAX_BODY_BYTES
 from rag_kvcache.tools.server.metrics import ServerMetrics
 from rag_kvcache.tools.server.schema import (
     ChatRequest,

@@ -19,8 +19,8 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rag_kvcache.tools.server.api_key import check_api_key
+from rag_kvcache.tools.server.limits import DEFAULT_MAX_BODY_BYTES
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~0.5 MB of text
 Reject = Callable[[int, str, str | None], Response]  # status, message, code -> the error body
 
 
