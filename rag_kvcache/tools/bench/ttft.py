@@ -103,11 +103,11 @@ def bench_dtype(
     # on a GPU each profiled stage waits for its kernels, so that its time holds them
     sync = partial(torch.cuda.synchronize, lm.device) if lm.device.type == "cuda" else None
 
-    def first_token(run: Run, n: int) -> Answer:
+    def first_token(run: Run, n: int, new_tokens: int = decode_tokens) -> Answer:
         strategy, graphs = run
         on, ids = (sink_engine, sinks) if strategy.needs_sinks else (engine, plain)
         with contextlib.nullcontext() if graphs else paused(lm.model, lm.device):
-            answer = on.generate(question, ids[:n], strategy=strategy, max_new_tokens=decode_tokens)
+            answer = on.generate(question, ids[:n], strategy=strategy, max_new_tokens=new_tokens)
         assert isinstance(answer, Answer)
         return answer
 
@@ -125,7 +125,9 @@ def bench_dtype(
         for run in runs:
             if stage_rows is None:
                 break
-            answer, stages = stage_seconds(lambda: first_token(run, n), sync)  # noqa: B023
+            # one token: the stages of the first token only (on a GPU a queued decode step
+            # would be waited for, and counted, in the next token's choice)
+            answer, stages = stage_seconds(lambda: first_token(run, n, 1), sync)  # noqa: B023
             stages["other"] = max(0.0, answer.ttft_s - sum(stages.values()))
             name = str(run[0]) + ("" if run[1] or len(graph_modes) == 1 else " (eager)")
             stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
@@ -223,9 +225,19 @@ def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
     for col, dtype in enumerate(dtypes):
         mine = [r for r in rows if r.dtype == dtype]
         ax = axes[0][col]
-        for name in dict.fromkeys(label(r, mine) for r in mine):
+        # one colour per strategy; where both CUDA-graph modes were measured, eager is dashed
+        colours = {s: f"C{i % 10}" for i, s in enumerate(dict.fromkeys(r.strategy for r in mine))}
+        graphs = any(r.cuda_graphs for r in mine)
+        for name, row in {label(r, mine): r for r in mine}.items():
             pts = [(r.context_tokens, r.ttft_s) for r in mine if label(r, mine) == name]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+            dashed = graphs and not row.cuda_graphs and row.strategy != str(PREFILL)
+            ax.plot(
+                *zip(*pts, strict=True),
+                marker="o",
+                label=name,
+                color=colours[row.strategy],
+                linestyle="--" if dashed else "-",
+            )
         ax.set(yscale="log", xlabel="context tokens", ylabel="TTFT (s)", title=f"TTFT, {dtype}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
