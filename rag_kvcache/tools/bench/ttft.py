@@ -30,6 +30,7 @@ from rag_kvcache.model.graphs import paused
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.strategy import DEFAULT, PREFILL, Strategy
 from rag_kvcache.timing import stage_seconds
+from rag_kvcache.tools.bench.profile import file_name, write_profile
 from rag_kvcache.tools.bench.report import (
     bench_engines,
     cache_chunks,
@@ -78,10 +79,12 @@ def bench_dtype(
     stage_rows: list[StageRow] | None = None,
     graph_modes: tuple[bool, ...] = (True,),
     decode_tokens: int = 1,
+    profile_dir: Path | None = None,
 ) -> Iterator[list[TTFTRow]]:
     """TTFT of `RagKVCache.generate` (the public call users make) per context and strategy
     (each with CUDA graphs on and/or off, `graph_modes`), chunks from the in-memory store,
-    prefill (eager) beside them: each context's rows, as soon as they are measured."""
+    prefill (eager) beside them: each context's rows, as soon as they are measured. With
+    `profile_dir`, one more first token of each under torch's profiler (`write_profile`)."""
     engine, sink_engine = bench_engines(lm)
     n_chunks = max(contexts) // chunk_tokens
     # before any chunk is encoded: the longest prompt must fit the model's window
@@ -123,13 +126,19 @@ def bench_dtype(
                 answers[run].append(first_token(run, n))
             progress.advance(task)
         for run in runs:
+            name = str(run[0]) + ("" if run[1] or len(graph_modes) == 1 else " (eager)")
+            if profile_dir is not None:
+                write_profile(
+                    lambda: first_token(run, n, 1),  # noqa: B023
+                    profile_dir / f"{dtype}-{context}-{file_name(name)}.txt",
+                    lm.device,
+                )
             if stage_rows is None:
-                break
+                continue
             # one token: the stages of the first token only (on a GPU a queued decode step
             # would be waited for, and counted, in the next token's choice)
             answer, stages = stage_seconds(lambda: first_token(run, n, 1), sync)  # noqa: B023
             stages["other"] = max(0.0, answer.ttft_s - sum(stages.values()))
-            name = str(run[0]) + ("" if run[1] or len(graph_modes) == 1 else " (eager)")
             stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
         base = statistics.median(a.ttft_s for a in answers[(PREFILL, False)])
         rows: list[TTFTRow] = []
@@ -165,7 +174,11 @@ def run_ttft_bench(
     device: str = "cpu",
     cuda_graphs: str = "on",
     decode_tokens: int = 1,
+    profile: bool = False,
 ) -> dict[str, object]:
+    """`bench ttft`: every dtype, context and strategy (`bench_dtype`), the report written
+    after each context; with `profile`, an operator table of one request per cell under
+    `out_dir/profiles/`."""
     modes = GRAPH_MODES[cuda_graphs] if device.startswith("cuda") else (False,)
     parsed = [Strategy.parse(s) for s in strategies]  # a bad name fails before any load
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,6 +218,7 @@ def run_ttft_bench(
                 stage_rows,
                 modes,
                 decode_tokens,
+                out_dir / "profiles" if profile else None,
             ):
                 rows.extend(measured)
                 # written after every context: a run stopped early (a time limit, a crash at a

@@ -64,6 +64,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="tokens each request decodes (TTFT counts to the first); the rows then give "
         "decoding speed too",
     )
+    ttft.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write, per context and strategy, torch's profile of one request's operators "
+        "(OUT/profiles/*.txt, the costliest first)",
+    )
     store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
     store.add_argument("--out", type=Path, default=Path("bench-results"))
     store.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
@@ -95,6 +101,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     prefix.add_argument("--dtype", default="float32")
     prefix.add_argument("--model", default=None, help=MODEL_HELP)
     prefix.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    prefix.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write, per case, torch's profile of each method's run (the tree's linking "
+        "included; OUT/profiles/*.txt, the costliest operators first)",
+    )
     ingest_bench = kinds.add_parser("ingest", help="ingestion throughput per dtype")
     ingest_bench.add_argument("--out", type=Path, default=Path("bench-results"))
     ingest_bench.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
@@ -512,6 +524,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             model_path=args.model,
             device=args.device,
             repeats=args.repeats,
+            profile=args.profile,
         )
         columns: dict[str, Callable[[dict[str, Any]], str]] = {
             "prefix": lambda r: str(r["prefix_tokens"]),
@@ -611,6 +624,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             device=args.device,
             cuda_graphs=args.cuda_graphs,
             decode_tokens=args.decode_tokens,
+            profile=args.profile,
         )
         columns = {
             "dtype": lambda r: r["dtype"],
