@@ -81,9 +81,9 @@ def linked_span(linked: LinkedContext, start: int, end: int) -> tuple[torch.Tens
     return torch.stack(keys), torch.stack(values)
 
 
-def inlined_nodes(batch: BatchKV) -> set[TreeNode]:
-    """Tree nodes laid out in a batch's rows."""
-    return {node for layout in batch.layouts for node in layout.inlined}
+def moved_nodes(batch: BatchKV) -> set[TreeNode]:
+    """Tree nodes whose KV has moved into a batch's rows (not those copied into them)."""
+    return {node for layout in batch.layouts for node in layout.moved}
 
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

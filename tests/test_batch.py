@@ -13,6 +13,7 @@ from rag_kvcache.engine import BatchResult
 from rag_kvcache.errors import ConfigError, StrategyError, UnknownCacheIdError
 from rag_kvcache.link.linker import LinkedPrefix, link
 from rag_kvcache.model.adapter import key_bias
+from rag_kvcache.serving import batch_kv
 from rag_kvcache.serving.batch import BatchRequest
 from rag_kvcache.strategy import Strategy
 
@@ -112,8 +113,16 @@ def test_linking_after_a_linked_prefix_equals_linking_all_at_once(tiny64, strate
         )
 
 
+# never copied (every shared node attended apart, the cascade's first phase), and the
+# default (short shared nodes such as the system prompt copied into each row)
+@pytest.fixture(params=[0, batch_kv.COPIED_TOKENS], ids=["none-copied", "short-copied"])
+def copied_tokens(request, monkeypatch) -> int:
+    monkeypatch.setattr(batch_kv, "COPIED_TOKENS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("max_batch", [1, 3, 32])
-def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None:
+def test_batched_generation_equals_each_request_alone(tiny64, max_batch, copied_tokens) -> None:
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
     ids = engine.generate_context_cache(DOCS)
     requests = mixed_requests(ids)
@@ -141,7 +150,9 @@ def test_batched_generation_equals_each_request_alone(tiny64, max_batch) -> None
         ("naive+reversed+top:1+window:8+ape:1,0.5", False),
     ],
 )
-def test_batched_top_strategies_equal_each_request_alone(tiny64, strategy, shared) -> None:
+def test_batched_top_strategies_equal_each_request_alone(
+    tiny64, strategy, shared, copied_tokens
+) -> None:
     """A chunk recomputed whole in one request (ranked first) and stale in another (ranked
     lower) is linked to different KV: sharing them would change answers."""
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)

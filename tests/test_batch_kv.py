@@ -1,5 +1,6 @@
 """BatchKV: through random joins, leaves and node splits, each row holds exactly its request's
-inlined nodes and own tokens, the tree's KV never changes, and nothing is stored twice."""
+inlined nodes and own tokens, the tree's KV never changes, and nothing is stored twice but the
+short shared nodes copied into each row that uses them."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import random
 import zlib
 from dataclasses import dataclass
 
+import pytest
 import torch
-from helpers import inlined_nodes, shares_storage
+from helpers import moved_nodes, shares_storage
 
+from rag_kvcache.serving import batch_kv
 from rag_kvcache.serving.batch_kv import BatchKV
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, path_to
 
@@ -100,9 +103,13 @@ def check(batch: BatchKV, tree: PrefixTree, members: list[Request]) -> None:
     assert sorted(map(id, batch.members)) == sorted(map(id, members))  # rows: any order
     rows = batch.members
     assert batch.ends() == [lay.offset + m.length for lay, m in zip(batch.layouts, rows)]
+    short = batch_kv.COPIED_TOKENS
     for row, (m, layout) in enumerate(zip(rows, batch.layouts, strict=True)):
-        # inlined: exactly the nodes of its path that no other active request uses
-        assert layout.inlined == tuple(n for n in path_to(m.leaf) if users[n] == 1)
+        # inlined: exactly the nodes of its path that no other active request uses (moved
+        # in), and the short ones that others use too (copied)
+        path = path_to(m.leaf)
+        assert layout.inlined == tuple(n for n in path if users[n] == 1 or n.tokens < short)
+        assert layout.copied == {n for n in layout.inlined if users[n] > 1}
         for layer in range(LAYERS):
             for rows, side, want in (
                 (batch.keys, "keys", m.want_keys),
@@ -111,21 +118,30 @@ def check(batch: BatchKV, tree: PrefixTree, members: list[Request]) -> None:
                 at = 0
                 for node in layout.inlined:
                     kv = getattr(node, side)[layer]
-                    assert shares_storage(kv, rows[layer])  # stored once, in the row
+                    # moved: stored once, in the row; copied: the node keeps its own
+                    assert shares_storage(kv, rows[layer]) == (node not in layout.copied)
                     assert torch.equal(rows[layer][row, :, at : at + node.tokens], kv)
                     at += node.tokens
                 assert at == layout.offset
                 own = rows[layer][row, :, at : at + m.length]
                 assert torch.equal(own, want[layer][:, : m.length])
                 assert not rows[layer][row, :, at + m.length :].any()  # zero past its end
-    inlined = inlined_nodes(batch)
+    moved = moved_nodes(batch)
     for node in tree.nodes():
-        if node not in inlined:
+        if node not in moved:
             assert all(not shares_storage(k, r) for k in node.keys for r in batch.keys)
 
 
-def test_rows_follow_joins_leaves_and_splits() -> None:
+# never copied (every shared node attended apart), and copied where shorter than 3 tokens
+@pytest.fixture(params=[0, 3], ids=["none-copied", "short-copied"])
+def copied_tokens(request, monkeypatch) -> int:
+    monkeypatch.setattr(batch_kv, "COPIED_TOKENS", request.param)
+    return request.param
+
+
+def test_rows_follow_joins_leaves_and_splits(copied_tokens: int) -> None:
     rng = random.Random(7)
+    copies = 0
     splits = split_held = 0
     for _ in range(5):
         tree, paths = build_tree(rng)
@@ -153,6 +169,7 @@ def test_rows_follow_joins_leaves_and_splits() -> None:
             assert batch.pack(members) == batch.nbytes  # the same batch: nothing moves
             assert batch.keys is rows
             check(batch, tree, members)
+            copies += sum(len(lay.copied) for lay in batch.layouts)
             for row, m in enumerate(batch.members):  # a decode step writes one token each
                 if m.length < m.capacity:
                     at = batch.ends()[row]
@@ -169,6 +186,7 @@ def test_rows_follow_joins_leaves_and_splits() -> None:
             want_k, _ = expected(node)
             assert torch.equal(torch.stack(node.keys), want_k)
     assert splits > 0 and split_held > 0  # splits did happen, some to nodes held in rows
+    assert (copies > 0) == (copied_tokens > 0)  # and short shared nodes were copied
 
 
 def test_a_join_or_leave_writes_only_the_rows_that_change() -> None:

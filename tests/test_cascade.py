@@ -186,6 +186,10 @@ def test_the_fused_padded_kernel_equals_the_reference(dtype, tol) -> None:
         )
         torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+        # a batch with no shared part takes torch's attention, with no LSE to compute
+        alone = cascade_attention(q, [], 0.125, PrivateKV(k, v, lengths, b))
+        torch.testing.assert_close(alone.double(), want_out, atol=tol, rtol=tol)
+        assert alone.dtype == dtype
         if b is not None:  # the bias counts: without it the result differs
             plain, _ = padded_attention_with_lse(q.double(), k.double(), v.double(), lengths, 0.125)
             assert not torch.allclose(plain, want_out, atol=1e-3)

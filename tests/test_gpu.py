@@ -23,7 +23,14 @@ from rag_kvcache.model import graphs
 from rag_kvcache.model.adapter import release_buffers, unpack_cache
 from rag_kvcache.model.loading import describe, load_model
 from rag_kvcache.serving.batch import BatchRequest
-from rag_kvcache.serving.cascade import attention_with_lse, fused_attention_with_lse, triton_kernel
+from rag_kvcache.serving.cascade import (
+    PrivateKV,
+    attention_with_lse,
+    cascade_attention,
+    fused_attention_with_lse,
+    padded_attention_with_lse,
+    triton_kernel,
+)
 from rag_kvcache.serving.decoding import decode, prefill
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.strategy import DEFAULT, Strategy
@@ -188,3 +195,21 @@ def test_the_triton_shared_phase_kernel_is_chosen_on_the_gpu_and_equals_the_refe
             )
             torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
             torch.testing.assert_close(lse.double(), want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_a_batch_with_no_shared_part_attends_by_torchs_kernel_as_the_reference(dtype, tol) -> None:
+    """No shared part (e.g. a short system prompt copied into every row): one fused call
+    over the padded rows, ragged lengths and APE's bias as the mask, no LSE."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, heads, kv_heads, tokens, dim = 32, 32, 8, 2144, 128  # Llama-3-8B's heads, 2K rows
+    q = torch.randn(n, heads, dim, device="cuda", generator=g).to(dtype)
+    k, v = torch.randn(2, n, tokens, kv_heads, dim, device="cuda", generator=g).to(dtype)
+    lengths = torch.randint(1, tokens + 1, (n,), device="cuda", generator=g)
+    bias = (torch.arange(tokens, device="cuda") >= 2).to(dtype).expand(n, -1) * -0.69
+    for b in (None, bias):
+        out = cascade_attention(q, [], dim**-0.5, PrivateKV(k, v, lengths, b))
+        want, _ = padded_attention_with_lse(
+            q.double(), k.double(), v.double(), lengths, dim**-0.5, b
+        )
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)

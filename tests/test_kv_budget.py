@@ -17,6 +17,7 @@ from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.answer import Answer
 from rag_kvcache.errors import ConfigError, ContextTooLongError, KVBudgetError
 from rag_kvcache.kv import KVStore
+from rag_kvcache.serving import batch_kv
 from rag_kvcache.serving.batch import BatchDecoder, BatchRequest, tree_path
 from rag_kvcache.strategy import Strategy
 
@@ -77,14 +78,18 @@ def drive(engine: RagKVCache, decoder: BatchDecoder, asked: list[tuple[str, list
 
 def test_requests_beyond_the_budget_wait_and_answer_as_alone(tiny64) -> None:
     """Five requests over different chunks after the shared system prompt, a budget that
-    holds the system prompt once and the rest of about two of them: two decode at once, the
-    KV held never passes the budget, and every answer equals `generate` alone."""
+    holds the system prompt once and the rest of about two of them (each row with its copy
+    of the system prompt, which is short): two decode at once, the KV held never passes the
+    budget, and every answer equals `generate` alone."""
     probe = engine_with(tiny64, None)
     ids = probe.generate_context_cache(DOCS)
     asked = [(q, [ids[i]]) for i, q in enumerate(QUESTIONS)]
-    system = probe.store.get([probe.prefix_id])[0].num_tokens * tiny64.kv_bytes_per_token
-    own = max(row_bytes(probe, q, c) for q, c in asked) - system
-    engine = engine_with(tiny64, system + int(2.5 * own))
+    system_tokens = probe.store.get([probe.prefix_id])[0].num_tokens
+    assert system_tokens < batch_kv.COPIED_TOKENS  # copied into every row that uses it
+    system = system_tokens * tiny64.kv_bytes_per_token
+    row = max(row_bytes(probe, q, c) for q, c in asked)  # its own tokens and the copy
+    budget = system + int(2.5 * row)
+    engine = engine_with(tiny64, budget)
     decoder = BatchDecoder(tiny64, engine.prefix_tree, probe.store.get)
     answers, most = drive(engine, decoder, asked)
     assert most == 2  # they waited for room, and did share the batch
@@ -92,7 +97,7 @@ def test_requests_beyond_the_budget_wait_and_answer_as_alone(tiny64) -> None:
         alone = probe.generate(query, cache_ids, max_new_tokens=NEW)
         assert isinstance(answer, Answer) and isinstance(alone, Answer)
         assert answer.token_ids == alone.token_ids
-    assert decoder.peak_bytes <= (system + 2.5 * own) * 1.25  # re-laying out: a layer twice
+    assert decoder.peak_bytes <= budget * 1.25  # re-laying out: a layer twice
     assert sum(n.refs for n in engine.prefix_tree.nodes()) == 0
 
 

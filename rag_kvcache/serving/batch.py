@@ -55,7 +55,7 @@ from rag_kvcache.model.adapter import (
     unpack_cache,
 )
 from rag_kvcache.model.loading import LoadedModel
-from rag_kvcache.serving.batch_kv import BatchKV, inlined
+from rag_kvcache.serving.batch_kv import BatchKV, layouts
 from rag_kvcache.serving.cascade import PrivateKV, SharedKV, cascade_attention
 from rag_kvcache.serving.decoding import check_window, finished, next_token, prefill
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, nodes_bias, path_to
@@ -517,15 +517,16 @@ class BatchDecoder:
     def kv_after(self, nodes: Sequence[TreeNode], tokens: int) -> int:
         """All the KV under the budget once a request (path `nodes`, `tokens` more in its
         row) has its row: the layout the next `pack` makes (`BatchKV.plan`: nodes one active
-        request uses inlined in its row, the others in the tree; rows as long as the longest,
-        `BatchKV.nbytes_for`), beside the other batches' rows. O(batch x path)."""
+        request uses moved into its row, short shared ones copied into each row, the others in
+        the tree; rows as long as the longest, `BatchKV.nbytes_for`), beside the other
+        batches' rows. O(batch x path)."""
         paths = [path_to(r.leaf) for r in self.active.values()] + [list(nodes)]
-        own = inlined(paths)
+        lays = layouts(paths)
         room = [r.capacity for r in self.active.values()] + [tokens]
-        rows = [sum(n.tokens for n in o) + t for o, t in zip(own, room, strict=True)]
+        rows = [lay.offset + t for lay, t in zip(lays, room, strict=True)]
         rows_bytes = self.kv.nbytes_for(len(rows), max(rows), self.lm.kv_bytes_per_token)
         others = self.tree.rows_nbytes(besides=self.kv)
-        moved = [n for o in own for n in o]  # nodes that will live in these rows
+        moved = [n for lay in lays for n in lay.moved]  # nodes that will live in these rows
         # counted once, in the rows; but one that another batch's row holds stays there too
         twice = sum(n.nbytes for n in moved if n.held_by not in (None, self.kv))
         return self.tree.nbytes - sum(n.nbytes for n in moved) + twice + rows_bytes + others

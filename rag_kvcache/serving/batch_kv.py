@@ -10,8 +10,11 @@ that holds, in order:
 2. the request's own tokens: its question, then the tokens generated so far.
 
 Nodes that several requests use stay where they are and are attended once for all of them
-(the first phase of `cascade_attention`). With nothing shared, a step is one attention call
-per layer, like a plain padded batch.
+(the first phase of `cascade_attention`), unless they are short: a node of fewer than
+`COPIED_TOKENS` tokens (the system prompt every request starts with) is *copied* into each row
+that uses it, since a part attended apart costs a kernel call and a merge in every layer and
+step, more than reading a few dozen tokens in every row. With nothing else shared, a step is
+then one attention call per layer, like a plain padded batch.
 
 Rows are slots, as a serving engine's KV pool hands out slots: a request keeps its row while it
 decodes, and when the batch changes (a request joins or leaves, or the tree splits a node on a
@@ -52,12 +55,23 @@ class Member(Protocol):
     own_values: list[torch.Tensor]
 
 
+# a shared node shorter than this is copied into each row that uses it, not attended apart
+COPIED_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class Layout:
-    """A row: the inlined nodes (path order), then the request's own tokens from `offset`."""
+    """A row: the inlined nodes (path order), then the request's own tokens from `offset`.
+    Of the inlined nodes, `copied` are shared ones the row holds a copy of (the node keeps
+    its own tensors); the others have moved into the row."""
 
     inlined: tuple[TreeNode, ...]
     offset: int
+    copied: frozenset[TreeNode] = frozenset()
+
+    @property
+    def moved(self) -> tuple[TreeNode, ...]:
+        return tuple(node for node in self.inlined if node not in self.copied)
 
 
 @dataclass(frozen=True)
@@ -79,10 +93,16 @@ class RowPlan:
     moving_out: set[TreeNode]  # nodes the rows held that get their own copy back
 
 
-def inlined(paths: Sequence[Sequence[TreeNode]]) -> list[tuple[TreeNode, ...]]:
-    """Each path's nodes that no other path uses (path order): what its row holds."""
+def layouts(paths: Sequence[Sequence[TreeNode]]) -> list[Layout]:
+    """Each path's row: its nodes that no other path uses (moved in) and its shared nodes
+    shorter than `COPIED_TOKENS` (copied), in path order."""
     users = Counter(node for path in paths for node in path)
-    return [tuple(node for node in path if users[node] == 1) for path in paths]
+    rows = []
+    for path in paths:
+        own = tuple(n for n in path if users[n] == 1 or n.tokens < COPIED_TOKENS)
+        copied = frozenset(n for n in own if users[n] > 1)
+        rows.append(Layout(own, sum(n.tokens for n in own), copied))
+    return rows
 
 
 class BatchKV:
@@ -105,7 +125,7 @@ class BatchKV:
     def inlined_nbytes(self) -> int:
         """Bytes of tree nodes whose KV lives in the rows (counted in `nbytes` already)."""
         return sum(
-            node.nbytes for lay in self.layouts for node in lay.inlined if node.held_by is self
+            node.nbytes for lay in self.layouts for node in lay.moved if node.held_by is self
         )
 
     @property
@@ -195,10 +215,7 @@ class BatchKV:
         else those whose request is new to the row, or stays but whose path or layout
         changed."""
         paths = [tuple(path_to(m.leaf)) for m in members]
-        layout_of = {
-            id(m): Layout(own, sum(n.tokens for n in own))
-            for m, own in zip(members, inlined(paths), strict=True)
-        }
+        layout_of = {id(m): lay for m, lay in zip(members, layouts(paths), strict=True)}
         path_of = {id(m): path for m, path in zip(members, paths, strict=True)}
         old_row = {id(m): row for row, m in enumerate(self.members)}
         n = len(members)
@@ -223,15 +240,15 @@ class BatchKV:
             and self.layouts[row] == layout_of[id(m)]
         }
         written = [row for row, m in enumerate(rows) if realloc or id(m) not in same]
-        owner = {node: id(m) for m in rows for node in layout_of[id(m)].inlined}
-        # A node leaves its place in the rows unless its request keeps it inlined and its old
-        # place stays readable until it is written anew (a new buffer, or a row past the new
-        # end); the others get their own copy first (a node inlined again is copied back).
+        owner = {node: id(m) for m in rows for node in layout_of[id(m)].moved}
+        # A node leaves its place in the rows unless its request keeps it moved in and its
+        # old place stays readable until it is written anew (a new buffer, or a row past the
+        # new end); the others get their own copy first (a node inlined again is copied back).
         in_place = {id(rows[row]) for row in written if old_row.get(id(rows[row])) == row}
         moving_out = {
             node
             for m, lay in zip(self.members, self.layouts, strict=True)
-            for node in lay.inlined
+            for node in lay.moved
             if node.held_by is self
             and not (owner.get(node) == id(m) and (realloc or id(m) not in in_place))
         }
@@ -291,13 +308,14 @@ class BatchKV:
                     most = max(most, held)
                 assert target is not None
                 for row in written:
-                    m, at = rows[row], 0
-                    for node in plan.layouts[row].inlined:
+                    m, at, lay = rows[row], 0, plan.layouts[row]
+                    for node in lay.inlined:
                         kv = getattr(node, side)
                         target[row, :, at : at + node.tokens] = kv[layer]
-                        if node in plan.moving_in or node in plan.moving_out:  # its tensor goes
-                            held -= kv[layer].numel() * kv[layer].element_size()
-                        kv[layer] = target[row, :, at : at + node.tokens]
+                        if node not in lay.copied:  # moved: the node reads it in the row
+                            if node in plan.moving_in or node in plan.moving_out:
+                                held -= kv[layer].numel() * kv[layer].element_size()
+                            kv[layer] = target[row, :, at : at + node.tokens]
                         at += node.tokens
                     target[row, :, at : at + m.length] = own[row]
                     target[row, :, at + m.length :] = 0

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 class SharedKV(NamedTuple):
@@ -194,18 +195,48 @@ def fused_padded_attention_with_lse(
     if shortest < 1:
         return padded_attention_with_lse(q, k, v, lengths, scale, bias)
     n, heads, dim = q.shape
-    _, tokens, kv_heads, _ = k.shape
-    group = heads // kv_heads
-    mask = None  # every row uses every key, unbiased: no mask to build or read
-    if shortest < tokens or bias is not None:
-        mask = torch.zeros(n, 1, 1, tokens, dtype=q.dtype, device=q.device)
-        if bias is not None:
-            mask[:, 0, 0] = bias[:, :tokens]
-        unused = torch.arange(tokens, device=q.device)[None, :] >= lengths[:, None]  # [n, t]
-        mask.masked_fill_(unused[:, None, None, :], float("-inf"))
-    qg = q.reshape(n, kv_heads, group, dim)
+    kv_heads = k.shape[2]
+    mask = row_mask(k.shape[1], lengths, bias, q.dtype)
+    qg = q.reshape(n, kv_heads, heads // kv_heads, dim)
     out, lse = _FLASH_CPU(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(n, heads, -1), lse.reshape(n, heads)
+
+
+def padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`padded_attention_with_lse` without the LSE, for a batch that attends no shared part:
+    one call of torch's fused attention on any device (rows as the batch, an additive mask
+    for each row's length and bias), as a plain padded batch decodes. Every row has a key."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    mask = row_mask(k.shape[1], lengths, bias, q.dtype)
+    qg = q.reshape(n, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.reshape(n, heads, -1)
+
+
+def row_mask(
+    tokens: int, lengths: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The additive mask [n, 1, 1, tokens] of padded rows: row i's bias on its first
+    lengths[i] keys, -inf past them; None where every row uses every key unbiased (asked on
+    the CPU only: on a GPU the question would wait for the queued kernels)."""
+    if bias is None and lengths.device.type == "cpu" and int(lengths.min()) >= tokens:
+        return None  # no mask to build or read
+    n = len(lengths)
+    mask = torch.zeros(n, 1, 1, tokens, dtype=dtype, device=lengths.device)
+    if bias is not None:
+        mask[:, 0, 0] = bias[:, :tokens]
+    unused = torch.arange(tokens, device=lengths.device)[None, :] >= lengths[:, None]  # [n, t]
+    return mask.masked_fill_(unused[:, None, None, :], float("-inf"))
 
 
 def cascade_attention(
@@ -223,6 +254,9 @@ def cascade_attention(
     Everything is merged by LSE. Equals softmax attention of each row over the concatenation
     of its parts and private tokens, each key's bias added to its scores.
     """
+    if not parts and private is not None:  # nothing shared: no LSE, no merge
+        own = PrivateKV(*private)
+        return padded_attention(q, own.keys, own.values, own.lengths, scale, own.bias)
     n, heads, _ = q.shape
     acc = accumulator(q.dtype)
     dim_v = parts[0][1].shape[-1] if parts else q.shape[-1]
