@@ -194,11 +194,9 @@ def fused_padded_attention_with_lse(
     shortest = int(lengths.min())
     if shortest < 1:
         return padded_attention_with_lse(q, k, v, lengths, scale, bias)
-    n, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    mask = row_mask(k.shape[1], lengths, bias, q.dtype)
-    qg = q.reshape(n, kv_heads, heads // kv_heads, dim)
-    out, lse = _FLASH_CPU(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    n, heads, _ = q.shape
+    qg, keys, values, mask = rows_as_batch(q, k, v, lengths, bias)
+    out, lse = _FLASH_CPU(qg, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(n, heads, -1), lse.reshape(n, heads)
 
 
@@ -213,30 +211,35 @@ def padded_attention(
     """`padded_attention_with_lse` without the LSE, for a batch that attends no shared part:
     one call of torch's fused attention on any device (rows as the batch, an additive mask
     for each row's length and bias), as a plain padded batch decodes. Every row has a key."""
-    n, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    mask = row_mask(k.shape[1], lengths, bias, q.dtype)
-    qg = q.reshape(n, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-    )
+    n, heads, _ = q.shape
+    qg, keys, values, mask = rows_as_batch(q, k, v, lengths, bias)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(n, heads, -1)
 
 
-def row_mask(
-    tokens: int, lengths: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """The additive mask [n, 1, 1, tokens] of padded rows: row i's bias on its first
-    lengths[i] keys, -inf past them; None where every row uses every key unbiased (asked on
-    the CPU only: on a GPU the question would wait for the queued kernels)."""
+def rows_as_batch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Padded rows as a fused kernel's batch: queries [n, kv_heads, group, dim] (a KV head's
+    query heads as its rows), keys / values [n, kv_heads, tokens, dim], and the additive
+    mask [n, 1, 1, tokens] (row i's bias on its first lengths[i] keys, -inf past them; None
+    where every row uses every key unbiased, asked on the CPU only: on a GPU the question
+    would wait for the queued kernels)."""
+    n, heads, dim = q.shape
+    _, tokens, kv_heads, _ = k.shape
+    qg = q.reshape(n, kv_heads, heads // kv_heads, dim)
+    keys, values = k.transpose(1, 2), v.transpose(1, 2)
     if bias is None and lengths.device.type == "cpu" and int(lengths.min()) >= tokens:
-        return None  # no mask to build or read
-    n = len(lengths)
-    mask = torch.zeros(n, 1, 1, tokens, dtype=dtype, device=lengths.device)
+        return qg, keys, values, None  # no mask to build or read
+    mask = torch.zeros(n, 1, 1, tokens, dtype=q.dtype, device=lengths.device)
     if bias is not None:
         mask[:, 0, 0] = bias[:, :tokens]
     unused = torch.arange(tokens, device=lengths.device)[None, :] >= lengths[:, None]  # [n, t]
-    return mask.masked_fill_(unused[:, None, None, :], float("-inf"))
+    return qg, keys, values, mask.masked_fill_(unused[:, None, None, :], float("-inf"))
 
 
 def cascade_attention(
