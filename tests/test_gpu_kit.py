@@ -35,6 +35,7 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
     out = tmp_path / "out"
     stages = ["install", "bench8b", "store8b", "prefix8b"]
     dry = {"DEVICE": "cpu", "MODEL": "random:tiny", "SMALL": "1", "PYTHON": sys.executable}
+    dry["REPEATS"] = "2"  # a size given wins over the dry run's (1)
     run = kit(tmp_path, *stages, timeout=900, **dry)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     installed = (out / "install" / "installed.txt").read_text()
@@ -48,9 +49,10 @@ def test_the_kit_runs_every_bench_stage_from_the_installed_wheel(tmp_path: Path)
         with tarfile.open(out / f"{stage}.tar.gz") as archive:
             names = {n.removeprefix(f"{stage}/") for n in archive.getnames()}
         assert files <= names, (stage, names)
-        if stage == "bench8b":  # an operator profile of one request per context and strategy
+        if stage in ("bench8b", "prefix8b"):  # operator profiles, one per cell
             assert any(n.startswith("profiles/") and n.endswith(".txt") for n in names), names
     ttft = json.loads((out / "bench8b" / "ttft.json").read_text())
+    assert ttft["repeats"] == 2 and all(len(r["ttft_runs"]) == 2 for r in ttft["rows"])
     strategies = {r["strategy"] for r in ttft["rows"]}
     assert {"prefill", "legolink:2"} <= strategies and all(r["ttft_s"] > 0 for r in ttft["rows"])
     assert all(r["decode_tokens_per_s"] > 0 for r in ttft["rows"])  # each request decoded too

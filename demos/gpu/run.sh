@@ -29,8 +29,9 @@ OUT=${OUT:-gpu-results}
 SITE=${SITE:-$OUT/site}
 DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-random:llama-3-8b}
-REPEATS=${SMALL:+1}; REPEATS=${REPEATS:-3}
-DECODE=${SMALL:+4}; DECODE=${DECODE:-16}  # tokens each timed request decodes
+# a size given wins; else the dry run's (SMALL), else the full run's
+REPEATS=${REPEATS:-${SMALL:+1}}; REPEATS=${REPEATS:-3}
+DECODE=${DECODE:-${SMALL:+4}}; DECODE=${DECODE:-16}  # tokens each timed request decodes
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 SITE=$(mkdir -p "$SITE" && cd "$SITE" && pwd)
