@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -142,6 +143,7 @@ def copied_tokens(request, monkeypatch) -> int:
 def test_rows_follow_joins_leaves_and_splits(copied_tokens: int) -> None:
     rng = random.Random(7)
     copies = 0
+    turned: Counter[tuple[bool, bool]] = Counter()  # (copied before, copied after) per node
     splits = split_held = 0
     for _ in range(5):
         tree, paths = build_tree(rng)
@@ -162,8 +164,12 @@ def test_rows_follow_joins_leaves_and_splits(copied_tokens: int) -> None:
                 members.append(new_request(tree, rng.choice(paths), rng))
             if not members:
                 continue
+            was = {n: n in lay.copied for lay in batch.layouts for n in lay.inlined}
             before = outside(tree, batch) + batch.nbytes
             moved = outside(tree, batch) + batch.pack(members)  # the peak while moving
+            now = {n: n in lay.copied for lay in batch.layouts for n in lay.inlined}
+            for node in was.keys() & now.keys():  # moved -> copied, copied -> moved
+                turned[was[node], now[node]] += 1
             assert moved >= max(before, outside(tree, batch) + batch.nbytes)
             rows = batch.keys
             assert batch.pack(members) == batch.nbytes  # the same batch: nothing moves
@@ -187,6 +193,8 @@ def test_rows_follow_joins_leaves_and_splits(copied_tokens: int) -> None:
             assert torch.equal(torch.stack(node.keys), want_k)
     assert splits > 0 and split_held > 0  # splits did happen, some to nodes held in rows
     assert (copies > 0) == (copied_tokens > 0)  # and short shared nodes were copied
+    if copied_tokens:  # nodes went both ways: moved in, then shared (copied), and back
+        assert turned[False, True] > 0 and turned[True, False] > 0, turned
 
 
 def test_a_join_or_leave_writes_only_the_rows_that_change() -> None:

@@ -6,8 +6,9 @@ keeps just its question and generated tokens privately. All active requests then
 together: one forward per step for the whole batch, where each layer's attention runs in two
 phases (`cascade_attention`): every tree node once for all requests passing through it, then
 each request's own tokens, merged by log-sum-exp. A node only one active request uses is
-kept in that request's row of the batch's KV instead (`BatchKV`), so a batch that shares
-nothing attends in one call per layer.
+kept in that request's row of the batch's KV instead (`BatchKV`), and a short shared one
+(the system prompt) is copied into each row that uses it, so a batch that shares nothing
+longer attends in one call per layer.
 
 The decoder has the shape a server drives (vLLM's, SGLang's): `add_request` queues a request,
 `step` runs one batched forward and then lets waiting requests join, `abort` drops one. A
@@ -633,7 +634,7 @@ class BatchDecoder:
             rows_v[layer][slot] = values[:, :, 0]
 
         lengths = at + 1  # + the new token
-        longest = int(lengths.max())
+        longest = max(ends) + 1  # (from the host's list: no wait for the device)
 
         bias = None if self.kv.bias is None else self.kv.bias[:n, :longest]
 

@@ -255,7 +255,8 @@ def cascade_attention(
     its rows (phase one). `private` (`PrivateKV`: keys, values, lengths, bias) as in
     `padded_attention_with_lse`: each row's own tokens, all rows in one product (phase two).
     Everything is merged by LSE. Equals softmax attention of each row over the concatenation
-    of its parts and private tokens, each key's bias added to its scores.
+    of its parts and private tokens, each key's bias added to its scores. With no part, the
+    private rows alone by one fused call (`padded_attention`): every row must have a key.
     """
     if not parts and private is not None:  # nothing shared: no LSE, no merge
         own = PrivateKV(*private)
