@@ -173,9 +173,9 @@ def run_prefix_bench(
     report: dict[str, object] = {}
     with Progress() as progress:
         task = progress.add_task("prefix bench", total=len(cases))
+        profile_dir = out_dir / "profiles" if profile else None
         for i, (prefix, batch, shared) in enumerate(cases, 1):
             n = prefix // CHUNK_TOKENS * (1 if shared else batch)
-            profile_dir = out_dir / "profiles" if profile else None
             rows += bench_case(
                 engine, chunk_pool[:n], batch, shared, new_tokens, repeats, profile_dir
             )
