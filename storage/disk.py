@@ -53,12 +53,15 @@ class DiskTier:
 
     def put(self, cache_id: str, data: bytes) -> None:
         target = self.path(cache_id)
-        target.parent.mkdir(exist_ok=True)
-        self._clear_non_file(target)
-        # the writer's PID in the name: between creating the file and locking it, gc tells a
-        # live writer (keep) from a dead one (remove) by it
-        fd, tmp = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{os.getpid()}-", dir=target.parent)
+        tmp = ""
         try:
+            target.parent.mkdir(exist_ok=True)  # a file in the folder's place: an OSError
+            self._clear_non_file(target)
+            # the writer's PID in the name: between creating the file and locking it, gc
+            # tells a live writer (keep) from a dead one (remove) by it
+            fd, tmp = tempfile.mkstemp(
+                prefix=f"{TEMPORARY_PREFIX}{os.getpid()}-", dir=target.parent
+            )
             with os.fdopen(fd, "wb") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)  # held until renamed: gc sees a live writer
                 f.write(data)
@@ -66,7 +69,8 @@ class DiskTier:
                 os.fsync(f.fileno())
                 os.replace(tmp, target)
         except OSError as err:
-            Path(tmp).unlink(missing_ok=True)
+            if tmp:
+                Path(tmp).unlink(missing_ok=True)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFullError(
                     f"disk full while writing chunk {cache_id} under {self.root}; "

@@ -285,15 +285,19 @@ class TieredStore:
             time.sleep(0.05)
         return False
 
-    def _write(self, kv: ChunkKV) -> ChunkKV:
-        """Write kv's blob and commit its row; returns the KV that blob reads back as."""
+    def _write(self, kv: ChunkKV, *, claimed: bool = True) -> ChunkKV:
+        """Write kv's blob and commit its row; returns the KV that blob reads back as.
+        `claimed`: the row is this writer's pending claim, withdrawn if the write fails; a
+        repair (False) rewrites a stored chunk's blob, whose row a failed write must keep
+        (it holds the chunk's text, from which the next request re-encodes it)."""
         data = to_blob(kv, self.compress)
         try:
             self.durable.put(kv.cache_id, data)
         except BaseException:  # a full disk, Redis gone, killed: nothing half-recorded
             # and our claim gone, so the next writer of this chunk need not wait it out
-            with contextlib.suppress(Exception):  # a catalog that is down too: gc drops it
-                self.catalog.remove_chunk(kv.cache_id)
+            if claimed:
+                with contextlib.suppress(Exception):  # a catalog down too: gc drops it
+                    self.catalog.remove_chunk(kv.cache_id)
             raise
         self.catalog.commit_chunk(kv.cache_id, len(data), checksum(data), self.durable.name)
         return as_stored(kv, self.compress)
@@ -453,7 +457,7 @@ class TieredStore:
                 "(rag_kvcache.engine.reencoder), or let RagKVCache open it from a StoreConfig"
             )
         self.catalog.count(f"reencoded:{why}")
-        return self._write(self.reencode(row))
+        return self._write(self.reencode(row), claimed=False)
 
     def put_calibration(self, fingerprint: str, encode_settings: str, data: bytes) -> str:
         """Keep a model's link calibration in the catalog (shared by every worker on it)."""

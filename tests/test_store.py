@@ -17,6 +17,7 @@ from helpers import random_chunks
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache, UnknownCacheIdError
 from rag_kvcache.engine import reencoder
+from rag_kvcache.errors import StoreError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.storage.blob import CorruptBlobError
@@ -149,6 +150,34 @@ def test_the_reencode_hook_given_at_construction_heals_a_corrupt_blob(
     assert store.catalog.counters()["reencoded:corrupt"] == 1
     assert store.verify().corrupt == []  # the rebuilt blob replaced the bad one
     assert engine.generate("When?", ids, strategy="full").token_ids == before
+    store.close()
+
+
+def test_a_repair_that_cannot_write_keeps_the_chunk_and_heals_once_the_disk_can(
+    target: Target, tmp_path, tiny64
+) -> None:
+    """A missing blob whose rewrite fails (a file where its folder belongs) is a StoreError
+    naming the cause, and the chunk's row stays: it deleted the row (the chunk then unknown,
+    its document silently answered without it) and showed a raw FileExistsError."""
+    store = TieredStore(tmp_path / "kv", catalog=target.open(), reencode=reencoder(tiny64))
+    engine = _engine(store, tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    before = engine.generate("When?", ids, strategy="full").token_ids
+    folder = store.durable.path(ids[1]).parent  # type: ignore[attr-defined]
+    for tier in store.hot:
+        tier.remove(ids[1])
+    moved = folder.rename(tmp_path / "moved")
+    folder.touch()  # the blob's folder is now a file: no blob, and none can be written
+    with pytest.raises(StoreError, match=f"cannot write chunk {ids[1]}"):
+        engine.generate("When?", ids, strategy="full")
+    row = store.catalog.chunk(ids[1])
+    assert row is not None and row.state == "stored"  # kept, text and all
+    folder.unlink()
+    moved.rename(folder)
+    store.durable.remove(ids[1])  # still lost: the next read re-encodes it
+    assert engine.generate("When?", ids, strategy="full").token_ids == before
+    assert store.catalog.counters()["reencoded:missing"] == 2
+    assert store.verify().missing == []
     store.close()
 
 
