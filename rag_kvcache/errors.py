@@ -75,6 +75,11 @@ class StoreNotFoundError(StoreError):
     """No store where one was named, and the caller only reads stores (never makes one)."""
 
 
+class StoreUnavailableError(StoreError, ConnectionError):
+    """A part of the store that answers over a connection (the Redis tier, the catalog's
+    database) cannot be reached or did not answer; nothing was half-recorded: try again."""
+
+
 class StoreFullError(StoreError, OSError):
     """The disk (of the blobs or of the catalog) is full: the chunk was not recorded."""
 

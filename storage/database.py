@@ -36,7 +36,7 @@ from sqlalchemy.pool import NullPool
 
 from rag_kvcache.errors import StoreFullError, StoreNotFoundError
 from rag_kvcache.extras import require
-from rag_kvcache.storage.records import CatalogError
+from rag_kvcache.storage.records import CatalogError, CatalogUnavailableError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _SQLITE_BUSY_MS = 30_000
@@ -197,11 +197,11 @@ def _mismatched(url: str, err: sa.exc.DBAPIError) -> CatalogError:
     )
 
 
-def _failed(url: str, err: sa.exc.OperationalError) -> CatalogError:
+def _failed(url: str, err: sa.exc.OperationalError) -> CatalogUnavailableError:
     """A call to an open catalog that the database could not answer (the server went away,
     the connection was cut, a lock was not granted), in one line: its transaction was rolled
     back, so nothing is half-recorded."""
-    return CatalogError(
+    return CatalogUnavailableError(
         f"the catalog at {url} did not answer ({_reason(err)}); nothing was half-recorded: check "
         "that the database is up, then try again"
     )

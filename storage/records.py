@@ -11,11 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.errors import RagKVCacheError, StoreUnavailableError
 
 
 class CatalogError(RagKVCacheError):
     """The catalog was opened or called with a value it cannot use."""
+
+
+class CatalogUnavailableError(CatalogError, StoreUnavailableError):
+    """An open catalog's database did not answer (gone, cut off, a lock not granted in time):
+    the store's fault, not the caller's, and worth a retry."""
 
 
 @dataclass(frozen=True)

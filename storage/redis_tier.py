@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from rag_kvcache.errors import ConfigError, RagKVCacheError, StoreFullError
+from rag_kvcache.errors import ConfigError, StoreFullError, StoreUnavailableError
 from rag_kvcache.extras import LazyModule
 from rag_kvcache.storage.layout import checked_name, is_name
 
@@ -33,10 +33,6 @@ def without_password(url: str) -> str:
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
     query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)]
     return urlunsplit(parts._replace(query=urlencode(query, safe="*")))
-
-
-class StoreUnavailableError(RagKVCacheError, ConnectionError):
-    """The remote tier cannot be reached; nothing was written."""
 
 
 class RedisTier:

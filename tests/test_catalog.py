@@ -26,11 +26,11 @@ from conftest import Target
 from sqlalchemy import inspect
 from sqlalchemy import text as sql_text
 
-from rag_kvcache.errors import UnknownCacheIdError
+from rag_kvcache.errors import StoreUnavailableError, UnknownCacheIdError
 from rag_kvcache.storage import database
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.database import alembic_config, head_revision
-from rag_kvcache.storage.records import CatalogError, CatalogStats
+from rag_kvcache.storage.records import CatalogError, CatalogStats, CatalogUnavailableError
 from rag_kvcache.storage.tables import Base
 
 TABLES = {
@@ -358,7 +358,7 @@ def test_a_connection_cut_mid_call_is_one_clear_error(target: Target) -> None:
 
     cat = target.open()
     admin = create_engine(str(target.url), poolclass=NullPool)
-    cut = pytest.raises(CatalogError, match="did not answer .*check that the database is up")
+    cut = pytest.raises(CatalogUnavailableError, match="did not answer .*check that the database")
     with cut, cat._write() as conn:  # the connection any write runs on
         pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
         with admin.begin() as other:
@@ -367,6 +367,32 @@ def test_a_connection_cut_mid_call_is_one_clear_error(target: Target) -> None:
     admin.dispose()
     cat.register_model(FP, "tiny", "float32", 3, 2, 16)  # a fresh connection from the pool
     assert begin(cat, "a" * 32) and cat.chunk("a" * 32) is not None
+    cat.close()
+
+
+def test_a_lock_not_granted_in_time_is_the_store_unavailable_not_a_bad_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holding SQLite's write lock past the busy timeout: a
+    `StoreUnavailableError` (a server answers 503, worth a retry), where it was a plain
+    CatalogError, which reads as the caller's bad value (400)."""
+    import sqlite3
+
+    monkeypatch.setattr(database, "_SQLITE_BUSY_MS", 200)
+    cat = Catalog(path=tmp_path / "c.sqlite")
+    cat.register_model(FP, "tiny", "float32", 3, 2, 16)
+    begin(cat, "a" * 32)
+    holder = sqlite3.connect(tmp_path / "c.sqlite", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(CatalogUnavailableError, match="did not answer .*locked") as refused:
+            cat.touch(["a" * 32])
+        assert isinstance(refused.value, StoreUnavailableError)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    cat.touch(["a" * 32])  # the lock gone, the next call works
+    assert cat.chunk("a" * 32).hit_count == 1
     cat.close()
 
 

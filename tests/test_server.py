@@ -317,6 +317,43 @@ def test_bad_requests_get_openai_errors(client, body, status, code) -> None:
     assert error["type"] in {"invalid_request_error", "not_found_error"}
 
 
+def test_a_store_that_cannot_be_used_is_503_and_the_chunk_survives(tiny32, tmp_path) -> None:
+    """A chunk whose lost blob cannot be rewritten (a file where its folder belongs): 503
+    `store_unavailable`, worth a retry, where it was a 500 that also deleted the chunk's row;
+    once the disk is mended the same request answers as the engine does."""
+    config = EngineConfig(store=StoreConfig(root=tmp_path / "store"))
+    engine = RagKVCache(config, lm=tiny32)
+    (cid,) = engine.ingest_document("one.md", DOCS[:1]).cache_ids
+    folder = engine.store.durable.path(cid).parent  # type: ignore[attr-defined]
+    for tier in engine.store.hot:
+        tier.remove(cid)
+    moved = folder.rename(tmp_path / "moved")
+    folder.touch()
+    body = {
+        "messages": [{"role": "user", "content": "Who designed the lighthouse?"}],
+        "max_tokens": 3,
+        "rag": {"cache_ids": [cid], "strategy": "legolink:2"},
+    }
+    with served(engine) as client:
+        for stream in (False, True):
+            response = post_json(client, "/v1/chat/completions", {**body, "stream": stream})
+            if stream:  # an error before the first byte is a plain JSON error too
+                assert response.headers["content-type"].startswith("application/json")
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "store_unavailable" and error["type"] == "server_error"
+            assert f"cannot write chunk {cid}" in error["message"]
+        folder.unlink()
+        moved.rename(folder)
+        response = post_json(client, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+    alone = engine.generate(
+        "Who designed the lighthouse?", [cid], strategy="legolink:2", max_new_tokens=3
+    )
+    assert response.json()["choices"][0]["message"]["content"] == alone.text
+    engine.close()
+
+
 @pytest.mark.parametrize(
     ("body", "wanted"),
     [
