@@ -255,7 +255,7 @@ class RagKVCache:
         """The ingested chunks most similar to `query` (cosine, best first), with cache IDs.
         Their KV starts moving from the durable tier into the hot tiers at once (`prefetch`),
         so the answer that follows finds it there or already on its way."""
-        hits = self.corpus.search(check_text(query), top_k)
+        hits = self.corpus.search(check_text(query), top_k, self.lm.fingerprint)
         self.store.prefetch([h.cache_id for h in hits])
         return hits
 

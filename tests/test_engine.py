@@ -115,7 +115,7 @@ def test_bad_input(tiny_engine, tiny32) -> None:
         tiny_engine.generate(" ".join(["harbor"] * 600), short)  # fewer chunks cannot help
     other = RagKVCache(lm=tiny32, store=tiny_engine.store)  # a second model sharing the store
     stranger = tiny_engine.generate_context_cache(["only the float64 model encoded this"])
-    with pytest.raises(FingerprintMismatchError, match="re-encode"):
+    with pytest.raises(FingerprintMismatchError, match="ingest its text again"):
         other.generate("q", stranger)
 
 

@@ -18,7 +18,7 @@ import pytest
 import rag_kvcache.ingest as ingest_module
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
-from rag_kvcache.errors import ConfigError, StoreFullError
+from rag_kvcache.errors import ConfigError, FingerprintMismatchError, StoreFullError
 from rag_kvcache.ingest import plan_ingest, prune, read_text, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text, token_splitter
 from rag_kvcache.retrieval.corpus import Corpus
@@ -246,6 +246,12 @@ def test_ingesting_again_with_another_model_encodes_for_it(engine, tiny64, tmp_p
     hits = other.retrieve("How much does a ferry ticket cost?", 2)
     assert other.generate("How much?", [h.cache_id for h in hits]).token_ids
     assert ingest(other, docs)[0].unchanged  # and then unchanged for it
+    # the first model's copies were replaced: its retrieval says so and what to do, where
+    # linking named a chunk and said "re-encode it" (a server answered 400 to every question)
+    with pytest.raises(FingerprintMismatchError, match="'.*ferry.*'.* ingest them again"):
+        engine.retrieve("How much does a ferry ticket cost?", 2)
+    ingest(engine, docs)
+    assert engine.retrieve("How much does a ferry ticket cost?", 2)
 
 
 def test_an_interrupted_run_resumes_without_reencoding(engine, tmp_path: Path) -> None:

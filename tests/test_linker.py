@@ -189,7 +189,7 @@ def test_link_mask_with_a_window_small_case() -> None:
 
 def test_bad_chunks_give_clear_errors(tiny64, tiny32) -> None:
     chunks, _ = _setup(tiny64)
-    with pytest.raises(FingerprintMismatchError, match="re-encode it with this model"):
+    with pytest.raises(FingerprintMismatchError, match="ingest its text again with this model"):
         link(tiny32, chunks, QUERY, Strategy.parse("naive"))
     other, _ = _setup(tiny32)
     forged = [type(c)(c.cache_id, tiny64.fingerprint, c.token_ids, c.keys, c.values) for c in other]

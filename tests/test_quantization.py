@@ -49,5 +49,5 @@ def test_full_link_equals_plain_prefill_of_the_quantized_model(quantized) -> Non
 def test_kv_of_the_unquantized_model_is_refused(quantized, smol) -> None:
     ids = random_chunks([8, 10], seed=1)
     chunks = encode_chunks(smol, ids)
-    with pytest.raises(FingerprintMismatchError, match="re-encode it with this model"):
+    with pytest.raises(FingerprintMismatchError, match="ingest its text again with this model"):
         link(quantized, chunks, [5, 6], Strategy.parse("naive"))

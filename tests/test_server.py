@@ -354,6 +354,27 @@ def test_a_store_that_cannot_be_used_is_503_and_the_chunk_survives(tiny32, tmp_p
     engine.close()
 
 
+def test_documents_of_another_model_are_409_model_mismatch(tiny32, tiny64, tmp_path) -> None:
+    """A store whose document the last ingest encoded with another model: retrieval and
+    explicit IDs answer 409 `model_mismatch` saying what to do (it was 400 invalid_request,
+    as if the client's request were malformed)."""
+    config = EngineConfig(store=StoreConfig(root=tmp_path / "store"))
+    engine = RagKVCache(config, lm=tiny32)
+    RagKVCache(config, lm=tiny64).ingest_document("one.md", DOCS[:1])
+    other = engine.store.catalog.document_chunks("one.md")  # type: ignore[union-attr]
+    question = [{"role": "user", "content": "Who designed the lighthouse?"}]
+    with served(engine) as client:
+        said = {"top_k": "'one.md', last ingested with another model", "cache_ids": other[0]}
+        for rag in ({"top_k": 1}, {"cache_ids": other}):
+            body = {"messages": question, "max_tokens": 2, "rag": rag}
+            response = post_json(client, "/v1/chat/completions", body)
+            assert response.status_code == 409, response.text
+            error = response.json()["error"]
+            assert error["code"] == "model_mismatch" and "Traceback" not in response.text
+            assert said[next(iter(rag))] in error["message"]
+    engine.close()
+
+
 @pytest.mark.parametrize(
     ("body", "wanted"),
     [

@@ -90,7 +90,8 @@ def check_chunks(
         if c.fingerprint != lm.fingerprint:
             raise FingerprintMismatchError(
                 f"chunk {c.cache_id} was encoded by model {c.fingerprint}, not by the loaded "
-                f"model {lm.fingerprint} ({lm.name}, {lm.dtype}); re-encode it with this model"
+                f"model {lm.fingerprint} ({lm.name}, {lm.dtype}); ingest its text again with "
+                "this model"
             )
         if not (widens(c.keys.dtype, lm.dtype) and widens(c.values.dtype, lm.dtype)):
             raise DtypeMismatchError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rag_kvcache.errors import FingerprintMismatchError
 from rag_kvcache.kv import DocumentCatalog, KVStore
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
@@ -97,13 +98,27 @@ class Corpus:
     def _current_version(self) -> int:
         return self.catalog.counters().get(VERSION, 0)
 
-    def search(self, query: str, top_k: int = 4) -> list[Retrieved]:
-        """The top_k chunks most similar to `query`, best first."""
+    def search(self, query: str, top_k: int = 4, fingerprint: str | None = None) -> list[Retrieved]:
+        """The top_k chunks most similar to `query`, best first. With `fingerprint` (the model
+        asking), a hit encoded by another model is a FingerprintMismatchError naming its
+        documents: a document's chunks are one model's (the last that ingested it), and the
+        error says what to do, where linking would only name a chunk."""
         if self._current_version() != self._version:
             self.sync()
         hits = self.index.search(self.embedder.embed([query])[0], top_k)
         rows = self.catalog.chunks([c for c, _ in hits])
         sources = self.catalog.sources(rows)
+        others = {r.fingerprint for r in rows.values() if fingerprint not in (None, r.fingerprint)}
+        if others:
+            documents = sorted(
+                {sources.get(c, c) for c, r in rows.items() if r.fingerprint in others}
+            )
+            raise FingerprintMismatchError(
+                f"retrieval found {', '.join(map(repr, documents))}, last ingested with another "
+                f"model ({', '.join(sorted(others))}), not the one asking ({fingerprint}): a "
+                "store keeps one model's KV per document; ingest them again with this model "
+                "(which replaces the other's copies), or give each model its own store"
+            )
         return [
             Retrieved(cache_id, score, rows[cache_id].text, sources.get(cache_id))
             for cache_id, score in hits

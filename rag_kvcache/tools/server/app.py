@@ -31,7 +31,9 @@ from rag_kvcache.chat import aunless_repeated, earlier_answers
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import (
     ContextTooLongError,
+    DtypeMismatchError,
     EngineClosedError,
+    FingerprintMismatchError,
     RagKVCacheError,
     StoreError,
     UnknownCacheIdError,
@@ -497,6 +499,8 @@ def _status_of(e: RagKVCacheError) -> tuple[int, str | None]:
         return 400, "unknown_cache_id"
     if isinstance(e, ContextTooLongError):
         return 400, "context_length_exceeded"
+    if isinstance(e, FingerprintMismatchError | DtypeMismatchError):  # the store's state
+        return 409, "model_mismatch"
     if isinstance(e, EngineClosedError):
         return 503, "engine_closed"
     if isinstance(e, StoreError):
