@@ -123,6 +123,20 @@ def default_kv_cache_bytes(lm: LoadedModel) -> int:
         return 4 << 30
 
 
+def listed(items: object, what: str) -> list[str]:
+    """`items` as a list of strings, or a ConfigError saying what was given instead: a lone
+    string would be read as one item per character (a chunk or an unknown cache ID each)."""
+    if isinstance(items, str | bytes) or not isinstance(items, list | tuple):
+        raise ConfigError(
+            f"{what} must be a list of strings, got {type(items).__name__}"
+            + (": for one, pass [it]" if isinstance(items, str) else "")
+        )
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise ConfigError(f"{what}[{i}] must be a string, got {type(item).__name__}")
+    return list(items)
+
+
 class RagKVCache:
     """The engine. `generate_context_cache(texts) -> cache_ids`, `generate(query, cache_ids)`."""
 
@@ -185,6 +199,7 @@ class RagKVCache:
         self, texts: list[str], on_encoded: Callable[[int], None] | None, source: str = ""
     ) -> tuple[list[str], int]:
         """Document chunk texts -> (cache IDs, how many were encoded now)."""
+        texts = listed(texts, "texts")
         for i, text in enumerate(texts):
             if not text.strip():
                 where = f"text {i}" + (f" of {source}" if source else "")
@@ -275,7 +290,7 @@ class RagKVCache:
 
     def prompt_ids(self, query: str, cache_ids: list[str]) -> list[int]:
         """The full prompt, token for token, that linking reproduces (for the baseline)."""
-        chunks = self.store.get([self.prefix_id, *cache_ids])
+        chunks = self.store.get([self.prefix_id, *listed(cache_ids, "cache_ids")])
         return prompt_in_position_order(chunks, self._question_ids(query))
 
     def generate(
@@ -304,7 +319,7 @@ class RagKVCache:
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
-        ids = [self.prefix_id, *strategy.arrange(cache_ids)]
+        ids = [self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids"))]
 
         def context() -> Prepared:
             with stage(STAGE_FETCH):
@@ -365,7 +380,7 @@ class RagKVCache:
         distributions stay to another's."""
         strategy = Strategy.parse(strategy)
         question = self._question_ids(query)
-        chunks = self.store.get([self.prefix_id, *strategy.arrange(cache_ids)])
+        chunks = self.store.get([self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids"))])
         calibration = self.calibration() if strategy.calibrated else None
         prepared = prepare(
             self.lm, chunks, question, strategy, reserve=len(tokens), calibration=calibration
@@ -476,7 +491,7 @@ class RagKVCache:
         IDs, the commonest, are found before any request is computed. `agenerate` answers
         each request apart."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        self._check_known([c for r in requests for c in r.cache_ids])
+        self._check_known([c for r in requests for c in listed(r.cache_ids, "cache_ids")])
         work = [
             self._loop_request(
                 r.query,
@@ -616,8 +631,8 @@ class RagKVCache:
 
     def _check_known(self, cache_ids: list[str]) -> None:
         """UnknownCacheIdError naming every one of `cache_ids` the store cannot serve."""
-        unknown = [repr(c) for c in cache_ids if not isinstance(c, str)]  # (a list: unhashable)
-        for cache_id in dict.fromkeys(c for c in cache_ids if isinstance(c, str)):
+        unknown = []
+        for cache_id in dict.fromkeys(cache_ids):  # strings (`listed`)
             try:
                 known = self.store.contains(cache_id)
             except InvalidNameError:  # names no chunk
@@ -632,7 +647,7 @@ class RagKVCache:
     ) -> LoopRequest:
         check_batchable(strategy)
         question = self._question_ids(query)
-        path = (self.prefix_id, *strategy.arrange(cache_ids))
+        path = (self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids")))
         return LoopRequest(path, tuple(question), generation, strategy)
 
     def _answer(self, done: Finished) -> Answer:

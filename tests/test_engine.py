@@ -119,6 +119,32 @@ def test_bad_input(tiny_engine, tiny32) -> None:
         other.generate("q", stranger)
 
 
+def test_a_string_or_other_objects_where_a_list_belongs_are_one_clear_error(tiny_engine) -> None:
+    """A lone string was read as one item per character: `generate_context_cache("abc")`
+    cached three one-letter chunks, `generate("q", an_id)` named 32 unknown one-character IDs;
+    None or bytes in a list raised AttributeError / TypeError. Nothing is cached or linked."""
+    (cid,) = tiny_engine.generate_context_cache(["The harbor is deep."])
+    size = len(tiny_engine.store)
+    calls = {
+        "generate_context_cache": lambda: tiny_engine.generate_context_cache("abc"),
+        "ingest_document": lambda: tiny_engine.ingest_document("z.md", "xyz"),
+        "generate": lambda: tiny_engine.generate("q", cid),
+        "stream": lambda: tiny_engine.generate("q", cid, stream=True),
+        "prompt_ids": lambda: tiny_engine.prompt_ids("q", cid),
+        "batch": lambda: tiny_engine.generate_batch([BatchRequest("q", cid)]),  # type: ignore[arg-type]
+    }
+    for call in calls.values():  # (named for the reader; a failure shows its line)
+        with pytest.raises(ConfigError, match="must be a list of strings, got str: for one, pass"):
+            call()
+    for bad, kind in ((None, "NoneType"), (b"hello", "bytes")):
+        with pytest.raises(ConfigError, match=rf"texts\[1\] must be a string, got {kind}"):
+            tiny_engine.generate_context_cache(["fine", bad])  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match=rf"cache_ids\[0\] must be a string, got {kind}"):
+            tiny_engine.generate("q", [bad])  # type: ignore[list-item]
+    assert len(tiny_engine.store) == size
+    assert tiny_engine.generate("q", (cid,)).token_ids  # a tuple is a list of IDs too
+
+
 def test_a_text_too_long_for_the_window_is_refused_before_it_is_tokenized(
     tiny_engine, monkeypatch
 ) -> None:
