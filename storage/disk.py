@@ -138,10 +138,13 @@ class DiskTier:
         return False
 
     def ids(self) -> Iterator[str]:
-        """The cache IDs with a blob file (a folder in a blob's place is not one)."""
+        """The cache IDs with a blob file where that ID's blob belongs (a folder in a blob's
+        place is not one, nor a file under another ID's folder: no read or removal of that
+        ID would ever reach it)."""
         for file in self.root.glob("*/*.safetensors"):
-            if is_name("cache ID", file.stem) and file.is_file():
-                yield file.stem
+            stem = file.stem
+            if is_name("cache ID", stem) and self.path(stem) == file and file.is_file():
+                yield stem
 
     def remove_temporaries(self, older_than_s: float = 600.0) -> int:
         """Delete half-written files of dead writers; returns how many. A live writer holds

@@ -533,10 +533,9 @@ class TieredStore:
                 f"{len(listed)} chunks ({self.catalog.url}); is it the right catalog, or one "
                 "restored from an old backup? Run gc with --force to delete them anyway"
             )
-        for cid in orphans:
-            self.durable.remove(cid)
+        removed = sum(self.durable.remove(cid) for cid in orphans)  # (gone meanwhile: not)
         temporaries = self.durable.remove_temporaries(older_than_s=pending_after_s)
-        return GcReport(len(expired), len(pending), len(orphans), temporaries)
+        return GcReport(len(expired), len(pending), removed, temporaries)
 
     def verify(
         self, repair: bool = True, on_checked: Callable[[], None] | None = None

@@ -945,6 +945,28 @@ def test_verify_repair_drops_orphan_blobs(tmp_path: Path, tiny32) -> None:
     store.close()
 
 
+def test_gc_counts_the_orphan_blobs_it_removed_and_no_misplaced_file(
+    tmp_path: Path, tiny32
+) -> None:
+    """A blob-named file under another ID's folder was listed as an orphan that gc "removed"
+    on every run (its removal looked where that ID's blob belongs, found nothing, and was
+    counted anyway); no read reaches such a file, so it is no blob. A real orphan is removed
+    and counted once."""
+    store = TieredStore(tmp_path / "s")
+    ids = _engine(store, tiny32).generate_context_cache(DOCS)
+    root = store.durable.root  # type: ignore[attr-defined]
+    stray = root / ("cf" if ids[0][:2] != "cf" else "ab") / f"{ids[0]}.safetensors"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"junk")
+    listed = list(store.durable.ids())
+    assert sorted(listed) == sorted(store.catalog.chunk_ids()) and set(ids) <= set(listed)
+    store.catalog.remove_chunk(ids[1])  # a row gone, its blob left behind
+    assert store.gc().orphan_blobs == 1
+    assert store.gc().orphan_blobs == 0 and not store.durable.contains(ids[1])
+    assert stray.read_bytes() == b"junk"  # not the store's to read or remove
+    store.close()
+
+
 def test_writers_saving_the_vector_index_into_one_folder_at_once_never_collide(
     tmp_path: Path,
 ) -> None:
