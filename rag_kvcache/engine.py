@@ -123,16 +123,18 @@ def default_kv_cache_bytes(lm: LoadedModel) -> int:
         return 4 << 30
 
 
-def listed(items: object, what: str) -> list[str]:
-    """`items` as a list of strings, or a ConfigError saying what was given instead: a lone
-    string would be read as one item per character (a chunk or an unknown cache ID each)."""
+def listed(items: object, what: str, *, strings: bool = True) -> list[str]:
+    """`items` as a list, or a ConfigError saying what was given instead: a lone string
+    would be read as one item per character (a chunk or an unknown cache ID each). With
+    `strings`, an item that is not a string is one too; cache IDs leave that to the store,
+    which names any ID that is not one as unknown."""
     if isinstance(items, str | bytes) or not isinstance(items, list | tuple):
         raise ConfigError(
             f"{what} must be a list of strings, got {type(items).__name__}"
             + (": for one, pass [it]" if isinstance(items, str) else "")
         )
     for i, item in enumerate(items):
-        if not isinstance(item, str):
+        if strings and not isinstance(item, str):
             raise ConfigError(f"{what}[{i}] must be a string, got {type(item).__name__}")
     return list(items)
 
@@ -290,7 +292,7 @@ class RagKVCache:
 
     def prompt_ids(self, query: str, cache_ids: list[str]) -> list[int]:
         """The full prompt, token for token, that linking reproduces (for the baseline)."""
-        chunks = self.store.get([self.prefix_id, *listed(cache_ids, "cache_ids")])
+        chunks = self.store.get([self.prefix_id, *listed(cache_ids, "cache_ids", strings=False)])
         return prompt_in_position_order(chunks, self._question_ids(query))
 
     def generate(
@@ -319,7 +321,7 @@ class RagKVCache:
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
-        ids = [self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids"))]
+        ids = [self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids", strings=False))]
 
         def context() -> Prepared:
             with stage(STAGE_FETCH):
@@ -380,7 +382,9 @@ class RagKVCache:
         distributions stay to another's."""
         strategy = Strategy.parse(strategy)
         question = self._question_ids(query)
-        chunks = self.store.get([self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids"))])
+        chunks = self.store.get(
+            [self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids", strings=False))]
+        )
         calibration = self.calibration() if strategy.calibrated else None
         prepared = prepare(
             self.lm, chunks, question, strategy, reserve=len(tokens), calibration=calibration
@@ -491,7 +495,9 @@ class RagKVCache:
         IDs, the commonest, are found before any request is computed. `agenerate` answers
         each request apart."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        self._check_known([c for r in requests for c in listed(r.cache_ids, "cache_ids")])
+        self._check_known(
+            [c for r in requests for c in listed(r.cache_ids, "cache_ids", strings=False)]
+        )
         work = [
             self._loop_request(
                 r.query,
@@ -631,8 +637,8 @@ class RagKVCache:
 
     def _check_known(self, cache_ids: list[str]) -> None:
         """UnknownCacheIdError naming every one of `cache_ids` the store cannot serve."""
-        unknown = []
-        for cache_id in dict.fromkeys(cache_ids):  # strings (`listed`)
+        unknown = [repr(c) for c in cache_ids if not isinstance(c, str)]  # (a list: unhashable)
+        for cache_id in dict.fromkeys(c for c in cache_ids if isinstance(c, str)):
             try:
                 known = self.store.contains(cache_id)
             except InvalidNameError:  # names no chunk
@@ -647,7 +653,7 @@ class RagKVCache:
     ) -> LoopRequest:
         check_batchable(strategy)
         question = self._question_ids(query)
-        path = (self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids")))
+        path = (self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids", strings=False)))
         return LoopRequest(path, tuple(question), generation, strategy)
 
     def _answer(self, done: Finished) -> Answer:

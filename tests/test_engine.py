@@ -139,7 +139,7 @@ def test_a_string_or_other_objects_where_a_list_belongs_are_one_clear_error(tiny
     for bad, kind in ((None, "NoneType"), (b"hello", "bytes")):
         with pytest.raises(ConfigError, match=rf"texts\[1\] must be a string, got {kind}"):
             tiny_engine.generate_context_cache(["fine", bad])  # type: ignore[list-item]
-        with pytest.raises(ConfigError, match=rf"cache_ids\[0\] must be a string, got {kind}"):
+        with pytest.raises(UnknownCacheIdError, match=repr(bad)):  # named, as unknown
             tiny_engine.generate("q", [bad])  # type: ignore[list-item]
     assert len(tiny_engine.store) == size
     assert tiny_engine.generate("q", (cid,)).token_ids  # a tuple is a list of IDs too
