@@ -189,6 +189,23 @@ def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
         parser.parse_args([*budget, "-5"])
 
 
+@pytest.mark.parametrize(
+    ("flags", "phrase"),
+    [
+        (["--strategy", "bogus"], "unknown link strategy 'bogus'"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--kv-cache-mib", "-5"], "kv_cache_bytes must be >= 0"),
+    ],
+)
+def test_serve_refuses_bad_flags_before_it_starts(flags, phrase, tmp_path, capsys) -> None:
+    """These started a server whose /health answered 503 with the error for ever; now
+    `serve` exits with it, before it opens the store or binds a port."""
+    code = main(["serve", "--store", str(tmp_path / "none"), *flags])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 1 and phrase in out and "serving on" not in out
+    assert not (tmp_path / "none").exists()
+
+
 def test_strategy_lists_keep_ape_spellings_whole() -> None:
     """`+ape:T,S` holds a comma: a list of strategies splits only where a strategy starts."""
     from rag_kvcache.strategy import Strategy

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from rag_kvcache.config import EngineConfig
 from rag_kvcache.errors import ConfigError
-from rag_kvcache.tools.cli.common import engine_options, open_engine, whole
+from rag_kvcache.tools.cli.common import engine_config, engine_options, open_engine, whole
 from rag_kvcache.tools.server.api_key import check_api_key
 from rag_kvcache.tools.server.limits import DEFAULT_MAX_BODY_BYTES
 
@@ -103,7 +103,10 @@ def serve_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.tools.cli.common import open_store
     from rag_kvcache.tools.server import create_app
 
-    open_store(args).close()  # a mistyped --store fails now, with one line, not after loading
+    # bad flags and a mistyped --store fail now, in one line, not later as a /health that
+    # answers 503 for ever from a server that started
+    engine_config(args)
+    open_store(args).close()
     app = create_app(
         lambda: open_engine(args, console, existing=True),
         api_key=args.api_key,
