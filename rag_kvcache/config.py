@@ -15,6 +15,7 @@ from rag_kvcache.strategy import Strategy
 LEGOLINK0_SINKS = 4  # sink tokens per chunk where legolink0 is measured (eval, bench) by default
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 QUANTIZATIONS = (None, "4bit", "8bit")
+DEVICES = ("cpu", "cuda")
 # how the durable tier keeps KV: as computed (None), float32 KV as bfloat16, or 8-bit codes
 COMPRESSIONS = (None, "bfloat16", "int8")
 
@@ -55,6 +56,9 @@ class ModelConfig:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        kind, colon, index = str(self.device).partition(":")
+        if kind not in DEVICES or (colon and not (index.isascii() and index.isdigit())):
+            raise ConfigError(f"device {self.device!r} is not one of cpu, cuda, cuda:N")
 
 
 @dataclass(frozen=True)

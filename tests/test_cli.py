@@ -206,6 +206,21 @@ def test_serve_refuses_bad_flags_before_it_starts(flags, phrase, tmp_path, capsy
     assert not (tmp_path / "none").exists()
 
 
+def test_a_device_this_torch_cannot_reach_is_one_line_and_makes_no_store(tmp_path, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for a machine without it")
+    docs = tmp_path / "a.txt"
+    docs.write_text("The harbor is deep.")
+    store = tmp_path / "store"
+    code = main(
+        ["ingest", str(docs), "--store", str(store), "--model", "random:tiny", "--device", "cuda"]
+    )
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 1 and "device 'cuda': this torch" in out and not store.exists()
+
+
 def test_strategy_lists_keep_ape_spellings_whole() -> None:
     """`+ape:T,S` holds a comma: a list of strategies splits only where a strategy starts."""
     from rag_kvcache.strategy import Strategy

@@ -51,3 +51,34 @@ def test_bad_default_strategy_is_refused() -> None:
 def test_the_extreme_seeds_a_generator_takes_are_accepted() -> None:
     for seed in (2**64 - 1, -(2**63)):
         assert GenerationConfig(seed=seed).seed == seed
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:-1", "gpu", "", "cpu:"])
+def test_a_device_that_is_not_cpu_or_cuda_is_refused_when_built(device: str) -> None:
+    with pytest.raises(ConfigError, match="is not one of cpu, cuda, cuda:N"):
+        ModelConfig(device=device)
+    assert ModelConfig(device="cuda:1").device == "cuda:1"  # whether it is there: at load
+
+
+def test_a_cuda_device_this_torch_cannot_reach_is_one_clear_error(tmp_path) -> None:
+    """On a torch without CUDA (or a GPU index past the machine's), `--device cuda` ended in
+    torch's AssertionError deep in the first tensor moved there, after the engine had made
+    its store; now it is a ConfigError, before anything is made."""
+    import torch
+
+    from rag_kvcache import RagKVCache
+    from rag_kvcache.config import StoreConfig
+    from rag_kvcache.model.loading import check_device
+
+    assert check_device("cpu") == torch.device("cpu")
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    said = "built without CUDA|finds no CUDA GPU|there are"
+    with pytest.raises(ConfigError, match=said):
+        check_device(missing)
+    config = EngineConfig(
+        model=ModelConfig(path="random:tiny", device=missing),
+        store=StoreConfig(root=tmp_path / "store"),
+    )
+    with pytest.raises(ConfigError, match=said):
+        RagKVCache(config)
+    assert not (tmp_path / "store").exists()

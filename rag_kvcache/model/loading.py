@@ -346,11 +346,33 @@ def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
         )
 
 
+def check_device(name: str) -> torch.device:
+    """The device `name` says, if this torch can compute there: a CUDA device asked of a
+    torch without CUDA, or of a machine without that GPU, is a ConfigError saying so (torch
+    fails later, with an AssertionError from deep inside the first tensor moved there)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {name!r} is not one of cpu, cuda, cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"device {name!r}: rag-kvcache computes on cpu or cuda (cuda:N)")
+    if not torch.cuda.is_available():
+        built = "built without CUDA" if torch.version.cuda is None else "finds no CUDA GPU"
+        raise ConfigError(f"device {name!r}: this torch ({torch.__version__}) {built}")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
+
+
 def check_model_source(config: ModelConfig) -> Path | None:
     """What `config` names, checked without loading weights: its path (None for a random
     model), which exists and reads as a model (a GGUF file's magic bytes; a folder's
     config.json, of a model that can be linked). Made before anything is created for the model
-    (the engine's store), so a mistyped --model leaves nothing behind."""
+    (the engine's store), so a mistyped --model leaves nothing behind. The device too
+    (`check_device`)."""
+    check_device(config.device)
     if config.path and config.path.startswith(RANDOM_PREFIX):
         if config.lora:
             raise ConfigError("random-weight models take no LoRA adapter; drop lora")

@@ -131,6 +131,7 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     parser.add_argument(
         "--quantization", default=None, choices=["8bit", "4bit"], help="bitsandbytes weights"
     )
@@ -235,7 +236,11 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     from rag_kvcache.config import ModelConfig
 
     return ModelConfig(
-        path=args.model, dtype=args.dtype, quantization=args.quantization, lora=args.lora
+        path=args.model,
+        dtype=args.dtype,
+        device=getattr(args, "device", "cpu"),
+        quantization=args.quantization,
+        lora=args.lora,
     )
 
 
