@@ -140,7 +140,10 @@ def answer_steps(
     start = time.perf_counter()
     prepared = context()
     tokens: list[int] = []
-    text, ttft = TextPieces(lm), 0.0  # the pieces the batch decoder streams, by the same rules
+    text, ttft = (
+        TextPieces(lm, generation.strip),
+        0.0,
+    )  # the pieces the batch decoder streams, by the same rules
     try:
         for token in decode(lm, prepared.cache, prepared.logits, prepared.position, generation):
             if not tokens:
@@ -181,11 +184,11 @@ def make_answer(
     reused: int = 0,
 ) -> Answer:
     """The `Answer` record of a decoded request (every decode loop ends here): `tokens` as
-    chosen (end-of-sequence included), `text` as streamed (`TextPieces`), times from request
-    start."""
+    chosen (end-of-sequence included), `text` as streamed (`TextPieces`: stripped already,
+    where the request asked for that), times from request start."""
     decode_s = total_s - ttft_s
     return Answer(
-        text=text.strip(),
+        text=text,
         token_ids=tuple(t for t in tokens if t not in lm.eos_ids),
         strategy=strategy,
         prompt_tokens=prompt_tokens,

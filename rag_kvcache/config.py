@@ -81,14 +81,19 @@ class EncodeConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding settings. temperature 0 means greedy."""
+    """Decoding settings. temperature 0 means greedy. `strip`: the answer's text without the
+    whitespace around it (an answer to a question); False, as decoded (the continuation of a
+    prompt, which a text completion's client appends to it)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    strip: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.strip, bool):
+            raise ConfigError(f"strip must be True or False, got {self.strip!r}")
         count = self.max_new_tokens
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, a whole number; got {count!r}")

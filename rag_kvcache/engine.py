@@ -359,13 +359,15 @@ class RagKVCache:
         temperature: float | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        strip: bool | None = None,
     ) -> Answer | AnswerStream:
         """Plain generation from an already formatted prompt (no cached chunks): what any LLM
         does. The prompt is tokenized as is (no special tokens added; control tokens spelled
-        in it are tokens, except in the messages of a `chat_prompt`), prefilled, and decoded."""
+        in it are tokens, except in the messages of a `chat_prompt`), prefilled, and decoded.
+        `strip=False`: the text as decoded, the prompt's continuation (see GenerationConfig)."""
         ids = self.prompt_tokens(prompt)
         gen = self.generation_config(
-            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, strip=strip
         )
 
         def context() -> Prepared:
@@ -588,12 +590,13 @@ class RagKVCache:
         temperature: float | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        strip: bool | None = None,
     ) -> AsyncTokenStream[Answer]:
         """`complete`'s text pieces as the engine loop decodes them (see `astream`): a
         request with no cached chunks, its prompt tokenized as is and prefilled alone."""
         ids = self.prompt_tokens(prompt)
         gen = self.generation_config(
-            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+            max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, strip=strip
         )
         request = LoopRequest((), tuple(ids), gen, PREFILL)
         return AsyncTokenStream(self.serving_loop(), request, self._answer)
@@ -676,6 +679,7 @@ class RagKVCache:
         temperature: float | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        strip: bool | None = None,
     ) -> GenerationConfig:
         """The engine's generation settings, with those given (not None) instead: what an
         answer asked with them would use. A bad value is a ConfigError now, not at answer time."""
@@ -686,6 +690,7 @@ class RagKVCache:
             temperature=gen.temperature if temperature is None else temperature,
             top_p=gen.top_p if top_p is None else top_p,
             seed=gen.seed if seed is None else seed,
+            strip=gen.strip if strip is None else strip,
         )
 
     @staticmethod

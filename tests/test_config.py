@@ -29,6 +29,7 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: GenerationConfig(temperature=True), "temperature must be >= 0 and finite"),
         (lambda: GenerationConfig(seed=1.5), "seed must be a 64-bit integer, got 1.5"),  # type: ignore[arg-type]
         (lambda: GenerationConfig(seed=True), "seed must be a 64-bit integer, got True"),
+        (lambda: GenerationConfig(strip="no"), "strip must be True or False, got 'no'"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_values_are_named(build, message: str) -> None:

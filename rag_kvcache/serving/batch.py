@@ -437,7 +437,7 @@ class BatchDecoder:
             config=config,
             generator=torch.Generator().manual_seed(config.seed),
             logits=linked.next_logits,
-            text=TextPieces(self.lm),
+            text=TextPieces(self.lm, config.strip),
             arrived=waiting.arrived,
         )
 
@@ -463,7 +463,7 @@ class BatchDecoder:
             config=config,
             generator=torch.Generator().manual_seed(config.seed),
             logits=torch.empty(0),
-            text=TextPieces(self.lm),
+            text=TextPieces(self.lm, config.strip),
             arrived=waiting.arrived,
             question=tuple(question),
         )
@@ -561,7 +561,7 @@ class BatchDecoder:
             config=waiting.config,
             generator=torch.Generator().manual_seed(waiting.config.seed),
             logits=logits,
-            text=TextPieces(self.lm),
+            text=TextPieces(self.lm, waiting.config.strip),
             arrived=waiting.arrived,
         )
 

@@ -2,9 +2,10 @@
 
 Decoding tokens one by one would split multi-byte characters and lose the tokenizer's spacing
 rules, so the text is decoded whole each time and the new part handed out; a piece ending in
-half a UTF-8 character waits for the next token. End-of-sequence tokens are not text. The
-answer's text is stripped (`answer.make_answer`), so a stream holds back whitespace at its
-start and at its end until text follows it: the pieces joined equal the `Answer`'s text.
+half a UTF-8 character waits for the next token. End-of-sequence tokens are not text. An
+answer's text is stripped (unless `GenerationConfig.strip` is off: a text completion's), so a
+stream holds back whitespace at its start and at its end until text follows it: the pieces
+joined equal the `Answer`'s text.
 Every decode loop streams through it (`answer.answer_steps`, the batch decoder).
 """
 
@@ -16,8 +17,9 @@ from rag_kvcache.model.loading import LoadedModel
 class TextPieces:
     """Feed tokens with `add` (each returns the text it completes), then `finish`."""
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, strip: bool = True):
         self.lm = lm
+        self.strip = strip
         self.tokens: list[int] = []  # end-of-sequence dropped
         self.text = ""  # handed out so far
 
@@ -35,8 +37,8 @@ class TextPieces:
         return self._hand_out(self._decode())
 
     def _hand_out(self, full: str) -> str:
-        """The part of `full`, stripped, not handed out yet."""
-        shown = full.strip()
+        """The part of `full` (stripped, unless told not to) not handed out yet."""
+        shown = full.strip() if self.strip else full
         piece, self.text = shown[len(self.text) :], shown
         return piece
 

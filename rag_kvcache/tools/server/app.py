@@ -93,6 +93,8 @@ class Job:
     max_tokens: int | None
     alone: str = ""  # a chat's last message: asked alone if the answer repeats one of
     earlier: list[str] = field(default_factory=list)  # ... the answers its question shows
+    # a text completion's plain prompt: its text is the prompt's continuation, as decoded
+    continuation: bool = False
 
 
 class FollowUpStream:
@@ -272,7 +274,7 @@ def create_app(
         if len(prompts) != 1:
             raise ApiError(400, "one prompt per request", "invalid_request")
         if body.rag is None:
-            job = Job(prompts[0], False, [], None, body.max_tokens)
+            job = Job(prompts[0], False, [], None, body.max_tokens, continuation=True)
         else:
             job = await _rag_job(engine, body, prompts[0], body.max_tokens)
         name = served_name(engine)
@@ -431,7 +433,12 @@ def _stream(
 
         return FollowUpStream(start, job) if job.earlier else start(job.text)
     return engine.astream_complete(
-        job.text, max_new_tokens=job.max_tokens, temperature=temperature, top_p=top_p, seed=seed
+        job.text,
+        max_new_tokens=job.max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        strip=not job.continuation,
     )
 
 
