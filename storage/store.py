@@ -88,9 +88,16 @@ def _open_catalog(
     """The store's catalog. Once a store exists (it has a marker, or blobs), a missing or empty
     catalog is damage (StoreDamagedError), never a new empty store whose gc would then delete
     every blob."""
+    remote = marker is not None and not marker.catalog.startswith("sqlite")
     if catalog_url is None:
         path = root / CATALOG_FILE
         lost = not path.is_file() or path.stat().st_size == 0
+        if lost and remote:  # (a marker's URL shows no password: it cannot be used as is)
+            assert marker is not None
+            raise StoreNotFoundError(
+                f"the store at {root} keeps its catalog in a database ({marker.catalog}), not "
+                "in its folder: give that --catalog-url (catalog_url), with its password"
+            )
         if lost and (marker is not None or any((root / BLOBS_FOLDER).glob("*/*.safetensors"))):
             raise StoreDamagedError(
                 f"the store at {root} has lost its catalog ({path} is missing or empty); "
@@ -103,6 +110,11 @@ def _open_catalog(
     except StoreNotFoundError:
         if marker is None:
             raise
+        if catalog_url and remote:  # another database than the store's: a wrong URL, likely
+            raise StoreNotFoundError(
+                f"the catalog URL given holds no store; the store at {root} was made with the "
+                f"catalog at {marker.catalog}: give that --catalog-url (catalog_url)"
+            ) from None
         raise StoreDamagedError(
             f"the store at {root} has lost its catalog ({marker.catalog} holds none); "
             "restore it from a backup, or give the --catalog-url it was made with"

@@ -549,6 +549,38 @@ def test_a_lost_sqlite_catalog_is_an_error_never_an_empty_store(
     assert sorted(DiskTier(root / "blobs").ids()) == blobs  # nothing deleted
 
 
+@pytest.mark.parametrize("target", ["postgresql"], indirect=True)
+def test_a_store_whose_catalog_is_a_database_names_it_when_the_url_is_missing_or_wrong(
+    target: Target, tmp_path: Path, capsys
+) -> None:
+    """Left without --catalog-url, or given another database's, a store kept in PostgreSQL
+    said it "has lost its catalog" (with the intact catalog named as the empty one, for a
+    wrong URL): nothing is lost, the URL is what is missing."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    assert target.url is not None
+    root = tmp_path / "s"
+    TieredStore(root, catalog=target.open()).close()
+    with pytest.raises(StoreNotFoundError, match="keeps its catalog in a database .*--catalog-url"):
+        TieredStore(root)
+    assert main(["stats", "--store", str(root)]) == 1
+    one_error_line(capsys, "keeps its catalog in a database")
+    empty = f"t_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(target.url, poolclass=NullPool)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{empty}"')
+    try:
+        wrong = f"{target.url}?options=-csearch_path%3D{empty}"
+        with pytest.raises(StoreNotFoundError, match="URL given holds no store; .* made with"):
+            TieredStore(root, catalog_url=wrong)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{empty}" CASCADE')
+        admin.dispose()
+    TieredStore(root, catalog=target.open()).close()  # the right catalog still opens it
+
+
 def test_a_folder_with_another_stores_catalog_is_refused(target: Target, tmp_path: Path) -> None:
     TieredStore(tmp_path / "a").close()
     with pytest.raises(StoreDamagedError, match="belongs to store"):
