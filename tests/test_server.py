@@ -252,6 +252,20 @@ def test_a_text_completion_is_the_prompts_continuation_as_decoded(client, engine
     assert found  # some continuation here has whitespace at an end: the test can fail
 
 
+def test_nulls_and_empty_values_that_ask_nothing_are_accepted(client, engine) -> None:
+    """OpenAI's API takes null for `n`, `stream` and `stream_options.include_usage`, and
+    clients send `stop: []` or `tool_choice: "auto"` with no tools: each asks nothing, and was
+    refused with a 400."""
+    messages = [{"role": "user", "content": "Say hello."}]
+    plain = {"messages": messages, "max_tokens": 3}
+    wanted = client.post("/v1/chat/completions", json=plain, headers=AUTH).json()
+    idle = {"n": None, "stream": None, "stop": [], "tool_choice": "auto", "seed": None}
+    idle["stream_options"] = {"include_usage": None}
+    reply = client.post("/v1/chat/completions", json={**plain, **idle}, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"] == wanted["choices"]
+
+
 def events(response: httpx.Response) -> list[str]:
     lines = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines), lines
@@ -323,7 +337,18 @@ def test_streams_are_server_sent_events_ending_in_done(client, engine) -> None:
         ({"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "invalid_request"),
         ({"messages": [{"role": "user", "content": "\ud800"}], "rag": {"top_k": 1}}, 400,
          "invalid_request"),
+        # a JSON number's type as sent: pydantic's lax mode read true as 1 and "8" as 8
+        ({"messages": [{"role": "user", "content": "q"}], "max_tokens": True}, 400,
+         "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "max_tokens": "8"}, 400,
+         "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "stream": "yes"}, 400,
+         "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "rag": {"top_k": 1.0}}, 400,
+         "invalid_request"),
         # OpenAI fields this server cannot honour: refused, not ignored
+        ({"messages": [{"role": "user", "content": "q"}], "stop": ["\n"]}, 400,
+         "invalid_request"),
         ({"messages": [{"role": "user", "content": "q"}], "logprobs": True}, 400,
          "invalid_request"),
         ({"messages": [{"role": "user", "content": "q"}],

@@ -7,9 +7,14 @@ the `rag` extension field: without it a request is a plain completion.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+# a JSON integer or boolean as such: `"max_tokens": true` or `"8"` is a client's mistake, not 1
+# or 8 (pydantic's lax mode converts both)
+Whole = Annotated[int, Strict()]
+Flag = Annotated[bool, Strict()]
 
 # OpenAI fields this server cannot honour, with the values that ask nothing of it (what
 # clients send by default): any other value is refused, not silently ignored
@@ -22,8 +27,9 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
+    "stop": (None, []),  # stop sequences
     "tools": (None, []),
-    "tool_choice": (None, "none"),
+    "tool_choice": (None, "none", "auto"),  # (with no tools, "auto" chooses none)
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -36,7 +42,7 @@ class RagOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    top_k: int | None = Field(None, ge=1, le=64)
+    top_k: Whole | None = Field(None, ge=1, le=64)
     cache_ids: list[str] | None = Field(None, max_length=256)
     strategy: str | None = Field(None, max_length=200)
 
@@ -58,20 +64,19 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Flag | None = None
 
 
 class Sampling(BaseModel):
     """What both endpoints share: the model, length, sampling, streaming and RAG."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Whole | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stop: None = Field(None, description="stop sequences are not supported")
-    stream: bool = False
+    seed: Whole | None = None
+    n: Whole | None = Field(None, ge=1, le=1, description="one choice per request")
+    stream: Flag | None = None  # null, as OpenAI's API allows, is false
     stream_options: StreamOptions | None = None
     rag: RagOptions | None = None
 
@@ -95,7 +100,7 @@ def _same(value: object, harmless: object) -> bool:
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Whole | None = Field(None, ge=1)
 
 
 class CompletionRequest(Sampling):
