@@ -286,6 +286,10 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
         (["dataset", "--repeats", "0"], "--repeats: at least 1, not 0"),
         (["dataset", "--repeats", "10000"], "--repeats: at most 100, not 10000"),  # ran for ever
         (["eval", "x.jsonl", "--strategies", ","], "--strategies: no strategies in ','"),
+        # each skipped every file, failed after loading the model, or bound nothing
+        (["ingest", "docs", "--max-bytes", "-1"], "--max-bytes: at least 1, not -1"),
+        (["query", "q", "--top-k", "0"], "--top-k: at least 1, not 0"),
+        (["serve", "--port", "70000"], "--port: at most 65535, not 70000"),
     ],
 )
 def test_bad_counts_and_lists_are_refused_before_anything_runs(args, phrase, capsys) -> None:

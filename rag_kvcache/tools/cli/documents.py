@@ -16,7 +16,7 @@ from rich.text import Text
 from rag_kvcache.chat import earlier_answers, unless_repeated
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.strategy import DEFAULT, Strategy
-from rag_kvcache.tools.cli.common import engine_options, open_engine
+from rag_kvcache.tools.cli.common import engine_options, open_engine, whole
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -27,14 +27,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ingest.add_argument(
         "--prune", action="store_true", help="remove documents under PATH whose file is gone"
     )
-    ingest.add_argument("--max-bytes", type=int, default=16 << 20, help="skip larger files")
+    ingest.add_argument("--max-bytes", type=whole(1), default=16 << 20, help="skip larger files")
     engine_options(ingest)
     ingest.set_defaults(run=ingest_command)
     query = commands.add_parser("query", help="answer one question from the ingested documents")
     query.add_argument("question")
     chat = commands.add_parser("chat", help="interactive questions (empty line or /quit ends)")
     for sub in (query, chat):
-        sub.add_argument("--top-k", type=int, default=4, help="chunks retrieved per question")
+        sub.add_argument("--top-k", type=whole(1), default=4, help="chunks retrieved per question")
         sub.add_argument("--strategy", default=None, help=f"link strategy (default {DEFAULT})")
         sub.add_argument(
             "--compare", action="store_true", help="also run full prefill; print both TTFTs"

@@ -252,7 +252,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     diagnose.add_argument("--max-new-tokens", type=whole(1), default=24)
     diagnose.add_argument("--model", default=None, help="HF folder or .gguf (default SmolLM2)")
     diagnose.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    diagnose.add_argument("--threads", type=int, default=None, help="torch threads")
+    diagnose.add_argument("--threads", type=whole(1), default=None, help="torch threads")
     diagnose.set_defaults(run=diagnose_command)
 
 

@@ -23,7 +23,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "serve", help="OpenAI-compatible HTTP API: chat and completions, RAG over the store"
     )
     serve.add_argument("--host", default="127.0.0.1", help="(default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    serve.add_argument("--port", type=whole(0, 65535), default=8000, help="(default 8000)")
     serve.add_argument(
         "--api-key",
         type=api_key,
