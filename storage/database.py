@@ -176,6 +176,11 @@ def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -
             f"cannot open the catalog at {url}: {reason}; the disk holding it is full: free "
             "space there"
         )
+    if database and "not a database" in reason:  # SQLite's word for a file of other bytes
+        return CatalogError(
+            f"cannot open the catalog at {url}: {reason}; the file is damaged or not a "
+            "catalog: restore it from a backup, or give another --store"
+        )
     check = "that its folder is writable" if database else "the host, database and user"
     return CatalogError(f"cannot open the catalog at {url}: {reason}; check {check}")
 

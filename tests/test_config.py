@@ -83,3 +83,12 @@ def test_a_cuda_device_this_torch_cannot_reach_is_one_clear_error(tmp_path) -> N
     with pytest.raises(ConfigError, match=said):
         RagKVCache(config)
     assert not (tmp_path / "store").exists()
+
+
+def test_a_system_prompt_past_the_window_is_named(tiny32, tmp_path) -> None:
+    from rag_kvcache import ContextTooLongError, RagKVCache
+    from rag_kvcache.config import StoreConfig
+
+    config = EngineConfig(system_prompt="harbor " * 600, store=StoreConfig(root=tmp_path))
+    with pytest.raises(ContextTooLongError, match="the system prompt is .* give a shorter"):
+        RagKVCache(config, lm=tiny32)

@@ -581,6 +581,16 @@ def test_a_store_whose_catalog_is_a_database_names_it_when_the_url_is_missing_or
     TieredStore(root, catalog=target.open()).close()  # the right catalog still opens it
 
 
+def test_a_catalog_file_of_other_bytes_says_it_is_damaged(tmp_path: Path, capsys) -> None:
+    """SQLite's "file is not a database" came with "check that its folder is writable"."""
+    root = tmp_path / "s"
+    TieredStore(root).close()
+    (root / "catalog.sqlite").write_bytes(b"not a database at all " * 200)
+    assert main(["stats", "--store", str(root)]) == 1
+    line = one_error_line(capsys, "file is not a database", "damaged or not a catalog")
+    assert "writable" not in line
+
+
 def test_a_folder_with_another_stores_catalog_is_refused(target: Target, tmp_path: Path) -> None:
     TieredStore(tmp_path / "a").close()
     with pytest.raises(StoreDamagedError, match="belongs to store"):
