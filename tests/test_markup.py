@@ -411,6 +411,10 @@ def test_schema_and_prompt_commands(tmp_path: Path, capsys, monkeypatch) -> None
     assert "TTFT" in out and "full prefill" in out
     assert main(["prompt", '<prompt schema="personalization"><nope/>x</prompt>', *store]) == 1
     assert "no module 'nope'" in capsys.readouterr().out
+    for neither in ("just a question", str(tmp_path / "nothere.xml")):  # read as markup, they
+        assert main(["prompt", neither, *store]) == 1  # said "syntax error" / "not well-formed"
+        said = " ".join(capsys.readouterr().out.split())
+        assert "is neither a file nor a prompt: give <prompt schema=" in said, said
     hostile = tmp_path / "hostile.xml"
     module = '<module name="m">Hi.</module>'
     hostile.write_text(f'<schema name="../../escape"><user>{module}</user></schema>')

@@ -43,6 +43,15 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
     from rag_kvcache.strategy import PREFILL
 
     adding = args.command == "schema" and args.action == "add"
+    if args.command == "prompt" and not (
+        is_file(args.prompt) or args.prompt.lstrip().startswith("<")
+    ):  # before the model loads; it was read as markup: "line 1, column 1: syntax error"
+        console.print(
+            f"[red]error:[/red] {escape(repr(args.prompt))} is neither a file nor a prompt: give "
+            '<prompt schema="NAME">...</prompt>, or a file holding one',
+            highlight=False,
+        )
+        return 1
     engine = open_engine(args, console, existing=not adding)  # listing and prompting only read
     folder = Path(args.store) / SCHEMAS_FOLDER
     cache = PromptCache(engine)
