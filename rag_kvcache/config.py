@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,15 +151,24 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.compress not in COMPRESSIONS:
             raise ConfigError(f"compress {self.compress!r} is not one of {COMPRESSIONS}")
+        if self.root is not None and not isinstance(self.root, str | os.PathLike):
+            raise ConfigError(f"root must be a folder's path, got {type(self.root).__name__}")
+        for name in ("cpu_bytes", "gpu_bytes"):  # (1.5 or "1G" failed later, or never)
+            _check_bytes(name, getattr(self, name))
         if self.root is not None and printable_path(self.root) != str(self.root):
             # the catalog's URL and records hold the path as text
             raise ConfigError(f"the store path {printable_path(self.root)!r} is not valid UTF-8")
-        if self.cpu_bytes < 0 or self.gpu_bytes < 0:
-            raise ConfigError("tier budgets must be >= 0 bytes")
         if self.policy not in ("lru", "lfu"):
             raise ConfigError(f"policy {self.policy!r} is not one of ('lru', 'lfu')")
         if self.catalog_url and self.root is None:
             raise ConfigError("a catalog_url needs a root folder for the blobs")
+
+
+def _check_bytes(name: str, value: object, default: str = "") -> None:
+    """A byte budget: a whole number >= 0 (not a bool)."""
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not whole or value < 0:  # type: ignore[operator]
+        raise ConfigError(f"{name} must be >= 0, a whole number of bytes {default}; got {value!r}")
 
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -189,7 +199,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))  # StrategyError
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 0:
-            raise ConfigError("kv_cache_bytes must be >= 0 (or None for the default)")
+        if self.kv_cache_bytes is not None:
+            _check_bytes("kv_cache_bytes", self.kv_cache_bytes, "(or None for the default)")
         if self.link_budget_s is not None and self.link_budget_s < 0:
             raise ConfigError("link_budget_s must be >= 0 (or None: no budget)")

@@ -2,7 +2,13 @@ import math
 
 import pytest
 
-from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, ModelConfig
+from rag_kvcache.config import (
+    EncodeConfig,
+    EngineConfig,
+    GenerationConfig,
+    ModelConfig,
+    StoreConfig,
+)
 from rag_kvcache.errors import ConfigError, StrategyError
 
 
@@ -30,6 +36,13 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: GenerationConfig(seed=1.5), "seed must be a 64-bit integer, got 1.5"),  # type: ignore[arg-type]
         (lambda: GenerationConfig(seed=True), "seed must be a 64-bit integer, got True"),
         (lambda: GenerationConfig(strip="no"), "strip must be True or False, got 'no'"),  # type: ignore[arg-type]
+        # a path and whole byte counts: 5 was taken for a folder, 1.5 bytes for a budget, and
+        # "1G" failed with a TypeError
+        (lambda: StoreConfig(root=5), "root must be a folder's path, got int"),  # type: ignore[arg-type]
+        (lambda: StoreConfig(cpu_bytes=1.5), "cpu_bytes must be >= 0, a whole number"),  # type: ignore[arg-type]
+        (lambda: StoreConfig(cpu_bytes="1G"), "cpu_bytes must be >= 0, a whole number"),  # type: ignore[arg-type]
+        (lambda: StoreConfig(gpu_bytes=-1), "gpu_bytes must be >= 0"),
+        (lambda: EngineConfig(kv_cache_bytes=True), "kv_cache_bytes must be >= 0"),
     ],
 )
 def test_bad_values_are_named(build, message: str) -> None:
