@@ -202,12 +202,19 @@ class TieredStore:
         # the folder holds the vector index whatever the tiers are (with a PostgreSQL catalog
         # and Redis blobs nothing else would make it). A reader never makes one, except beside
         # a catalog kept elsewhere, which must exist (a worker's new folder on another machine)
+        made = not root.exists()
         open_folder(root, create or catalog is not None or catalog_url is not None)
         self.root = root
         marker = read_marker(root)
         given = catalog is not None
         if catalog is None:
-            catalog = _open_catalog(root, catalog_url, create, marker)
+            try:
+                catalog = _open_catalog(root, catalog_url, create, marker)
+            except BaseException:  # a folder made for a catalog that did not open: not kept
+                if made:
+                    with contextlib.suppress(OSError):  # (rmdir: only if still empty)
+                        root.rmdir()
+                raise
         try:
             _check_marker(root, marker, catalog)
             if durable is None and redis_url:

@@ -365,6 +365,18 @@ def test_a_reader_may_open_a_new_folder_beside_an_existing_shared_catalog(
         )
 
 
+def test_a_reader_whose_catalog_does_not_open_leaves_no_new_folder(tmp_path: Path, capsys) -> None:
+    """`stats --store NEW --catalog-url <unreachable>` said why, and left NEW behind, empty."""
+    unreachable = "postgresql+psycopg://postgres@127.0.0.1:1/test"
+    assert main(["stats", "--store", str(tmp_path / "new"), "--catalog-url", unreachable]) == 1
+    one_error_line(capsys, "cannot open the catalog")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a folder that was there before stays
+    with pytest.raises(CatalogError, match="cannot open the catalog"):
+        TieredStore(tmp_path / "kept", catalog_url=unreachable, create=False)
+    assert (tmp_path / "kept").is_dir()
+
+
 def test_a_store_path_that_is_a_file_is_one_error_line(tmp_path: Path, capsys) -> None:
     file = tmp_path / "notes.txt"
     file.write_text("mine")
