@@ -531,6 +531,11 @@ class Catalog(CatalogDatabase):
         with self._read() as conn:
             return set(conn.scalars(select(Placement.tier).where(Placement.cache_id == cache_id)))
 
+    def placement_tiers(self) -> set[str]:
+        """The tiers holding a copy of some chunk."""
+        with self._read() as conn:
+            return set(conn.scalars(select(Placement.tier).distinct()))
+
     def placed_on(self, tier: str) -> list[str]:
         """The chunks with a copy on `tier`, oldest placement first."""
         stmt = (

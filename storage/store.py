@@ -28,6 +28,7 @@ from rag_kvcache.errors import (
     ConfigError,
     FingerprintMismatchError,
     StoreDamagedError,
+    StoreError,
     StoreFullError,
     StoreNotFoundError,
     UnknownCacheIdError,
@@ -134,6 +135,23 @@ def _check_marker(root: Path, marker: StoreMarker | None, catalog: Catalog) -> N
         )
 
 
+def _check_durable(root: Path, tier: str, catalog: Catalog) -> None:
+    """A store whose blobs are all in the other durable tier (Redis, or the folder) is opened
+    with its own: opened without --redis-url, a Redis store found no blob on disk and
+    re-encoded every chunk it was asked for, silently, into the folder."""
+    held = catalog.placement_tiers() & {"disk", "redis"}
+    if held and tier not in held:
+        if "redis" in held:
+            raise StoreError(
+                f"the store at {root} keeps its blobs in Redis: give the --redis-url "
+                "(redis_url) it was made with"
+            )
+        raise StoreError(
+            f"the store at {root} keeps its blobs in its folder, not in Redis: open it "
+            "without --redis-url (redis_url)"
+        )
+
+
 def _parsed(row: ChunkRow, data: bytes | bytearray) -> ChunkKV | str:
     """The chunk a blob holds, checked against its row (checksum, encoding, token count), or
     'corrupt'."""
@@ -217,6 +235,8 @@ class TieredStore:
                 raise
         try:
             _check_marker(root, marker, catalog)
+            if durable is None:
+                _check_durable(root, "redis" if redis_url else "disk", catalog)
             if durable is None and redis_url:
                 durable = RedisTier(redis_url, prefix=redis_prefix(catalog.store_id))
             elif durable is None:

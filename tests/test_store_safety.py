@@ -98,6 +98,34 @@ def test_postgres_catalog_and_redis_blobs_work_from_a_new_store_folder(
     store.close()
 
 
+def test_a_store_opened_with_the_other_durable_tier_says_which_it_needs(
+    redis_namespace: str, tmp_path: Path, tiny32
+) -> None:
+    """A Redis store opened without --redis-url found no blob in its folder and re-encoded
+    every chunk asked for, silently, into the folder; a folder store given a --redis-url did
+    the same into Redis. Each is refused, naming the tier the store's blobs are in."""
+    redis_store = TieredStore(tmp_path / "r", redis_url=REDIS_URL)
+    try:
+        _engine(redis_store, tiny32).generate_context_cache(DOCS[:1])
+    finally:
+        redis_store.close()
+    try:
+        with pytest.raises(StoreError, match="keeps its blobs in Redis: give the --redis-url"):
+            TieredStore(tmp_path / "r")
+        assert not (tmp_path / "r" / "blobs").exists()
+        TieredStore(tmp_path / "r", redis_url=REDIS_URL).close()  # with it, it opens
+        disk_store = TieredStore(tmp_path / "d")
+        _engine(disk_store, tiny32).generate_context_cache(DOCS[:1])
+        disk_store.close()
+        with pytest.raises(StoreError, match="in its folder, not in Redis"):
+            TieredStore(tmp_path / "d", redis_url=REDIS_URL)
+    finally:
+        reopened = TieredStore(tmp_path / "r", redis_url=REDIS_URL)
+        for cid in list(reopened.durable.ids()):
+            reopened.durable.remove(cid)
+        reopened.close()
+
+
 # ----------------------------------------------------------------------------- item 2: names
 
 VALID_ID = "0123456789abcdef" * 2
