@@ -103,7 +103,10 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
 
 def _add_file(file: Path, files: dict[Path, None], skipped: list[Skipped]) -> None:
     try:
-        if not file.is_file():
+        if file.is_symlink() and not file.exists():
+            target = printable_path(os.readlink(file))
+            skipped.append(Skipped(printable_path(file), f"a broken symbolic link (to {target})"))
+        elif not file.is_file():
             skipped.append(Skipped(printable_path(file), "not a regular file"))
         elif printable_path(file) != str(file):  # the catalog keeps a source as text
             skipped.append(Skipped(printable_path(file), "its name is not valid UTF-8: rename it"))

@@ -128,7 +128,7 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(engine, tmp_path: Pat
     assert "over the 0.0 MiB limit" in reasons.pop("huge.txt")
     assert reasons.pop("broken.pdf").startswith("unreadable PDF")
     assert reasons.pop("loop").startswith("symlink loop")
-    assert reasons.pop("dangling.md") == "not a regular file"
+    assert reasons.pop("dangling.md") == f"a broken symbolic link (to {tmp_path / 'missing.md'})"
     assert reasons.pop("nowhere") == "no such file or folder"
     assert reasons.pop("caf\\xe9.md") == "its name is not valid UTF-8: rename it"
     assert reasons == {}
@@ -463,7 +463,7 @@ def test_a_long_run_without_spaces_is_cut_by_tokens(tiny_tokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, caplog, monkeypatch) -> None:
     docs = tmp_path / "docs"
     docs.mkdir()
     shutil.copy(DATA / "01_harbor_town_of_velmora.md", docs)
@@ -482,7 +482,11 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, monkeypatch) -> 
     only_bad = tmp_path / "bad"
     only_bad.mkdir()
     (only_bad / "empty.txt").write_bytes(b"")
+    (only_bad / "broken.pdf").write_bytes(b"%PDF-1.4\nthis is garbage not a pdf\n")
     assert main(["ingest", str(only_bad), *store]) == 1  # nothing could be ingested
+    assert "unreadable PDF" in capsys.readouterr().out  # listed, with its reason, and
+    assert not [r for r in caplog.records if r.name.startswith("pypdf")]  # nothing printed
+    # by pypdf above the table (its warning reached the terminal through logging)
 
     question = "When was Hallam Point Light built?"
     args = ["--max-new-tokens", "16", "--compare", "--strategy", "full", *store]

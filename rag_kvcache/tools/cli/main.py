@@ -79,6 +79,7 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
     import os
 
     from rich.markup import escape
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     # our progress display only: no Hugging Face bars ("Loading weights", downloads), read
     # when transformers is first imported, which is after this
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # a damaged PDF is skipped and its reason listed; pypdf's own warnings about it were
+    # printed above the progress and the table, unasked
+    logging.getLogger("pypdf").setLevel(logging.ERROR)
     console = Console()
     try:
         try:
