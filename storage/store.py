@@ -49,6 +49,7 @@ from rag_kvcache.storage.layout import (
     BLOBS_FOLDER,
     CATALOG_FILE,
     FORMAT_VERSION,
+    MARKER_FILE,
     StoreMarker,
     checked_name,
     is_name,
@@ -133,6 +134,14 @@ def _check_marker(root: Path, marker: StoreMarker | None, catalog: Catalog) -> N
             f"{marker.catalog}), but the catalog {catalog.url} is store {catalog.store_id}: "
             "give the catalog it was made with, or another --store folder"
         )
+
+
+def _discard_new_folder(root: Path) -> None:
+    """Undo `open_folder` and the marker for a store that did not open: the folder is removed
+    if nothing else was put in it."""
+    with contextlib.suppress(OSError):
+        (root / MARKER_FILE).unlink(missing_ok=True)
+        root.rmdir()
 
 
 def _check_durable(root: Path, tier: str, catalog: Catalog) -> None:
@@ -230,13 +239,12 @@ class TieredStore:
                 catalog = _open_catalog(root, catalog_url, create, marker)
             except BaseException:  # a folder made for a catalog that did not open: not kept
                 if made:
-                    with contextlib.suppress(OSError):  # (rmdir: only if still empty)
-                        root.rmdir()
+                    _discard_new_folder(root)
                 raise
         try:
-            _check_marker(root, marker, catalog)
             if durable is None:
                 _check_durable(root, "redis" if redis_url else "disk", catalog)
+            _check_marker(root, marker, catalog)
             if durable is None and redis_url:
                 durable = RedisTier(redis_url, prefix=redis_prefix(catalog.store_id))
             elif durable is None:
@@ -244,6 +252,8 @@ class TieredStore:
         except BaseException:
             if not given:
                 catalog.close()
+            if made:
+                _discard_new_folder(root)
             raise
         self.catalog = catalog
         self.durable = durable

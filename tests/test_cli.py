@@ -195,6 +195,8 @@ def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
         (["--strategy", "bogus"], "unknown link strategy 'bogus'"),
         (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
         (["--kv-cache-mib", "-5"], "kv_cache_bytes must be >= 0"),
+        (["--model", "/no/such/model"], "no model at /no/such/model"),
+        (["--device", "tpu"], "device 'tpu' is not one of cpu, cuda, cuda:N"),
     ],
 )
 def test_serve_refuses_bad_flags_before_it_starts(flags, phrase, tmp_path, capsys) -> None:
@@ -204,6 +206,16 @@ def test_serve_refuses_bad_flags_before_it_starts(flags, phrase, tmp_path, capsy
     out = " ".join(capsys.readouterr().out.split())
     assert code == 1 and phrase in out and "serving on" not in out
     assert not (tmp_path / "none").exists()
+
+
+def test_serve_refuses_a_cuda_device_this_torch_cannot_reach(tmp_path, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for a machine without it")
+    code = main(["serve", "--store", str(tmp_path / "none"), "--device", "cuda"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 1 and "device 'cuda': this torch" in out and "serving on" not in out
 
 
 def test_a_device_this_torch_cannot_reach_is_one_line_and_makes_no_store(tmp_path, capsys) -> None:

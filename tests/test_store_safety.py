@@ -113,6 +113,10 @@ def test_a_store_opened_with_the_other_durable_tier_says_which_it_needs(
         with pytest.raises(StoreError, match="keeps its blobs in Redis: give the --redis-url"):
             TieredStore(tmp_path / "r")
         assert not (tmp_path / "r" / "blobs").exists()
+        beside = f"sqlite:///{tmp_path / 'r' / 'catalog.sqlite'}"  # a reader's new folder
+        with pytest.raises(StoreError, match="keeps its blobs in Redis"):
+            TieredStore(tmp_path / "new", catalog_url=beside, create=False)
+        assert not (tmp_path / "new").exists()  # neither the folder nor its marker left
         TieredStore(tmp_path / "r", redis_url=REDIS_URL).close()  # with it, it opens
         disk_store = TieredStore(tmp_path / "d")
         _engine(disk_store, tiny32).generate_context_cache(DOCS[:1])

@@ -100,12 +100,13 @@ def serve_command(args: argparse.Namespace, console: Console) -> int:
         require(needed, extra="serve", purpose="rag-kvcache serve")
     import uvicorn
 
+    from rag_kvcache.model.loading import check_model_source
     from rag_kvcache.tools.cli.common import open_store
     from rag_kvcache.tools.server import create_app
 
-    # bad flags and a mistyped --store fail now, in one line, not later as a /health that
-    # answers 503 for ever from a server that started
-    engine_config(args)
+    # bad flags, a mistyped --model or --store and a device this torch cannot reach fail now,
+    # in one line, not later as a /health that answers 503 for ever from a server that started
+    check_model_source(engine_config(args).model)
     open_store(args).close()
     app = create_app(
         lambda: open_engine(args, console, existing=True),
