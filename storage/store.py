@@ -112,7 +112,7 @@ def _open_catalog(
     except StoreNotFoundError:
         if marker is None:
             raise
-        if catalog_url and remote:  # another database than the store's: a wrong URL, likely
+        if catalog_url and remote and shown_url(catalog_url) != marker.catalog:  # another's
             raise StoreNotFoundError(
                 f"the catalog URL given holds no store; the store at {root} was made with the "
                 f"catalog at {marker.catalog}: give that --catalog-url (catalog_url)"
@@ -134,6 +134,17 @@ def _check_marker(root: Path, marker: StoreMarker | None, catalog: Catalog) -> N
             f"{marker.catalog}), but the catalog {catalog.url} is store {catalog.store_id}: "
             "give the catalog it was made with, or another --store folder"
         )
+
+
+def shown_url(url: str) -> str:
+    """A catalog URL as the store's marker records it (its password hidden)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
 
 
 def _discard_new_folder(root: Path) -> None:

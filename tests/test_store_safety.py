@@ -605,7 +605,8 @@ def test_a_store_whose_catalog_is_a_database_names_it_when_the_url_is_missing_or
 
     assert target.url is not None
     root = tmp_path / "s"
-    TieredStore(root, catalog=target.open()).close()
+    right = f"{target.url}?options=-csearch_path%3D{target.schema}"
+    TieredStore(root, catalog_url=right).close()
     with pytest.raises(StoreNotFoundError, match="keeps its catalog in a database .*--catalog-url"):
         TieredStore(root)
     assert main(["stats", "--store", str(root)]) == 1
@@ -618,11 +619,16 @@ def test_a_store_whose_catalog_is_a_database_names_it_when_the_url_is_missing_or
         wrong = f"{target.url}?options=-csearch_path%3D{empty}"
         with pytest.raises(StoreNotFoundError, match="URL given holds no store; .* made with"):
             TieredStore(root, catalog_url=wrong)
+        TieredStore(root, catalog_url=right).close()  # the right catalog still opens it
+        with admin.begin() as conn:  # and if that one is emptied, the store is damaged
+            conn.exec_driver_sql(f'DROP SCHEMA "{target.schema}" CASCADE')
+            conn.exec_driver_sql(f'CREATE SCHEMA "{target.schema}"')
+        with pytest.raises(StoreDamagedError, match="has lost its catalog"):
+            TieredStore(root, catalog_url=right)
     finally:
         with admin.begin() as conn:
             conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{empty}" CASCADE')
         admin.dispose()
-    TieredStore(root, catalog=target.open()).close()  # the right catalog still opens it
 
 
 def test_a_catalog_file_of_other_bytes_says_it_is_damaged(tmp_path: Path, capsys) -> None:
