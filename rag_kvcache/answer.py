@@ -140,10 +140,8 @@ def answer_steps(
     start = time.perf_counter()
     prepared = context()
     tokens: list[int] = []
-    text, ttft = (
-        TextPieces(lm, generation.strip),
-        0.0,
-    )  # the pieces the batch decoder streams, by the same rules
+    text = TextPieces(lm, generation.strip)  # the pieces the batch decoder streams, alike
+    ttft = 0.0
     try:
         for token in decode(lm, prepared.cache, prepared.logits, prepared.position, generation):
             if not tokens:

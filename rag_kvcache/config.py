@@ -16,7 +16,7 @@ from rag_kvcache.strategy import Strategy
 LEGOLINK0_SINKS = 4  # sink tokens per chunk where legolink0 is measured (eval, bench) by default
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 QUANTIZATIONS = (None, "4bit", "8bit")
-DEVICES = ("cpu", "cuda")
+DEVICE_TYPES = ("cpu", "cuda")  # each, or "cuda:N"
 # how the durable tier keeps KV: as computed (None), float32 KV as bfloat16, or 8-bit codes
 COMPRESSIONS = (None, "bfloat16", "int8")
 
@@ -58,7 +58,7 @@ class ModelConfig:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         kind, colon, index = str(self.device).partition(":")
-        if kind not in DEVICES or (colon and not (index.isascii() and index.isdigit())):
+        if kind not in DEVICE_TYPES or (colon and not (index.isascii() and index.isdigit())):
             raise ConfigError(f"device {self.device!r} is not one of cpu, cuda, cuda:N")
 
 
@@ -168,7 +168,7 @@ def _check_bytes(name: str, value: object, default: str = "") -> None:
     """A byte budget: a whole number >= 0 (not a bool)."""
     whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not whole or value < 0:  # type: ignore[operator]
-        raise ConfigError(f"{name} must be >= 0, a whole number of bytes {default}; got {value!r}")
+        raise ConfigError(f"{name} must be >= 0, a whole number of bytes{default}; got {value!r}")
 
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -200,6 +200,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))  # StrategyError
         if self.kv_cache_bytes is not None:
-            _check_bytes("kv_cache_bytes", self.kv_cache_bytes, "(or None for the default)")
+            _check_bytes("kv_cache_bytes", self.kv_cache_bytes, " (or None for the default)")
         if self.link_budget_s is not None and self.link_budget_s < 0:
             raise ConfigError("link_budget_s must be >= 0 (or None: no budget)")

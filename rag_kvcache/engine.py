@@ -6,7 +6,8 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -124,19 +125,22 @@ def default_kv_cache_bytes(lm: LoadedModel) -> int:
 
 
 def listed(items: object, what: str, *, strings: bool = True) -> list[str]:
-    """`items` as a list, or a ConfigError saying what was given instead: a lone string
-    would be read as one item per character (a chunk or an unknown cache ID each). With
-    `strings`, an item that is not a string is one too; cache IDs leave that to the store,
-    which names any ID that is not one as unknown."""
-    if isinstance(items, str | bytes) or not isinstance(items, list | tuple):
+    """`items` (a list, tuple or other ordered iterable) as a list, or a ConfigError saying
+    what was given instead: a lone string would be read as one item per character (a chunk or
+    an unknown cache ID each), and a set or dict has no order for the chunks. With `strings`,
+    an item that is not a string is one too; cache IDs leave that to the store, which names
+    any ID that is not one as unknown."""
+    unordered = isinstance(items, Mapping | AbstractSet)
+    if isinstance(items, str | bytes) or unordered or not isinstance(items, Iterable):
         raise ConfigError(
             f"{what} must be a list of strings, got {type(items).__name__}"
             + (": for one, pass [it]" if isinstance(items, str) else "")
         )
+    items = list(items)
     for i, item in enumerate(items):
         if strings and not isinstance(item, str):
             raise ConfigError(f"{what}[{i}] must be a string, got {type(item).__name__}")
-    return list(items)
+    return items
 
 
 class RagKVCache:

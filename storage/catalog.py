@@ -531,10 +531,14 @@ class Catalog(CatalogDatabase):
         with self._read() as conn:
             return set(conn.scalars(select(Placement.tier).where(Placement.cache_id == cache_id)))
 
-    def placement_tiers(self) -> set[str]:
-        """The tiers holding a copy of some chunk."""
+    def placement_tiers(self, tiers: Iterable[str]) -> set[str]:
+        """Those of `tiers` holding a copy of some chunk (one indexed look-up each)."""
         with self._read() as conn:
-            return set(conn.scalars(select(Placement.tier).distinct()))
+            return {
+                t
+                for t in tiers
+                if conn.scalar(select(select(Placement.tier).where(Placement.tier == t).exists()))
+            }
 
     def placed_on(self, tier: str) -> list[str]:
         """The chunks with a copy on `tier`, oldest placement first."""

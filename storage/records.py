@@ -19,8 +19,8 @@ class CatalogError(RagKVCacheError):
 
 
 class CatalogUnavailableError(CatalogError, StoreUnavailableError):
-    """An open catalog's database did not answer (gone, cut off, a lock not granted in time):
-    the store's fault, not the caller's, and worth a retry."""
+    """An open catalog's database did not answer as asked (gone, cut off, a lock not granted
+    in time, a file it cannot write): the store's fault, not the caller's."""
 
 
 @dataclass(frozen=True)

@@ -159,16 +159,16 @@ def _check_durable(root: Path, tier: str, catalog: Catalog) -> None:
     """A store whose blobs are all in the other durable tier (Redis, or the folder) is opened
     with its own: opened without --redis-url, a Redis store found no blob on disk and
     re-encoded every chunk it was asked for, silently, into the folder."""
-    held = catalog.placement_tiers() & {"disk", "redis"}
+    held = catalog.placement_tiers(("disk", "redis"))
     if held and tier not in held:
         if "redis" in held:
             raise StoreError(
                 f"the store at {root} keeps its blobs in Redis: give the --redis-url "
-                "(redis_url) it was made with"
+                "(redis_url) it was made with (to move it, ingest into a new store)"
             )
         raise StoreError(
             f"the store at {root} keeps its blobs in its folder, not in Redis: open it "
-            "without --redis-url (redis_url)"
+            "without --redis-url (redis_url) (to move it, ingest into a new store)"
         )
 
 
@@ -252,14 +252,17 @@ class TieredStore:
                 if made:
                     _discard_new_folder(root)
                 raise
-        try:
-            if durable is None:
-                _check_durable(root, "redis" if redis_url else "disk", catalog)
-            _check_marker(root, marker, catalog)
-            if durable is None and redis_url:
+        try:  # the folder's store first, then the durable tier; a new marker only then
+            if marker is not None:
+                _check_marker(root, marker, catalog)
+            if durable is None and redis_url:  # (a bad or unreachable URL says so first)
                 durable = RedisTier(redis_url, prefix=redis_prefix(catalog.store_id))
+                _check_durable(root, "redis", catalog)
             elif durable is None:
+                _check_durable(root, "disk", catalog)
                 durable = DiskTier(root / BLOBS_FOLDER)
+            if marker is None:
+                _check_marker(root, marker, catalog)
         except BaseException:
             if not given:
                 catalog.close()

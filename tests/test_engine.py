@@ -141,8 +141,14 @@ def test_a_string_or_other_objects_where_a_list_belongs_are_one_clear_error(tiny
             tiny_engine.generate_context_cache(["fine", bad])  # type: ignore[list-item]
         with pytest.raises(UnknownCacheIdError, match=repr(bad)):  # named, as unknown
             tiny_engine.generate("q", [bad])  # type: ignore[list-item]
+    for unordered in ({cid}, {cid: 1}):
+        with pytest.raises(ConfigError, match="must be a list of strings, got (set|dict)"):
+            tiny_engine.generate("q", unordered)  # type: ignore[arg-type]
     assert len(tiny_engine.store) == size
-    assert tiny_engine.generate("q", (cid,)).token_ids  # a tuple is a list of IDs too
+    wanted = tiny_engine.generate("q", [cid]).token_ids  # other ordered iterables are lists
+    assert tiny_engine.generate("q", (cid,)).token_ids == wanted
+    assert tiny_engine.generate("q", iter([cid])).token_ids == wanted  # type: ignore[arg-type]
+    assert tiny_engine.generate_context_cache(t for t in ["The harbor is deep."]) == [cid]  # type: ignore[arg-type]
 
 
 def test_a_text_too_long_for_the_window_is_refused_before_it_is_tokenized(

@@ -344,6 +344,10 @@ def test_streams_are_server_sent_events_ending_in_done(client, engine) -> None:
          "invalid_request"),
         ({"messages": [{"role": "user", "content": "q"}], "stream": "yes"}, 400,
          "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "temperature": True}, 400,
+         "invalid_request"),
+        ({"messages": [{"role": "user", "content": "q"}], "top_p": "0.5"}, 400,
+         "invalid_request"),
         ({"messages": [{"role": "user", "content": "q"}], "rag": {"top_k": 1.0}}, 400,
          "invalid_request"),
         # OpenAI fields this server cannot honour: refused, not ignored
@@ -408,7 +412,9 @@ def test_documents_of_another_model_are_409_model_mismatch(tiny32, tiny64, tmp_p
     as if the client's request were malformed)."""
     config = EngineConfig(store=StoreConfig(root=tmp_path / "store"))
     engine = RagKVCache(config, lm=tiny32)
-    RagKVCache(config, lm=tiny64).ingest_document("one.md", DOCS[:1])
+    last = RagKVCache(config, lm=tiny64)
+    last.ingest_document("one.md", DOCS[:1])
+    last.close()
     other = engine.store.catalog.document_chunks("one.md")  # type: ignore[union-attr]
     question = [{"role": "user", "content": "Who designed the lighthouse?"}]
     with served(engine) as client:

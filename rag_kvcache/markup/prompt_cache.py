@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rag_kvcache.answer import Answer, AnswerStream, Placement, Prepared, answer_steps, prepare
 from rag_kvcache.engine import RagKVCache
-from rag_kvcache.errors import ContextTooLongError
+from rag_kvcache.errors import ContextTooLongError, StoreError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.markup.language import (
     MarkupError,
@@ -96,6 +96,8 @@ class PromptCache:
                 added.append(self.add_schema(read_source(path)))
             except (MarkupError, ContextTooLongError) as e:
                 skipped.append((path, str(e)))
+            except StoreError:  # the store's fault (a full disk, a catalog gone): not the file's
+                raise
             except OSError as e:
                 skipped.append((path, f"cannot read it: {e.strerror or e}"))
         return SchemasLoaded(added, skipped)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 # or 8 (pydantic's lax mode converts both)
 Whole = Annotated[int, Strict()]
 Flag = Annotated[bool, Strict()]
+Number = Annotated[float, Strict()]  # (a JSON integer is one too)
 
 # OpenAI fields this server cannot honour, with the values that ask nothing of it (what
 # clients send by default): any other value is refused, not silently ignored
@@ -72,8 +73,8 @@ class Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: Whole | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    temperature: Number | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Number | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: Whole | None = None
     n: Whole | None = Field(None, ge=1, le=1, description="one choice per request")
     stream: Flag | None = None  # null, as OpenAI's API allows, is false
