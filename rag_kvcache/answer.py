@@ -17,7 +17,7 @@ Two steps, gpt-fast style:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,16 +131,18 @@ def answer_steps(
     new_tokens: int,
     strategy: Strategy,
     generation: GenerationConfig,
+    lead: Sequence[int] = (),
 ) -> Generator[str, None, Answer]:
     """Yield the answer's text as it grows; return the `Answer` (see `AnswerStream`).
 
+    `lead`: the prompt's last tokens, for an answer kept as decoded (`TextPieces`).
     `context()` fetches and prepares the context (timed as part of the first token);
     `new_tokens` is how many prompt tokens came after the cached context.
     """
     start = time.perf_counter()
     prepared = context()
     tokens: list[int] = []
-    text = TextPieces(lm, generation.strip)  # the pieces the batch decoder streams, alike
+    text = TextPieces(lm, generation.strip, lead)  # the pieces the batch decoder streams, alike
     ttft = 0.0
     try:
         for token in decode(lm, prepared.cache, prepared.logits, prepared.position, generation):

@@ -384,7 +384,7 @@ class RagKVCache:
         def context() -> Prepared:
             return prepare(self.lm, [], ids, PREFILL, gen.max_new_tokens)
 
-        steps = answer_steps(self.lm, context, len(ids), PREFILL, gen)
+        steps = answer_steps(self.lm, context, len(ids), PREFILL, gen, lead=ids)
         return self._finish(AnswerStream(steps), stream)
 
     def forced_logits(

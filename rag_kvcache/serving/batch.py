@@ -561,7 +561,7 @@ class BatchDecoder:
             config=waiting.config,
             generator=torch.Generator().manual_seed(waiting.config.seed),
             logits=logits,
-            text=TextPieces(self.lm, waiting.config.strip),
+            text=TextPieces(self.lm, waiting.config.strip, lead=ids),
             arrived=waiting.arrived,
         )
 

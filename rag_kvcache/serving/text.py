@@ -11,15 +11,26 @@ Every decode loop streams through it (`answer.answer_steps`, the batch decoder).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rag_kvcache.model.loading import LoadedModel
+
+LEAD_TOKENS = 4  # prompt tokens decoded before an answer kept as decoded (see `TextPieces`)
 
 
 class TextPieces:
-    """Feed tokens with `add` (each returns the text it completes), then `finish`."""
+    """Feed tokens with `add` (each returns the text it completes), then `finish`.
 
-    def __init__(self, lm: LoadedModel, strip: bool = True):
+    Unstripped (`strip=False`, a prompt's continuation), the answer is decoded after the last
+    LEAD_TOKENS of the prompt (`lead`), whose own text is then cut off: a SentencePiece
+    tokenizer drops the space a text's first word carries, so " Paris" alone decodes as
+    "Paris", and the continuation would lose the space between the prompt and it."""
+
+    def __init__(self, lm: LoadedModel, strip: bool = True, lead: Sequence[int] = ()):
         self.lm = lm
         self.strip = strip
+        self.lead = [] if strip else list(lead[-LEAD_TOKENS:])
+        self.lead_text = self._text(self.lead)
         self.tokens: list[int] = []  # end-of-sequence dropped
         self.text = ""  # handed out so far
 
@@ -43,4 +54,11 @@ class TextPieces:
         return piece
 
     def _decode(self) -> str:
-        return str(self.lm.tokenizer.decode(self.tokens, skip_special_tokens=True))
+        if self.lead:
+            full = self._text(self.lead + self.tokens)
+            if full.startswith(self.lead_text):  # (else a character spans the two)
+                return full[len(self.lead_text) :]
+        return self._text(self.tokens)
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.lm.tokenizer.decode(tokens, skip_special_tokens=True)) if tokens else ""
