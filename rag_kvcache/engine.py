@@ -508,17 +508,16 @@ class RagKVCache:
         IDs, the commonest, are found before any request is computed. `agenerate` answers
         each request apart."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        self._check_known(
-            [c for r in requests for c in listed(r.cache_ids, "cache_ids", strings=False)]
-        )
+        ids = [listed(r.cache_ids, "cache_ids", strings=False) for r in requests]  # read once
+        self._check_known([c for chunks in ids for c in chunks])
         work = [
             self._loop_request(
                 r.query,
-                list(r.cache_ids),
+                chunks,
                 strategy,
                 self.generation_config(r.max_new_tokens),  # (0 is refused, not the default)
             )
-            for r in requests
+            for r, chunks in zip(requests, ids, strict=True)
         ]
         with self._tree_lock:
             decoder = BatchDecoder(self.lm, self.prefix_tree, self.store.get, max_batch)

@@ -49,7 +49,6 @@ from rag_kvcache.storage.layout import (
     BLOBS_FOLDER,
     CATALOG_FILE,
     FORMAT_VERSION,
-    MARKER_FILE,
     StoreMarker,
     checked_name,
     is_name,
@@ -117,9 +116,11 @@ def _open_catalog(
                 f"the catalog URL given holds no store; the store at {root} was made with the "
                 f"catalog at {marker.catalog}: give that --catalog-url (catalog_url)"
             ) from None
+        given_right = catalog_url is not None and shown_url(catalog_url) == marker.catalog
         raise StoreDamagedError(
             f"the store at {root} has lost its catalog ({marker.catalog} holds none); "
-            "restore it from a backup, or give the --catalog-url it was made with"
+            "restore it from a backup"
+            + ("" if given_right else ", or give the --catalog-url it was made with")
         ) from None
 
 
@@ -148,10 +149,9 @@ def shown_url(url: str) -> str:
 
 
 def _discard_new_folder(root: Path) -> None:
-    """Undo `open_folder` and the marker for a store that did not open: the folder is removed
-    if nothing else was put in it."""
+    """Undo `open_folder` for a store that did not open (its marker is written last, so
+    never): the folder is removed if nothing was put in it, by this opener or another."""
     with contextlib.suppress(OSError):
-        (root / MARKER_FILE).unlink(missing_ok=True)
         root.rmdir()
 
 

@@ -148,6 +148,8 @@ def test_a_string_or_other_objects_where_a_list_belongs_are_one_clear_error(tiny
     wanted = tiny_engine.generate("q", [cid]).token_ids  # other ordered iterables are lists
     assert tiny_engine.generate("q", (cid,)).token_ids == wanted
     assert tiny_engine.generate("q", iter([cid])).token_ids == wanted  # type: ignore[arg-type]
+    batched = tiny_engine.generate_batch([BatchRequest("q", iter([cid]))])  # type: ignore[arg-type]
+    assert batched.answers[0].token_ids == wanted  # read once: it was answered over no chunk
     assert tiny_engine.generate_context_cache(t for t in ["The harbor is deep."]) == [cid]  # type: ignore[arg-type]
 
 

@@ -55,3 +55,31 @@ def test_a_byte_level_tokenizer_decodes_alike_with_or_without_the_lead(tiny32) -
     with_lead = joined(TextPieces(tiny32, strip=False, lead=prompt), answer)
     assert with_lead == joined(TextPieces(tiny32, strip=False), answer)
     assert with_lead == " deep, and café is open."
+
+
+def test_a_lead_cut_inside_a_character_is_shortened_to_whole_ones() -> None:
+    """Llama 2's tokenizer spells a character it lacks as byte tokens, decoded as one group:
+    a lead of the prompt's last 4 tokens that starts inside such a character decodes to
+    U+FFFD, and the answer's own first bytes were read into that broken group ("字 word" came
+    out "��� word")."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "▁The", "▁word", *(f"<0x{b:02X}>" for b in range(256))]
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<eos>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence(  # Llama 2's decoder
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    lm = SimpleNamespace(tokenizer=fast, eos_ids={0})
+
+    def spelled(text: str) -> list[int]:
+        return [vocab[f"<0x{b:02X}>"] for b in text.encode()]
+
+    prompt = [vocab["▁The"], *spelled("中文")]  # its last 4 tokens start inside 中
+    answer = [*spelled("字"), vocab["▁word"]]
+    assert fast.decode(prompt[-4:]).startswith("\ufffd")  # the case itself
+    assert joined(TextPieces(lm, strip=False, lead=prompt), answer) == "字 word"
+    assert joined(TextPieces(lm, strip=False, lead=[vocab["▁The"]]), answer) == "字 word"

@@ -31,6 +31,9 @@ class TextPieces:
         self.strip = strip
         self.lead = [] if strip else list(lead[-LEAD_TOKENS:])
         self.lead_text = self._text(self.lead)
+        while self.lead_text.startswith("\ufffd"):  # cut inside a character: the decoder
+            del self.lead[0]  # would read the answer's first bytes into that broken group
+            self.lead_text = self._text(self.lead)
         self.tokens: list[int] = []  # end-of-sequence dropped
         self.text = ""  # handed out so far
 
