@@ -162,21 +162,21 @@ class RagKVCache:
         self.store = store
         try:
             self.lm = lm or load_model(self.config.model, stored_adapter=store.adapter)
+            self.template = PromptTemplate.from_tokenizer(
+                self.lm.tokenizer, self.config.system_prompt
+            )
+            prefix = self.template.prefix_ids(self.lm.tokenizer)
+            if len(prefix) >= self.lm.max_context:  # (it was "chunk 0 has N tokens")
+                raise ContextTooLongError(
+                    f"the system prompt is {len(prefix)} tokens with its chat template; the "
+                    f"model's window is {self.lm.max_context}: give a shorter system_prompt"
+                )
         except BaseException:
             if opened and isinstance(store, TieredStore):
                 store.close()
             raise
         facts = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
         self.store.register_model(self.lm.fingerprint, self.lm.name, str(self.lm.dtype), *facts)
-        self.template = PromptTemplate.from_tokenizer(self.lm.tokenizer, self.config.system_prompt)
-        prefix = self.template.prefix_ids(self.lm.tokenizer)
-        if len(prefix) >= self.lm.max_context:  # (it was "chunk 0 has N tokens", unsaid which)
-            if opened and isinstance(store, TieredStore):
-                store.close()
-            raise ContextTooLongError(
-                f"the system prompt is {len(prefix)} tokens with its chat template; the "
-                f"model's window is {self.lm.max_context}: give a shorter system_prompt"
-            )
         self.doc_settings = EncodeSettings(tuple(prefix[: self.config.encode.sink_tokens]))
         # linked prefixes of every strategy (each keyed by it) and the batches' rows, under one
         # byte budget

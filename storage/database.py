@@ -167,6 +167,15 @@ def _ensure_pg_schema(url: URL, schema: str) -> None:
         engine.dispose()
 
 
+def shown_url(url: str) -> str:
+    """A database URL as a catalog shows it (`CatalogDatabase.url`, a store's marker): its
+    password hidden; as given if it cannot be parsed."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return url
+
+
 def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -> CatalogError:
     """What went wrong opening the catalog at `url`, in one line (the driver's first). SQLite
     says "disk I/O error" when it cannot even write its journal: a full disk is named."""

@@ -43,6 +43,7 @@ from rag_kvcache.storage.blob import (
     to_blob,
 )
 from rag_kvcache.storage.catalog import Catalog
+from rag_kvcache.storage.database import shown_url
 from rag_kvcache.storage.disk import DiskTier
 from rag_kvcache.storage.hot import MemoryTier
 from rag_kvcache.storage.layout import (
@@ -111,41 +112,27 @@ def _open_catalog(
     except StoreNotFoundError:
         if marker is None:
             raise
-        if catalog_url and remote and shown_url(catalog_url) != marker.catalog:  # another's
+        given = shown_url(catalog_url) if catalog_url else None
+        if remote and given is not None and given != marker.catalog:  # another database's
             raise StoreNotFoundError(
                 f"the catalog URL given holds no store; the store at {root} was made with the "
                 f"catalog at {marker.catalog}: give that --catalog-url (catalog_url)"
             ) from None
-        given_right = catalog_url is not None and shown_url(catalog_url) == marker.catalog
         raise StoreDamagedError(
             f"the store at {root} has lost its catalog ({marker.catalog} holds none); "
             "restore it from a backup"
-            + ("" if given_right else ", or give the --catalog-url it was made with")
+            + ("" if given == marker.catalog else ", or give the --catalog-url it was made with")
         ) from None
 
 
-def _check_marker(root: Path, marker: StoreMarker | None, catalog: Catalog) -> None:
-    """The folder and the catalog must be of one store; a store without a marker (new, or
-    made before markers) gets one."""
-    if marker is None:
-        write_marker(root, StoreMarker(FORMAT_VERSION, catalog.store_id, catalog.url))
-    elif marker.store_id != catalog.store_id:
+def _check_marker(root: Path, marker: StoreMarker, catalog: Catalog) -> None:
+    """The folder and the catalog must be of one store."""
+    if marker.store_id != catalog.store_id:
         raise StoreDamagedError(
             f"the store folder {root} belongs to store {marker.store_id} (catalog "
             f"{marker.catalog}), but the catalog {catalog.url} is store {catalog.store_id}: "
             "give the catalog it was made with, or another --store folder"
         )
-
-
-def shown_url(url: str) -> str:
-    """A catalog URL as the store's marker records it (its password hidden)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return url
 
 
 def _discard_new_folder(root: Path) -> None:
@@ -261,8 +248,8 @@ class TieredStore:
             elif durable is None:
                 _check_durable(root, "disk", catalog)
                 durable = DiskTier(root / BLOBS_FOLDER)
-            if marker is None:
-                _check_marker(root, marker, catalog)
+            if marker is None:  # a new store, or one made before markers
+                write_marker(root, StoreMarker(FORMAT_VERSION, catalog.store_id, catalog.url))
         except BaseException:
             if not given:
                 catalog.close()

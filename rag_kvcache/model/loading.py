@@ -347,17 +347,13 @@ def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
 
 
 def check_device(name: str) -> torch.device:
-    """The device `name` says, if this torch can compute there: a CUDA device asked of a
-    torch without CUDA, or of a machine without that GPU, is a ConfigError saying so (torch
-    fails later, with an AssertionError from deep inside the first tensor moved there)."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device {name!r} is not one of cpu, cuda, cuda:N") from None
+    """The device `name` says (a `ModelConfig`'s: cpu, cuda or cuda:N), if this torch can
+    compute there: a CUDA device asked of a torch without CUDA, or of a machine without that
+    GPU, is a ConfigError saying so (torch fails later, with an AssertionError from deep
+    inside the first tensor moved there)."""
+    device = torch.device(name)
     if device.type == "cpu":
         return device
-    if device.type != "cuda":
-        raise ConfigError(f"device {name!r}: rag-kvcache computes on cpu or cuda (cuda:N)")
     if not torch.cuda.is_available():
         built = "built without CUDA" if torch.version.cuda is None else "finds no CUDA GPU"
         raise ConfigError(f"device {name!r}: this torch ({torch.__version__}) {built}")

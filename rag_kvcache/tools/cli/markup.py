@@ -36,7 +36,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def schema_command(args: argparse.Namespace, console: Console) -> int:
-    from rag_kvcache.errors import RagKVCacheError
+    from rag_kvcache.errors import ConfigError, RagKVCacheError
     from rag_kvcache.markup.language import read_source
     from rag_kvcache.markup.prompt_cache import PromptCache
     from rag_kvcache.storage.layout import SCHEMAS_FOLDER, schema_path
@@ -46,12 +46,10 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
     if args.command == "prompt" and not (
         is_file(args.prompt) or args.prompt.lstrip().startswith("<")
     ):  # before the model loads; it was read as markup: "line 1, column 1: syntax error"
-        console.print(
-            f"[red]error:[/red] {escape(repr(args.prompt))} is neither a file nor a prompt: give "
-            '<prompt schema="NAME">...</prompt>, or a file holding one',
-            highlight=False,
+        raise ConfigError(
+            f"{args.prompt!r} is neither a file nor a prompt: give "
+            '<prompt schema="NAME">...</prompt>, or a file holding one'
         )
-        return 1
     engine = open_engine(args, console, existing=not adding)  # listing and prompting only read
     folder = Path(args.store) / SCHEMAS_FOLDER
     cache = PromptCache(engine)
