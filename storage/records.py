@@ -43,6 +43,10 @@ class ChunkRow:
     expires_at: datetime | None
     state: str
 
+    def servable(self, now: datetime) -> bool:
+        """May a request use this chunk: stored (not pending), and not expired at `now`."""
+        return self.state == "stored" and (self.expires_at is None or self.expires_at > now)
+
 
 @dataclass(frozen=True)
 class DocumentRow:

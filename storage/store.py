@@ -187,12 +187,8 @@ def _wholesale(orphans: list[str], listed: set[str]) -> bool:
 
 
 def servable(row: ChunkRow | None, now: datetime) -> bool:
-    """Whether a catalog row names a chunk a request may use: stored, and not expired."""
-    return (
-        row is not None
-        and row.state == "stored"
-        and (row.expires_at is None or row.expires_at > now)
-    )
+    """Whether a catalog row names a chunk a request may use (`ChunkRow.servable`)."""
+    return row is not None and row.servable(now)
 
 
 class TieredStore:

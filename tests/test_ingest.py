@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import threading
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -393,6 +394,23 @@ def test_an_expired_chunk_leaves_the_index_here_and_in_other_workers(engine) -> 
         hits = worker.retrieve("tide", 50)
         assert ingested.cache_ids[0] not in {h.cache_id for h in hits}
         assert len(hits) == len(saved)  # none of top_k spent on the expired chunk
+
+
+def test_a_chunk_past_its_time_to_live_is_not_retrieved_and_top_k_is_filled(engine) -> None:
+    """A documented chunk given a TTL (`TieredStore.put(ttl_s=...)`) stays in the index when it
+    expires, and when gc removes it: retrieval handed out an ID the answer then refused as
+    expired, or spent one of top_k on it."""
+    texts = ["High tide is at noon.", "Low tide is at six.", "The harbour opens at dawn."]
+    ids = engine.ingest_document("tide.md", texts).cache_ids
+    best = engine.retrieve("When is high tide?", 1)[0].cache_id
+    assert best == ids[0]
+    engine.store.catalog.set_expiry(best, datetime.now(UTC) - timedelta(seconds=1))
+    for _ in ("expired", "collected by gc"):
+        hits = engine.retrieve("When is high tide?", 2)
+        assert {h.cache_id for h in hits} == set(ids) - {best}  # top_k filled from further down
+        engine.generate("When is high tide?", [h.cache_id for h in hits])  # no expired ID
+        engine.store.gc()
+    assert not engine.store.contains(best)
 
 
 def test_a_chunk_that_is_not_unicode_is_refused_before_anything_is_stored(engine) -> None:

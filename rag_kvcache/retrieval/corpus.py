@@ -10,12 +10,19 @@ the chunk texts the catalog keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rag_kvcache.errors import FingerprintMismatchError
 from rag_kvcache.kv import DocumentCatalog, KVStore
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from rag_kvcache.storage.records import ChunkRow
 
 VERSION = "corpus-version"  # catalog counter bumped by every document change
 EMBED_CHUNKS = 512  # chunk rows read and embedded at a time
@@ -105,8 +112,7 @@ class Corpus:
         error says what to do, where linking would only name a chunk."""
         if self._current_version() != self._version:
             self.sync()
-        hits = self.index.search(self.embedder.embed([query])[0], top_k)
-        rows = self.catalog.chunks([c for c, _ in hits])
+        hits, rows = self._servable_hits(self.embedder.embed([query])[0], top_k)
         sources = self.catalog.sources(rows)
         others = {r.fingerprint for r in rows.values() if fingerprint not in (None, r.fingerprint)}
         if others:
@@ -119,8 +125,21 @@ class Corpus:
                 "store keeps one model's KV per document; ingest them again with this model "
                 "(which replaces the other's copies), or give each model its own store"
             )
-        return [
-            Retrieved(cache_id, score, rows[cache_id].text, sources.get(cache_id))
-            for cache_id, score in hits
-            if cache_id in rows
-        ]
+        return [Retrieved(c, score, rows[c].text, sources.get(c)) for c, score in hits]
+
+    def _servable_hits(
+        self, vector: np.ndarray, top_k: int
+    ) -> tuple[list[tuple[str, float]], dict[str, ChunkRow]]:
+        """The top_k nearest chunks a request can use, and their rows. A documented chunk past
+        its time to live (`TieredStore.put(ttl_s=...)`) stays in the index, as it does once gc
+        has removed it: it is skipped and the index asked for more, not handed out for the
+        answer to refuse."""
+        asked = top_k
+        while True:
+            hits = self.index.search(vector, asked)
+            now = datetime.now(UTC)
+            rows = self.catalog.chunks([c for c, _ in hits])
+            kept = [(c, score) for c, score in hits if c in rows and rows[c].servable(now)]
+            if len(kept) >= top_k or len(hits) < asked:  # enough, or the index has no more
+                return kept[:top_k], {c: rows[c] for c, _ in kept[:top_k]}
+            asked *= 2
