@@ -83,3 +83,18 @@ def test_a_lead_cut_inside_a_character_is_shortened_to_whole_ones() -> None:
     assert fast.decode(prompt[-4:]).startswith("\ufffd")  # the case itself
     assert joined(TextPieces(lm, strip=False, lead=prompt), answer) == "字 word"
     assert joined(TextPieces(lm, strip=False, lead=[vocab["▁The"]]), answer) == "字 word"
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_an_answer_cut_inside_a_character_ends_before_it(tiny32, strip: bool) -> None:
+    """max_new_tokens can stop an answer after the first byte of a character (a byte-level
+    tokenizer spells "é" of "café" as two tokens here): the text ended in U+FFFD, a character
+    the model never wrote."""
+    tokenizer = tiny32.tokenizer
+    answer = tokenizer.encode(" a café", add_special_tokens=False)
+    cut = next(n for n in range(len(answer)) if tokenizer.decode(answer[:n]).endswith("\ufffd"))
+    assert tokenizer.decode(answer[:cut]) == " a caf\ufffd"  # the case itself
+    pieces = TextPieces(tiny32, strip=strip)
+    assert joined(pieces, answer[:cut]) == (" a caf"[strip:])
+    assert pieces.text == " a caf"[strip:]  # the answer's text, as the stream's pieces
+    assert joined(TextPieces(tiny32, strip=strip), answer) == " a café"[strip:]

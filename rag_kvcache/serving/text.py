@@ -47,8 +47,10 @@ class TextPieces:
         return self._hand_out(full)
 
     def finish(self) -> str:
-        """The rest of the text (what was held back), once no token follows."""
-        return self._hand_out(self._decode())
+        """The rest of the text (what was held back), once no token follows. An answer cut
+        inside a character (by max_new_tokens) ends before it: half a character is no text,
+        and U+FFFD in its place is a character the model never wrote."""
+        return self._hand_out(self._decode().rstrip("\ufffd"))
 
     def _hand_out(self, full: str) -> str:
         """The part of `full` (stripped, unless told not to) not handed out yet."""
