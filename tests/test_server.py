@@ -603,6 +603,55 @@ def test_a_client_gone_while_its_request_waits_is_dropped_too(monkeypatch) -> No
     assert cancelled == [True] and closed == [True]
 
 
+def test_clients_that_leave_are_counted_as_aborted(engine) -> None:
+    """Over a real uvicorn server: a client that closes its stream after the first event, and
+    one that gives up waiting for a whole answer. Neither was counted in
+    rag_kvcache_requests."""
+    import uvicorn
+
+    alone = another(engine)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(lambda: alone, api_key=KEY), port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = {
+            "messages": [{"role": "user", "content": "Who designed it?"}],
+            "max_tokens": 400,
+            "rag": {"cache_ids": ids(alone)},
+        }
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=AUTH
+        ) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # the first event, then the client leaves
+        with pytest.raises(httpx.ReadTimeout):  # gives up on a whole answer of 400 tokens
+            httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=0.3)
+        decoder = alone.serving_loop().decoder
+        while decoder.has_work or "aborted" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        text = httpx.get(f"{url}/metrics").text
+        counted = next(
+            line for line in text.splitlines() if line.startswith("rag_kvcache_requests_total")
+        )
+        assert counted == 'rag_kvcache_requests_total{outcome="aborted"} 2.0', text
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        alone.close()
+
+
 def test_a_request_beyond_the_kv_budget_is_a_clear_400(engine) -> None:
     """A server whose KV budget cannot hold one request: a 400 context_length_exceeded that
     names the budget, whole and streamed, and the server goes on answering."""

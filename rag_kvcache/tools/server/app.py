@@ -328,6 +328,7 @@ async def _respond(
     try:
         first = await _unless_gone(request, first_piece(), stream)
     except ClientGone:
+        metrics.aborted()
         return Response(status_code=499)
     request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -345,6 +346,7 @@ async def _respond(
         try:  # its text is the pieces joined, trimmed
             answer = await _unless_gone(request, stream.finish(), stream)
         except ClientGone:  # its request was aborted: nobody to answer
+            metrics.aborted()
             return Response(status_code=499)
         metrics.answered(answer)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(answer)}
@@ -407,6 +409,10 @@ async def _respond(
             metrics.failed(500)
             failure = {"message": INTERNAL, "type": "server_error", "code": None}
             yield f"data: {json.dumps({'error': failure})}\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the client left, or shutdown cut it
+            if stream.result is None:  # (not once answered, sending the last events)
+                metrics.aborted()
+            raise
         finally:
             await stream.aclose()  # a client that left: its request is aborted
 

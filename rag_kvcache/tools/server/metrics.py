@@ -98,3 +98,8 @@ class ServerMetrics:
 
     def failed(self, status: int) -> None:
         self.requests.labels(str(status)).inc()
+
+    def aborted(self) -> None:
+        """A request whose answer never reached its end: the client left, or the server,
+        stopping, cut its stream."""
+        self.requests.labels("aborted").inc()
