@@ -164,11 +164,13 @@ class StoreConfig:
             raise ConfigError("a catalog_url needs a root folder for the blobs")
 
 
-def _check_bytes(name: str, value: object, default: str = "") -> None:
-    """A byte budget: a whole number >= 0 (not a bool)."""
+def _check_bytes(name: str, value: object, default: str = "", least: int = 0) -> None:
+    """A byte budget: a whole number >= `least` (not a bool)."""
     whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not whole or value < 0:  # type: ignore[operator]
-        raise ConfigError(f"{name} must be >= 0, a whole number of bytes{default}; got {value!r}")
+    if not whole or value < least:  # type: ignore[operator]
+        raise ConfigError(
+            f"{name} must be >= {least}, a whole number of bytes{default}; got {value!r}"
+        )
 
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -200,6 +202,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))  # StrategyError
         if self.kv_cache_bytes is not None:
-            _check_bytes("kv_cache_bytes", self.kv_cache_bytes, " (or None for the default)")
+            # (0 would leave no room for any request: each would be refused)
+            _check_bytes("kv_cache_bytes", self.kv_cache_bytes, " (or None: the default)", 1)
         if self.link_budget_s is not None and self.link_budget_s < 0:
             raise ConfigError("link_budget_s must be >= 0 (or None: no budget)")

@@ -187,6 +187,9 @@ def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
     assert engine_config(parser.parse_args([*budget, "none"])).link_budget_s is None
     with pytest.raises(SystemExit):
         parser.parse_args([*budget, "-5"])
+    for mib in ("-5", "0"):  # 0 MiB would leave room for no request
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--store", "s", "--kv-cache-mib", mib])
 
 
 @pytest.mark.parametrize(
@@ -194,7 +197,6 @@ def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
     [
         (["--strategy", "bogus"], "unknown link strategy 'bogus'"),
         (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
-        (["--kv-cache-mib", "-5"], "kv_cache_bytes must be >= 0"),
         (["--model", "/no/such/model"], "no model at /no/such/model"),
         (["--device", "tpu"], "device 'tpu' is not one of cpu, cuda, cuda:N"),
     ],

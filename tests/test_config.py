@@ -42,7 +42,8 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: StoreConfig(cpu_bytes=1.5), "cpu_bytes must be >= 0, a whole number"),  # type: ignore[arg-type]
         (lambda: StoreConfig(cpu_bytes="1G"), "cpu_bytes must be >= 0, a whole number"),  # type: ignore[arg-type]
         (lambda: StoreConfig(gpu_bytes=-1), "gpu_bytes must be >= 0"),
-        (lambda: EngineConfig(kv_cache_bytes=True), "kv_cache_bytes must be >= 0"),
+        (lambda: EngineConfig(kv_cache_bytes=True), "kv_cache_bytes must be >= 1"),
+        (lambda: EngineConfig(kv_cache_bytes=0), "kv_cache_bytes must be >= 1"),  # room for none
     ],
 )
 def test_bad_values_are_named(build, message: str) -> None:

@@ -50,7 +50,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-new-tokens", type=int, default=256, help="when a request says none")
     serve.add_argument(
         "--kv-cache-mib",
-        type=int,
+        type=whole(1),
         default=None,
         help="KV of requests decoding and of shared prefixes; more requests wait (default: a "
         "quarter of the machine's memory, half the GPU memory free once the model is loaded)",
