@@ -180,6 +180,9 @@ class DiskTier:
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in self.root.glob("*/*.safetensors") if f.is_file())
 
+    def close(self) -> None:
+        """Nothing held open between calls (a `BlobTier` closes what it holds)."""
+
 
 def _writer_alive(name: str) -> bool:
     """Whether the process named in a temporary file's name (`.tmp-<pid>-...`) still runs on

@@ -49,7 +49,15 @@ class RedisTier:
                 f"the Redis URL cannot be parsed ({err}); use redis://host:port/db"
             ) from None
         self.where = without_password(url)  # how errors name the server
-        self._call(self._redis.ping)
+        try:
+            self._call(self._redis.ping)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close its connections (a store opened and refused in a loop ran Redis out of them)."""
+        self._redis.close()
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, Redis's errors as the store's (its URL named without a password)."""

@@ -82,6 +82,7 @@ class BlobTier(Protocol):
     def ids(self) -> Iterator[str]: ...
     def remove_temporaries(self, older_than_s: float) -> int: ...
     def nbytes(self) -> int: ...
+    def close(self) -> None: ...
 
 
 def _open_catalog(
@@ -227,7 +228,7 @@ class TieredStore:
         open_folder(root, create or catalog is not None or catalog_url is not None)
         self.root = root
         marker = read_marker(root)
-        given = catalog is not None
+        given, own_durable = catalog is not None, durable is None
         if catalog is None:
             try:
                 catalog = _open_catalog(root, catalog_url, create, marker)
@@ -249,11 +250,14 @@ class TieredStore:
         except BaseException:
             if not given:
                 catalog.close()
+            if own_durable and durable is not None:
+                durable.close()
             if made:
                 _discard_new_folder(root)
             raise
         self.catalog = catalog
         self.durable = durable
+        self._own_durable = own_durable  # (a tier handed in is its caller's to close)
         self.hot = [MemoryTier("cpu", cpu_bytes, "cpu", policy)]
         if gpu_bytes:
             self.hot.insert(0, MemoryTier("gpu", gpu_bytes, "cuda", policy))
@@ -272,6 +276,8 @@ class TieredStore:
     def close(self) -> None:
         self._readers.shutdown()
         self.catalog.close()
+        if self._own_durable:
+            self.durable.close()
 
     # ------------------------------------------------------------------ writing
 

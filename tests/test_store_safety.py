@@ -130,6 +130,37 @@ def test_a_store_opened_with_the_other_durable_tier_says_which_it_needs(
         reopened.close()
 
 
+def test_a_store_leaves_no_redis_connection_open_once_closed_or_refused(
+    redis_namespace: str, tmp_path: Path, tiny32
+) -> None:
+    """The Redis tier's connections were never closed: not by `TieredStore.close`, not when
+    the store was refused (a folder store given a --redis-url), so a worker retrying in a loop
+    ran the server out of connections."""
+    import redis
+
+    name = f"rag-kvcache-test-{uuid.uuid4().hex[:12]}"  # its connections, told apart by name
+    url = f"{REDIS_URL}?client_name={name}"
+    admin = redis.Redis.from_url(REDIS_URL)
+
+    def open_connections() -> int:
+        return sum(client["name"] == name for client in admin.client_list())
+
+    disk_store = TieredStore(tmp_path / "d")  # a folder store, holding a chunk
+    _engine(disk_store, tiny32).generate_context_cache(DOCS[:1])
+    disk_store.close()
+    for _ in range(3):
+        with pytest.raises(StoreError, match="in its folder, not in Redis"):
+            TieredStore(tmp_path / "d", redis_url=url)
+    assert open_connections() == 0
+    store = TieredStore(tmp_path / "r", redis_url=url)
+    store.durable.put(VALID_ID, b"blob")
+    assert open_connections() == 1
+    store.durable.remove(VALID_ID)
+    store.close()
+    assert open_connections() == 0
+    admin.close()
+
+
 # ----------------------------------------------------------------------------- item 2: names
 
 VALID_ID = "0123456789abcdef" * 2

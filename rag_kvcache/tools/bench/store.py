@@ -234,6 +234,7 @@ def bench_dtype(
             if name == "redis":
                 for cid in list(store.durable.ids()):
                     store.durable.remove(cid)
+                store.durable.close()  # (handed to the store, which leaves it to us)
             store.close()
     return rows
 
