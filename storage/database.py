@@ -176,6 +176,25 @@ def shown_url(url: str) -> str:
         return url
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The file an SQLite catalog URL names (as written: maybe relative); None for another
+    database, an in-memory one, or a URL that cannot be parsed."""
+    try:
+        database = _sqlite_file(make_url(url))
+    except sa.exc.ArgumentError:
+        return None
+    return Path(database) if database and database != ":memory:" else None
+
+
+def same_catalog(url: str, other: str) -> bool:
+    """Do two catalog URLs name one database (an SQLite file however spelled; others as
+    shown, passwords hidden)?"""
+    path, other_path = sqlite_path(url), sqlite_path(other)
+    if path is None or other_path is None:
+        return shown_url(url) == shown_url(other)
+    return path.resolve() == other_path.resolve()
+
+
 def _open_error(url: str, err: sa.exc.DBAPIError, database: str | None = None) -> CatalogError:
     """What went wrong opening the catalog at `url`, in one line (the driver's first). SQLite
     says "disk I/O error" when it cannot even write its journal: a full disk is named."""
@@ -288,6 +307,9 @@ class CatalogDatabase:
                     "the catalog URL cannot be parsed; use sqlite:///path or "
                     "postgresql+psycopg://user@host:port/database"
                 ) from None
+            file = sqlite_path(url)
+            if not create and file is not None and not file.is_file():  # (SQLite would make it)
+                raise StoreNotFoundError(f"no catalog at {file}: check the catalog URL")
         shown = sa_url.render_as_string(hide_password=True)
         try:
             if schema is not None and sa_url.get_backend_name() == "postgresql":

@@ -43,7 +43,7 @@ from rag_kvcache.storage.blob import (
     to_blob,
 )
 from rag_kvcache.storage.catalog import Catalog
-from rag_kvcache.storage.database import shown_url
+from rag_kvcache.storage.database import same_catalog, shown_url, sqlite_path
 from rag_kvcache.storage.disk import DiskTier
 from rag_kvcache.storage.hot import MemoryTier
 from rag_kvcache.storage.layout import (
@@ -91,15 +91,16 @@ def _open_catalog(
     """The store's catalog. Once a store exists (it has a marker, or blobs), a missing or empty
     catalog is damage (StoreDamagedError), never a new empty store whose gc would then delete
     every blob."""
-    remote = marker is not None and not marker.catalog.startswith("sqlite")
+    path = root / CATALOG_FILE
+    own = marker is None or _in_folder(root, marker.catalog)
     if catalog_url is None:
-        path = root / CATALOG_FILE
         lost = not path.is_file() or path.stat().st_size == 0
-        if lost and remote:  # (a marker's URL shows no password: it cannot be used as is)
+        if lost and not own:  # (a marker's URL shows no password: it cannot be used as is)
             assert marker is not None
             raise StoreNotFoundError(
-                f"the store at {root} keeps its catalog in a database ({marker.catalog}), not "
-                "in its folder: give that --catalog-url (catalog_url), with its password"
+                f"the store at {root} keeps its catalog at {marker.catalog}, not in its "
+                "folder: give that --catalog-url (catalog_url)"
+                + ("" if sqlite_path(marker.catalog) else ", with its password")
             )
         if lost and (marker is not None or any((root / BLOBS_FOLDER).glob("*/*.safetensors"))):
             raise StoreDamagedError(
@@ -109,21 +110,36 @@ def _open_catalog(
     try:
         if catalog_url:
             return Catalog(catalog_url, create=create and marker is None)
-        return Catalog(path=root / CATALOG_FILE, create=create and marker is None)
+        return Catalog(path=path, create=create and marker is None)
     except StoreNotFoundError:
         if marker is None:
             raise
-        given = shown_url(catalog_url) if catalog_url else None
-        if remote and given is not None and given != marker.catalog:  # another database's
+        if catalog_url and not same_catalog(catalog_url, marker.catalog):  # another's
+            made_with = (
+                "the catalog in its folder: open it without --catalog-url (catalog_url)"
+                if own
+                else f"the catalog at {marker.catalog}: give that --catalog-url (catalog_url)"
+            )
             raise StoreNotFoundError(
-                f"the catalog URL given holds no store; the store at {root} was made with the "
-                f"catalog at {marker.catalog}: give that --catalog-url (catalog_url)"
+                f"the catalog URL given ({shown_url(catalog_url)}) holds no store; the store at "
+                f"{root} was made with {made_with}"
             ) from None
         raise StoreDamagedError(
             f"the store at {root} has lost its catalog ({marker.catalog} holds none); "
             "restore it from a backup"
-            + ("" if given == marker.catalog else ", or give the --catalog-url it was made with")
+            + ("" if catalog_url else ", or give the --catalog-url it was made with")
         ) from None
+
+
+def _in_folder(root: Path, catalog_url: str) -> bool:
+    """Does a marker's catalog URL name the catalog file in the store's own folder? (A store
+    made by a relative path has a relative one, read against that time's working folder.)"""
+    file = sqlite_path(catalog_url)
+    if file is None:
+        return False
+    if file.is_absolute():
+        return file.resolve() == (root / CATALOG_FILE).resolve()
+    return file.name == CATALOG_FILE and file.parent.name == root.resolve().name
 
 
 def _check_marker(root: Path, marker: StoreMarker, catalog: Catalog) -> None:

@@ -638,17 +638,17 @@ def test_a_store_whose_catalog_is_a_database_names_it_when_the_url_is_missing_or
     root = tmp_path / "s"
     right = f"{target.url}?options=-csearch_path%3D{target.schema}"
     TieredStore(root, catalog_url=right).close()
-    with pytest.raises(StoreNotFoundError, match="keeps its catalog in a database .*--catalog-url"):
+    with pytest.raises(StoreNotFoundError, match="keeps its catalog at .*--catalog-url.*password"):
         TieredStore(root)
     assert main(["stats", "--store", str(root)]) == 1
-    one_error_line(capsys, "keeps its catalog in a database")
+    one_error_line(capsys, "not in its folder: give that --catalog-url")
     empty = f"t_{uuid.uuid4().hex[:16]}"
     admin = create_engine(target.url, poolclass=NullPool)
     with admin.begin() as conn:
         conn.exec_driver_sql(f'CREATE SCHEMA "{empty}"')
     try:
         wrong = f"{target.url}?options=-csearch_path%3D{empty}"
-        with pytest.raises(StoreNotFoundError, match="URL given holds no store; .* made with"):
+        with pytest.raises(StoreNotFoundError, match="URL given .* holds no store; .* made with"):
             TieredStore(root, catalog_url=wrong)
         TieredStore(root, catalog_url=right).close()  # the right catalog still opens it
         with admin.begin() as conn:  # and if that one is emptied, the store is damaged
@@ -660,6 +660,31 @@ def test_a_store_whose_catalog_is_a_database_names_it_when_the_url_is_missing_or
         with admin.begin() as conn:
             conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{empty}" CASCADE')
         admin.dispose()
+
+
+def test_a_store_given_the_wrong_sqlite_catalog_says_which_it_was_made_with(
+    tmp_path: Path, capsys
+) -> None:
+    """Given another SQLite file's URL, a store made an empty file there and said it "has lost
+    its catalog" (its own, intact in its folder); one whose catalog is an SQLite file
+    elsewhere, opened without the URL, said the same."""
+    root, other = tmp_path / "s", tmp_path / "other.sqlite"
+    TieredStore(root).close()
+    with pytest.raises(StoreNotFoundError, match="made with the catalog in its folder: open it wi"):
+        TieredStore(root, catalog_url=f"sqlite:///{other}")
+    assert not other.exists()  # no empty catalog made
+    assert main(["stats", "--store", str(root), "--catalog-url", f"sqlite:///{other}"]) == 1
+    one_error_line(capsys, "open it without --catalog-url")
+    TieredStore(root, catalog_url=f"sqlite:///{root / 'catalog.sqlite'}").close()  # its own
+    apart, kept = tmp_path / "apart", tmp_path / "kept.sqlite"
+    TieredStore(apart, catalog_url=f"sqlite:///{kept}").close()
+    with pytest.raises(StoreNotFoundError, match=f"keeps its catalog at .*{kept.name}, not in"):
+        TieredStore(apart)
+    with pytest.raises(StoreNotFoundError, match=f"made with the catalog at .*{kept.name}"):
+        TieredStore(apart, catalog_url=f"sqlite:///{other}")
+    with pytest.raises(StoreNotFoundError, match="no catalog at .*other.sqlite"):
+        TieredStore(tmp_path / "new", catalog_url=f"sqlite:///{other}", create=False)
+    assert not other.exists() and not (tmp_path / "new").exists()
 
 
 def test_a_catalog_file_of_other_bytes_says_it_is_damaged(tmp_path: Path, capsys) -> None:
