@@ -143,6 +143,12 @@ def listed(items: object, what: str, *, strings: bool = True) -> list[str]:
     return items
 
 
+def cache_id_list(cache_ids: object) -> list[str]:
+    """A request's cache IDs as a list (`listed`; an ID that is not a string is the store's
+    to name as unknown)."""
+    return listed(cache_ids, "cache_ids", strings=False)
+
+
 class RagKVCache:
     """The engine. `generate_context_cache(texts) -> cache_ids`, `generate(query, cache_ids)`."""
 
@@ -303,7 +309,7 @@ class RagKVCache:
 
     def prompt_ids(self, query: str, cache_ids: list[str]) -> list[int]:
         """The full prompt, token for token, that linking reproduces (for the baseline)."""
-        chunks = self.store.get([self.prefix_id, *listed(cache_ids, "cache_ids", strings=False)])
+        chunks = self.store.get([self.prefix_id, *cache_id_list(cache_ids)])
         return prompt_in_position_order(chunks, self._question_ids(query))
 
     def generate(
@@ -332,7 +338,7 @@ class RagKVCache:
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
-        ids = [self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids", strings=False))]
+        ids = [self.prefix_id, *strategy.arrange(cache_id_list(cache_ids))]
 
         def context() -> Prepared:
             with stage(STAGE_FETCH):
@@ -395,9 +401,7 @@ class RagKVCache:
         distributions stay to another's."""
         strategy = Strategy.parse(strategy)
         question = self._question_ids(query)
-        chunks = self.store.get(
-            [self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids", strings=False))]
-        )
+        chunks = self.store.get([self.prefix_id, *strategy.arrange(cache_id_list(cache_ids))])
         calibration = self.calibration() if strategy.calibrated else None
         prepared = prepare(
             self.lm, chunks, question, strategy, reserve=len(tokens), calibration=calibration
@@ -508,7 +512,7 @@ class RagKVCache:
         IDs, the commonest, are found before any request is computed. `agenerate` answers
         each request apart."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
-        ids = [listed(r.cache_ids, "cache_ids", strings=False) for r in requests]  # read once
+        ids = [cache_id_list(r.cache_ids) for r in requests]  # read once
         self._check_known([c for chunks in ids for c in chunks])
         work = [
             self._loop_request(
@@ -666,7 +670,7 @@ class RagKVCache:
     ) -> LoopRequest:
         check_batchable(strategy)
         question = self._question_ids(query)
-        path = (self.prefix_id, *strategy.arrange(listed(cache_ids, "cache_ids", strings=False)))
+        path = (self.prefix_id, *strategy.arrange(cache_id_list(cache_ids)))
         return LoopRequest(path, tuple(question), generation, strategy)
 
     def _answer(self, done: Finished) -> Answer:
