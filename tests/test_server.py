@@ -239,7 +239,8 @@ def test_a_text_completion_is_the_prompts_continuation_as_decoded(client, engine
     found = 0
     for prompt in prompts:
         raw = engine.complete(prompt, max_new_tokens=8, strip=False)
-        assert raw.text == decode(list(raw.token_ids), skip_special_tokens=True)
+        as_decoded = decode(list(raw.token_ids), skip_special_tokens=True)
+        assert raw.text == as_decoded.rstrip("\ufffd")  # (but for a last character cut in half)
         assert engine.complete(prompt, max_new_tokens=8).text == raw.text.strip()
         body = {"prompt": prompt, "max_tokens": 8}
         reply = client.post("/v1/completions", json=body, headers=AUTH).json()
