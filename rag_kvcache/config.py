@@ -89,7 +89,7 @@ class GenerationConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None  # None: each answer sampled anew (temperature > 0)
     strip: bool = True
 
     def __post_init__(self) -> None:
@@ -110,10 +110,12 @@ class GenerationConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         seed = self.seed
-        # what a torch.Generator takes: a whole number (1.5 failed in torch, at answer time)
+        if seed is None:
+            return
+        # a whole number (1.5 failed in torch, at answer time) of 64 bits
         whole = isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
         if not whole or not -(2**63) <= seed < 2**64:
-            raise ConfigError(f"seed must be a 64-bit integer, got {seed!r}")
+            raise ConfigError(f"seed must be a 64-bit integer or None, got {seed!r}")
         object.__setattr__(self, "seed", int(seed))  # a NumPy integer as Python's
 
 

@@ -33,8 +33,8 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: GenerationConfig(temperature=10**400), "temperature must be >= 0 and finite"),
         (lambda: GenerationConfig(temperature="0.5"), "temperature must be >= 0 and finite"),  # type: ignore[arg-type]
         (lambda: GenerationConfig(temperature=True), "temperature must be >= 0 and finite"),
-        (lambda: GenerationConfig(seed=1.5), "seed must be a 64-bit integer, got 1.5"),  # type: ignore[arg-type]
-        (lambda: GenerationConfig(seed=True), "seed must be a 64-bit integer, got True"),
+        (lambda: GenerationConfig(seed=1.5), "seed must be a 64-bit integer or None, got 1.5"),  # type: ignore[arg-type]
+        (lambda: GenerationConfig(seed=True), "seed must be a 64-bit integer or None, got True"),
         (lambda: GenerationConfig(strip="no"), "strip must be True or False, got 'no'"),  # type: ignore[arg-type]
         # a path and whole byte counts: 5 was taken for a folder, 1.5 bytes for a budget, and
         # "1G" failed with a TypeError

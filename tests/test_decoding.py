@@ -1,7 +1,7 @@
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.serving.decoding import next_token
+from rag_kvcache.serving.decoding import next_token, sampling_generator
 from rag_kvcache.serving.text import TextPieces
 
 
@@ -38,6 +38,23 @@ def test_sampling_is_seeded_and_spreads() -> None:
 
     assert draw(3) == draw(3)
     assert len(set(draw(3))) > 5
+
+
+def test_seeds_give_their_own_streams_and_no_seed_a_fresh_one() -> None:
+    """Unseeded requests drew the same tokens every time (the seed defaulted to 0), and
+    torch's CPU generator keeps 32 bits of a seed, so 5 and 2**32 + 5 drew the same too."""
+    logits = torch.zeros(1000)
+    config = GenerationConfig(temperature=1.0)
+
+    def draw(seed: int | None) -> tuple[int, ...]:
+        generator = sampling_generator(seed)
+        return tuple(next_token(logits, config, generator) for _ in range(8))
+
+    assert draw(5) == draw(5)
+    alike_in_32_bits = [5, 2**32 + 5, 2**40 + 5, 2**63 + 5, 2**63 - 1]
+    assert len({draw(seed) for seed in [*alike_in_32_bits, 2**64 - 1]}) == 6
+    assert draw(-1) == draw(2**64 - 1)  # one 64-bit seed, written signed or not
+    assert len({draw(None) for _ in range(5)}) == 5
 
 
 def test_streamed_pieces_join_to_the_answers_stripped_text(tiny64) -> None:

@@ -213,6 +213,11 @@ def test_sampling_is_reproducible(tiny_engine) -> None:
     sampled = EngineConfig(generation=GenerationConfig(max_new_tokens=8, temperature=1.0, seed=7))
     engine = RagKVCache(sampled, lm=tiny_engine.lm, store=tiny_engine.store)
     assert engine.generate("q", ids).token_ids == engine.generate("q", ids).token_ids
+    unseeded = RagKVCache(EngineConfig(), lm=tiny_engine.lm, store=tiny_engine.store)
+    answers = {
+        unseeded.generate("q", ids, temperature=2.0, max_new_tokens=8).token_ids for _ in range(4)
+    }
+    assert len(answers) > 1  # no seed: each answer drawn anew (as OpenAI's API does)
 
 
 def test_sink_encoded_chunks_link_with_legolink0(tiny64) -> None:

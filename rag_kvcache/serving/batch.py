@@ -58,7 +58,13 @@ from rag_kvcache.model.adapter import (
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.serving.batch_kv import BatchKV, layouts
 from rag_kvcache.serving.cascade import PrivateKV, SharedKV, cascade_attention
-from rag_kvcache.serving.decoding import check_window, finished, next_token, prefill
+from rag_kvcache.serving.decoding import (
+    check_window,
+    finished,
+    next_token,
+    prefill,
+    sampling_generator,
+)
 from rag_kvcache.serving.prefix_tree import PrefixTree, TreeNode, nodes_bias, path_to
 from rag_kvcache.serving.questions import fit_together, prefill_questions
 from rag_kvcache.serving.text import TextPieces
@@ -435,7 +441,7 @@ class BatchDecoder:
             reused=found.tokens,
             recomputed=linked.recomputed,
             config=config,
-            generator=torch.Generator().manual_seed(config.seed),
+            generator=sampling_generator(config.seed),
             logits=linked.next_logits,
             text=TextPieces(self.lm, config.strip),
             arrived=waiting.arrived,
@@ -461,7 +467,7 @@ class BatchDecoder:
             reused=context,
             recomputed=0,
             config=config,
-            generator=torch.Generator().manual_seed(config.seed),
+            generator=sampling_generator(config.seed),
             logits=torch.empty(0),
             text=TextPieces(self.lm, config.strip),
             arrived=waiting.arrived,
@@ -559,7 +565,7 @@ class BatchDecoder:
             reused=0,
             recomputed=context,
             config=waiting.config,
-            generator=torch.Generator().manual_seed(waiting.config.seed),
+            generator=sampling_generator(waiting.config.seed),
             logits=logits,
             text=TextPieces(self.lm, waiting.config.strip, lead=ids),
             arrived=waiting.arrived,

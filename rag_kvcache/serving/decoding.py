@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import torch
@@ -37,6 +38,19 @@ def prefill(lm: LoadedModel, token_ids: list[int], reserve: int = 0) -> tuple[Ca
         cache = buffered_cache(lm, keys, values, 0)
         logits, cache = forward(lm, ids, cache=cache, logits_to_keep=1)
     return cache, logits[0, -1]
+
+
+def sampling_generator(seed: int | None) -> torch.Generator:
+    """The random stream a request samples from. None: a fresh one, so that an unseeded
+    request is sampled anew each time (as OpenAI's API does; every answer was alike). A seed
+    (a negative one as its 64-bit two's complement) is hashed first: torch's CPU generator
+    keeps 32 of its bits, so seeds alike in those, 5 and 2**32 + 5, drew the same tokens."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()  # from the operating system's randomness
+        return generator
+    mixed = hashlib.blake2b((seed % 2**64).to_bytes(8, "little"), digest_size=8).digest()
+    return generator.manual_seed(int.from_bytes(mixed, "little"))
 
 
 def next_token(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
@@ -74,7 +88,7 @@ def decode(
     """Yield up to max_new_tokens tokens; the first comes from `logits` (computed by the
     prefill or the linker), each next one from a one-token forward at `position`, `position+1`...
     Stops after an end-of-sequence token (yielded) or at the model's window."""
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = sampling_generator(config.seed)
     for step in range(config.max_new_tokens):
         with stage(STAGE_CHOOSE):
             token = next_token(logits, config, generator)
