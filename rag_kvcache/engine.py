@@ -55,6 +55,7 @@ from rag_kvcache.serving.batch import (
 )
 from rag_kvcache.serving.loop import AsyncTokenStream, EngineLoop, LoopRequest
 from rag_kvcache.serving.prefix_tree import PrefixTree
+from rag_kvcache.storage.layout import checked_name
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.storage.records import ChunkRow
 from rag_kvcache.storage.store import Reencode, TieredStore
@@ -218,7 +219,9 @@ class RagKVCache:
         self, texts: list[str], on_encoded: Callable[[int], None] | None, source: str = ""
     ) -> tuple[list[str], int]:
         """Document chunk texts -> (cache IDs, how many were encoded now)."""
-        texts = listed(texts, "texts")
+        # NUL, no text's character (PDF extraction leaves some), is dropped: a PostgreSQL
+        # catalog cannot keep it, and the KV must be of the text the catalog keeps
+        texts = [text.replace("\x00", "") for text in listed(texts, "texts")]
         for i, text in enumerate(texts):
             if not text.strip():
                 where = f"text {i}" + (f" of {source}" if source else "")
@@ -273,6 +276,7 @@ class RagKVCache:
         """Cache a document's chunk texts, record them as `source`'s chunks (replacing what it
         had: stale chunks are removed) and index them for retrieval. Re-ingesting is cheap:
         chunks already cached are not encoded again."""
+        checked_name("document source", source)  # before anything is encoded
         start = time.perf_counter()
         ids, encoded = self._cache_texts(chunks, on_encoded, source)  # checks every text first
         encode_s = time.perf_counter() - start

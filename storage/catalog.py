@@ -31,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 
 from rag_kvcache.errors import UnknownCacheIdError
 from rag_kvcache.storage.database import CatalogDatabase
+from rag_kvcache.storage.layout import checked_name
 from rag_kvcache.storage.records import CatalogError, CatalogStats, ChunkRow, DocumentRow
 from rag_kvcache.storage.tables import (
     STATES,
@@ -275,8 +276,7 @@ class Catalog(CatalogDatabase):
     def _upsert_document(
         self, conn: Connection, source: str, content_hash: str, chunk_count: int | None = None
     ) -> DocumentRow:
-        if not source or len(source) > 1024:
-            raise CatalogError(f"document source must be 1..1024 characters, got {source!r}")
+        checked_name("document source", source)
         _check_key("content_hash", content_hash)
         values: dict[str, Any] = {"content_hash": content_hash, "ingested_at": utc_now()}
         if chunk_count is not None:

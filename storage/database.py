@@ -240,6 +240,14 @@ def _failed(url: str, err: sa.exc.OperationalError) -> CatalogUnavailableError:
     )
 
 
+def _refused(url: str, err: sa.exc.DataError) -> CatalogError:
+    """A value the database cannot hold (PostgreSQL: a NUL character in text), in one line,
+    not the driver's error with the SQL statement."""
+    return CatalogError(
+        f"the catalog at {url} refused a value ({_reason(err)}); nothing was recorded"
+    )
+
+
 def _reason(err: sa.exc.DBAPIError) -> str:
     """The driver's reason for an error, its first line (or its type, when it says nothing)."""
     text = str(err.orig).strip()
@@ -430,6 +438,8 @@ class CatalogDatabase:
             raise _mismatched(self.url, err) if _no_such(err) else _failed(self.url, err) from err
         except sa.exc.ProgrammingError as err:
             raise _mismatched(self.url, err) from err
+        except sa.exc.DataError as err:
+            raise _refused(self.url, err) from err
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
@@ -440,6 +450,8 @@ class CatalogDatabase:
             raise _mismatched(self.url, err) if _no_such(err) else _failed(self.url, err) from err
         except sa.exc.ProgrammingError as err:
             raise _mismatched(self.url, err) from err
+        except sa.exc.DataError as err:
+            raise _refused(self.url, err) from err
 
     def _insert(self, table: Any) -> Any:
         """The dialect's INSERT, which has `on_conflict_do_nothing/update` on both backends."""

@@ -54,6 +54,10 @@ RULES = {
         lambda name: Path(f"{name}.xml"),
     ),
     "store ID": NameRule(re.compile("[0-9a-f]{32}"), "exactly 32 lowercase hex digits", None),
+    # a catalog value, never a path: any text but NUL, which PostgreSQL's text cannot hold
+    "document source": NameRule(
+        re.compile("[^\x00]{1,1024}", re.DOTALL), "1-1024 characters, none of them NUL", None
+    ),
 }
 
 

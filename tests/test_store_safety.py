@@ -161,6 +161,35 @@ def test_a_store_leaves_no_redis_connection_open_once_closed_or_refused(
     admin.close()
 
 
+def test_a_nul_character_is_dropped_from_text_and_refused_in_a_source_on_both_catalogs(
+    target: Target, tmp_path: Path, tiny32
+) -> None:
+    """PostgreSQL's text cannot hold NUL (PDF extraction leaves some): ingesting such a chunk
+    or source was the driver's DataError, with the SQL statement, where SQLite kept it. Now
+    both catalogs answer alike: NUL is dropped from chunk text (the KV is of the text kept)
+    and refused in a document's source, before anything is encoded; a value the database
+    still refuses is a one-line CatalogError."""
+    from rag_kvcache.storage.records import CatalogError
+
+    store = TieredStore(tmp_path / "s", catalog=target.open())
+    engine = _engine(store, tiny32)
+    try:
+        done = engine.ingest_document("vault.md", ["The vault code is 4417.\x00 Keep it."])
+        clean = engine.generate_context_cache(["The vault code is 4417. Keep it."])
+        assert list(done.cache_ids) == clean  # the same chunk, its KV of the text kept
+        assert store.catalog.chunks(clean)[clean[0]].text == "The vault code is 4417. Keep it."
+        assert engine.retrieve("vault code", 1)[0].cache_id == clean[0]
+        before = len(store)
+        with pytest.raises(InvalidNameError, match="document source: .* none of them NUL"):
+            engine.ingest_document("vault\x00.md", ["Another chunk entirely."])
+        assert len(store) == before  # nothing encoded
+        if target.kind == "postgresql":  # below the engine: the database's own refusal
+            with pytest.raises(CatalogError, match="refused a value .*NUL"):
+                engine.cache_token_ids([[5, 6, 7]], engine.doc_settings, ["a\x00b"])
+    finally:
+        store.close()
+
+
 # ----------------------------------------------------------------------------- item 2: names
 
 VALID_ID = "0123456789abcdef" * 2
