@@ -969,6 +969,31 @@ def test_redis_urls_are_shown_without_passwords() -> None:
         assert without_password(url) == shown
 
 
+def test_an_index_behind_another_processs_ingest_is_not_damage(
+    tmp_path: Path, tiny32, capsys
+) -> None:
+    """A replica's folder keeps its own copy of the index, which falls behind when another
+    folder's process ingests into the shared catalog; any retrieval here syncs it. `verify`
+    called that damage (exit 1, "verify --repair rebuilds it"): a health check on it alarmed
+    after every ingest."""
+    from rag_kvcache.tools.cli.store import index_lag
+
+    root = tmp_path / "s"
+    store, engine = _documented_store(root, tiny32)
+    ids = engine.generate_context_cache(["The Grey Gull ferry leaves at 06:40 on Tuesdays."])
+    store.catalog.set_document("gull.md", "f" * 64, ids)  # as another folder's ingest does
+    assert index_problem(store) is None and index_lag(store) == (1, 0)
+    store.close()
+    assert main(["verify", "--store", str(root)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 chunks to add and 0 to drop" in out and "not damage" in out
+    assert main(["verify", "--store", str(root), "--repair"]) == 0
+    assert "brought up to date" in " ".join(capsys.readouterr().out.split())
+    store = TieredStore(root)
+    assert index_lag(store) == (0, 0) and index_problem(store) is None
+    store.close()
+
+
 def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(
     tmp_path: Path, tiny32, capsys
 ) -> None:

@@ -78,12 +78,14 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
         with Progress(console=console) as progress:
             task = progress.add_task("verifying blobs", total=total)
             report = store.verify(repair=args.repair, on_checked=lambda: progress.advance(task))
+        kept = [c for c in report.orphans if store.durable.contains(c)]
+        dropped_any = report.unreadable or len(kept) < len(report.orphans)
         console.print(
             f"checked {report.checked}: {len(report.corrupt)} corrupt, "
             f"{len(report.missing)} missing, {report.repaired} repaired, "
             f"{report.upgraded} checksums upgraded to xxh3-128, "
             f"{len(report.unreadable)} unreadable rows, {len(report.orphans)} orphan blobs"
-            + (" (both dropped)" if args.repair else "")
+            + (" (dropped)" if args.repair and dropped_any else "")
         )
         if report.other_model:
             console.print(
@@ -99,7 +101,6 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
                 highlight=False,
             )
         bad = (len(report.corrupt) + len(report.missing)) - report.repaired
-        kept = [c for c in report.orphans if store.durable.contains(c)]
         bad += len(kept) + (0 if args.repair else len(report.unreadable))
         if args.repair and kept:
             console.print(
@@ -107,12 +108,23 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
                 "right one? (`gc --force` deletes them)"
             )
         problem = index_problem(store)
+        added, dropped = (0, 0) if problem else index_lag(store)
         if problem and args.repair:
             entries = rebuild_index(store)
             console.print(f"vector index: {problem}; rebuilt from the catalog ({entries} chunks)")
         elif problem:
             console.print(f"vector index: {problem} (verify --repair rebuilds it)")
             bad += 1
+        elif added or dropped:  # another process's ingest, which the folder's copy follows
+            lag = f"{added} chunks to add and {dropped} to drop since this folder saved it"
+            if args.repair:
+                rebuild_index(store, keep=True)
+                console.print(f"vector index: {lag}; brought up to date")
+            else:
+                console.print(
+                    f"vector index: {lag} (another process changed the documents; the next "
+                    "retrieval here brings it up to date: not damage)"
+                )
         else:
             console.print("vector index: matches the catalog")
         return 1 if bad else 0
@@ -126,9 +138,11 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def index_problem(store: TieredStore) -> str | None:
-    """What is wrong with the store's vector index, or None: it must list exactly the chunks
-    the catalog's documents list, each with the embedding of its text (so tampered or
-    bit-rotted vectors are found, not only unreadable files)."""
+    """What is wrong with the store's vector index, or None: its files must be readable and as
+    the library wrote them, list each chunk once, and hold each documented chunk's embedding of
+    its text (so tampered or bit-rotted vectors are found, not only unreadable files). Listing
+    other chunks than the catalog's documents is not damage: the folder's copy is behind
+    another process's ingest (`index_lag`), and any retrieval here syncs it."""
     import faiss
     import numpy as np
 
@@ -147,24 +161,37 @@ def index_problem(store: TieredStore) -> str | None:
         vectors = np.stack([index.reconstruct(k) for k in keys]) if keys else None
     except (OSError, RuntimeError, UnicodeDecodeError, RagKVCacheError) as err:
         return f"unreadable ({str(err).strip().splitlines()[0]})"
-    if len(ids) != len(set(ids)) or set(ids) != wanted or index.ntotal != len(ids):
-        return f"lists {len(set(ids) ^ wanted)} chunks other than the catalog's documents do"
+    if len(ids) != len(set(ids)):
+        return f"lists {len(ids) - len(set(ids))} chunks twice"
+    if index.ntotal != len(ids):
+        return f"its two files disagree ({index.ntotal} vectors, {len(ids)} cache IDs)"
     if not checksums_match(index_path, ids_path):
         return "its files do not match their checksums (changed since the library wrote them)"
-    if vectors is None:
+    documented = [i for i, c in enumerate(ids) if c in wanted]
+    if vectors is None or not documented:
         return None
-    rows = store.catalog.chunks(ids)
-    expected = Embedder.shared().embed([rows[c].text for c in ids])
-    wrong = int((np.abs(vectors - expected).max(axis=1) > 1e-3).sum())
+    rows = store.catalog.chunks([ids[i] for i in documented])
+    expected = Embedder.shared().embed([rows[ids[i]].text for i in documented])
+    wrong = int((np.abs(vectors[documented] - expected).max(axis=1) > 1e-3).sum())
     return f"{wrong} vectors differ from their chunk's embedding" if wrong else None
 
 
-def rebuild_index(store: TieredStore) -> int:
-    """Rebuild the vector index from the catalog (its chunk texts); returns its size."""
+def index_lag(store: TieredStore) -> tuple[int, int]:
+    """How far a readable vector index is behind the catalog: (documented chunks it lacks,
+    chunks it lists that no document does)."""
+    wanted = store.catalog.documented_ids()
+    ids_path = store.root / "index.ids"
+    listed = set(ids_path.read_text(encoding="ascii").split()) if ids_path.exists() else set()
+    return len(wanted - listed), len(listed - wanted)
+
+
+def rebuild_index(store: TieredStore, keep: bool = False) -> int:
+    """Rebuild the vector index from the catalog (its chunk texts); returns its size. `keep`:
+    sync the one there instead (embed only what it lacks), as opening the corpus does."""
     from rag_kvcache.retrieval.corpus import Corpus
     from rag_kvcache.retrieval.embedding import Embedder
 
-    for name in ("index.faiss", "index.ids", "index.faiss.sha256"):
+    for name in () if keep else ("index.faiss", "index.ids", "index.faiss.sha256"):
         (store.root / name).unlink(missing_ok=True)
     return len(Corpus(store, store.catalog, store.root, Embedder.shared()).index)
 
