@@ -76,7 +76,8 @@ def find_files(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
     def unreadable(err: OSError) -> None:  # e.g. a path longer than the file system allows
         skipped.append(Skipped(printable_path(err.filename), f"cannot read: {err.strerror or err}"))
 
-    for path in paths:
+    for given in paths:
+        path = Path(given).absolute()  # every path reported alike (files found are resolved)
         try:
             if path.is_file():
                 _add_file(path, files, skipped)
@@ -139,12 +140,18 @@ def _opened(path: Path, max_bytes: int) -> tuple[BinaryIO, int]:
         if status.st_size == 0:
             raise SkipFile("empty file")
         if status.st_size > max_bytes:
-            size, limit = status.st_size / 2**20, max_bytes / 2**20
-            raise SkipFile(f"{size:.1f} MiB is over the {limit:.1f} MiB limit")
+            raise SkipFile(f"{_size(status.st_size)} is over the {_size(max_bytes)} limit")
     except BaseException:
         f.close()
         raise
     return f, status.st_size
+
+
+def _size(nbytes: int) -> str:
+    """A file size as a person reads it (a 1000-byte limit was "0.0 MiB")."""
+    if nbytes < 2**10:
+        return f"{nbytes} bytes"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
@@ -169,6 +176,8 @@ def _read_pieces(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
                 block = next(blocks, b"")
             yield from _pdf_pages(data)
             return
+        if path.suffix.lower() == ".pdf":  # (a download's error page saved as one, say)
+            raise SkipFile("named .pdf but not a PDF (it does not start with %PDF)")
         if b"\x00" in block[:8192]:
             raise SkipFile("binary file")
         decoder = codecs.getincrementaldecoder("utf-8")()

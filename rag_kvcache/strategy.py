@@ -71,7 +71,7 @@ ORDERS = ("given", "reversed", "rotated", "ends")
 SPELLINGS = (
     "prefill, full, naive, legolink:K (K >= 0), legolink0, cacheblend:R (0 <= R <= 1), "
     "each optionally +reversed, +rotated or +ends, then (not prefill or full) +top:N, "
-    "then +window:W, then +ape:T,S, then +calibrated"
+    "then +window:W, then +ape:T,S, then +calibrated; or positions (markup prompts)"
 )
 _NUMBER = r"([0-9.e+-]+)"
 MAX_COUNT = 2**31 - 1  # a strategy's token or chunk count, at most (past it, torch overflows)

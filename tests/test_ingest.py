@@ -105,7 +105,9 @@ def ingest(engine: RagKVCache, *paths: Path, **kw):
 # ----------------------------------------------------------------------------- reading files
 
 
-def test_bad_files_are_reported_and_the_good_ones_ingested(engine, tmp_path: Path) -> None:
+def test_bad_files_are_reported_and_the_good_ones_ingested(
+    engine, tmp_path: Path, monkeypatch
+) -> None:
     docs = tmp_path / "docs"
     write_docs(docs)
     (docs / "empty.txt").write_bytes(b"")
@@ -115,19 +117,23 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(engine, tmp_path: Pat
     (docs / "huge.txt").write_text("word " * 2000)
     (docs / "scan.pdf").write_bytes(minimal_pdf("The Quell Island lighthouse is painted red."))
     (docs / "broken.pdf").write_bytes(b"%PDF-1.4\nnot really a pdf")
+    (docs / "page.pdf").write_text("<html>404 Not Found</html>")  # a download gone wrong
     (docs / "loop").symlink_to(docs)
     (docs / "dangling.md").symlink_to(tmp_path / "missing.md")
     (docs / ".hidden.md").write_text("never read")
     (docs / os.fsdecode(b"caf\xe9.md")).write_text("A name in latin-1.")  # not UTF-8
 
-    plan, done = ingest(engine, docs, tmp_path / "nowhere", max_bytes=4096)
+    monkeypatch.chdir(tmp_path)  # named relative: reported absolute, as the files read are
+    plan, done = ingest(engine, Path("docs"), Path("nowhere"), max_bytes=4096)
+    assert all(Path(s.path).is_absolute() for s in plan.skipped)
     reasons = {Path(s.path).name: s.reason for s in plan.skipped}
     assert reasons.pop("empty.txt") == "empty file"
     assert reasons.pop("blanks.txt") == "no text in it"
     assert reasons.pop("image.png") == "binary file"
     assert reasons.pop("latin1.txt") == "not UTF-8 text (invalid byte at offset 3)"
-    assert "over the 0.0 MiB limit" in reasons.pop("huge.txt")
+    assert reasons.pop("huge.txt") == "9.8 KiB is over the 4.0 KiB limit"  # was "0.0 MiB"
     assert reasons.pop("broken.pdf").startswith("unreadable PDF")
+    assert reasons.pop("page.pdf") == "named .pdf but not a PDF (it does not start with %PDF)"
     assert reasons.pop("loop").startswith("symlink loop")
     assert reasons.pop("dangling.md") == f"a broken symbolic link (to {tmp_path / 'missing.md'})"
     assert reasons.pop("nowhere") == "no such file or folder"
