@@ -729,6 +729,8 @@ def test_the_api_key_is_required_where_set(client) -> None:
     assert client.get("/v1/models").status_code == 401
     models = client.get("/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    for path in ("/openapi.json", "/docs", "/redoc"):  # no schema for anyone, key or not
+        assert client.get(path, headers=AUTH).status_code == 404, path
 
 
 @pytest.mark.parametrize("key", ["cl\u00e9", "", " k3y", "k3y\n", "k\x00y"])

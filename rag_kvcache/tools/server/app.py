@@ -167,7 +167,11 @@ def create_app(
         if loading.engine is not None:
             loading.engine.close()
 
-    app = FastAPI(title="rag-kvcache", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no schema or docs pages: served outside the API key's gate, they would tell anyone
+    # the routes of a server meant for key holders (the API is OpenAI's, documented there)
+    app = FastAPI(
+        title="rag-kvcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     metrics = ServerMetrics(
         batch=lambda: _batch_state(loading.engine), hits=lambda: _store_hits(loading.engine)
     )
