@@ -515,3 +515,36 @@ def test_a_link_budget_lets_running_requests_decode_between_arrivals(engine, tin
     for request_id, (query, chunks) in enumerate(asked):
         alone = engine.generate(query, chunks, strategy=strategy, max_new_tokens=6)
         assert isinstance(alone, Answer) and done[request_id].token_ids == alone.token_ids
+
+
+EXITS_AFTER_ASYNC = """
+import asyncio, faulthandler, tempfile
+faulthandler.dump_traceback_later(600, exit=True)  # a test runner's watchdog, as pytest's
+faulthandler.cancel_dump_traceback_later()
+from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.config import StoreConfig
+config = EngineConfig(
+    store=StoreConfig(root=tempfile.mkdtemp()), generation=GenerationConfig(max_new_tokens=16)
+)
+engine = RagKVCache(config)
+ids = engine.generate_context_cache(["The Orvane bridge was opened in 1907."])
+print(asyncio.run(engine.agenerate("When was the bridge opened?", ids)).text)
+"""  # and no engine.close(): the LlamaIndex docs never ask for one
+
+
+@pytest.mark.slow  # SmolLM2: the tiny model never showed it
+def test_a_process_that_never_closed_its_engine_exits_cleanly(tmp_path) -> None:
+    """After asyncio use, a process whose engine loop was still running at exit aborted now
+    and then ("terminate called without an active exception", exit code 134: 5 of 13 runs of
+    a user's script, 2 of 8 of this one, whose faulthandler watchdog is what test runners
+    start). The loops still running are closed at exit. Each run fails alone by chance; six
+    find the old behaviour about 4 times in 5."""
+    import subprocess
+    import sys
+
+    for _ in range(6):
+        run = subprocess.run(
+            [sys.executable, "-c", EXITS_AFTER_ASYNC], capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "terminate called" not in run.stderr

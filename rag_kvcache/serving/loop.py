@@ -16,8 +16,10 @@ aborts the request, so its references into the tree go and its KV can be evicted
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from rag_kvcache.strategy import Strategy
 
 Sink = Callable[[StepOutput], None]
 R = TypeVar("R")
+_RUNNING: weakref.WeakSet[EngineLoop] = weakref.WeakSet()  # closed at exit (`_close_running`)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,14 @@ class _Abort:
     ticket: int
 
 
+def _close_running() -> None:
+    """At interpreter exit, stop the loops still running (an engine never closed): a daemon
+    thread left in place while the interpreter is torn down aborted the process now and then
+    ("terminate called without an active exception", exit code 134) after asyncio use."""
+    for loop in list(_RUNNING):
+        loop.close()
+
+
 class EngineLoop:
     """Runs `decoder` on a daemon thread. `submit` / `abort` / `close` are thread-safe.
 
@@ -73,6 +84,7 @@ class EngineLoop:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="rag-kvcache-loop", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def submit(self, request: LoopRequest, sink: Sink) -> int:
         """Queue a request; returns its ticket (for `abort`). `sink` is called on the loop
@@ -99,6 +111,7 @@ class EngineLoop:
             self._wake.notify()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        _RUNNING.discard(self)
 
     # ------------------------------------------------------------------ the loop thread
 
@@ -230,3 +243,6 @@ class AsyncTokenStream(Generic[R]):
         finally:
             if not finished:
                 self._loop.abort(ticket)
+
+
+atexit.register(_close_running)
