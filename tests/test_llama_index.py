@@ -877,3 +877,23 @@ def test_retriever_returns_cached_chunks_and_feeds_the_query_engine(
     response = as_query_engine(durable, similarity_top_k=2, strategy="full").query(question)
     assert [n.node.node_id for n in response.source_nodes] == [h.node.node_id for h in hits[:2]]
     assert "14" in response.response
+
+
+def test_copies_of_the_llm_share_its_engine_and_keep_their_own_settings(smol) -> None:
+    """`copy.deepcopy(llm)` / `model_copy(deep=True)` failed (the engine's locks cannot be
+    copied), and a shallow copy's prompts kept the original's system prompt: the default
+    prompt callables were bound to the original."""
+    import copy
+
+    engine = RagKVCache(lm=smol)
+    llm = KVCacheLLM(engine, strategy="legolink:2")
+    french = "Always answer in French."
+    copies = [copy.copy(llm), copy.deepcopy(llm), llm.model_copy(), llm.model_copy(deep=True)]
+    for copied in copies:
+        assert copied.engine is engine and copied.strategy == "legolink:2"
+        copied.system_prompt = french
+        assert french in copied.completion_to_prompt("Say hello.")
+        assert copied.messages_to_prompt.__self__ is copied  # type: ignore[attr-defined]
+    assert french not in llm.completion_to_prompt("Say hello.")
+    updated = llm.model_copy(update={"system_prompt": french})
+    assert french in updated.completion_to_prompt("Say hello.")

@@ -227,6 +227,25 @@ class KVCacheLLM(CustomLLM):
             if getattr(value, "__self__", None) is not self:
                 yield name, value
 
+    def __copy__(self) -> KVCacheLLM:
+        """A copy over the same engine, whose default prompt callables are its own: bound to
+        the original, they read the original's `system_prompt`, not the copy's."""
+        copied = super().__copy__()
+        for name, default in (("messages_to_prompt", "_render_chat"), ("completion_to_prompt",
+                              "_render_user_turn")):  # fmt: skip
+            if getattr(getattr(self, name), "__self__", None) is self:
+                setattr(copied, name, getattr(copied, default))
+        return copied
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> KVCacheLLM:
+        """A deep copy over the same engine (a model and a store, never copied: they hold
+        locks and threads, which failed the copy) and the process's retrieval watcher. The
+        default prompt callables come bound to the copy (pydantic copies through `memo`)."""
+        memo = {} if memo is None else memo
+        for shared in (self._engine, self._retrieved):
+            memo[id(shared)] = shared
+        return super().__deepcopy__(memo)
+
     def __getstate__(self) -> dict[Any, Any]:
         # pydantic's own state, not LlamaIndex's (which test-pickles every attribute and
         # drops what fails, the engine included)
