@@ -202,6 +202,23 @@ def test_a_scaffolded_chain_equals_a_plain_prefill(cache) -> None:
     assert served.token_ids == plain.token_ids and len(served.token_ids) > 0
 
 
+@pytest.mark.parametrize("order", ["small first", "large first"])
+def test_of_two_scaffolds_a_prompt_takes_the_one_covering_more(cache, order: str) -> None:
+    """The first scaffold whose modules the prompt imports was taken: listed first, one of
+    `history` alone left `harbor` encoded apart, where `history harbor` covers both."""
+    scaffolds = ['<scaffold modules="history"/>', '<scaffold modules="history harbor"/>']
+    if order == "large first":
+        scaffolds.reverse()
+    name = f"two-{order.split()[0]}"
+    cache.add_schema(
+        CHAIN.replace('"chain"', f'"{name}"').replace(
+            '<scaffold modules="history harbor festival"/>', "".join(scaffolds)
+        )
+    )
+    compiled = cache.compile(f'<prompt schema="{name}"><history/><harbor/>How deep?</prompt>')
+    assert [u.module for u in compiled.units] == ["#scaffold"]  # both, encoded together
+
+
 def test_a_prompt_of_arguments_only_is_answered_after_the_schemas_text(cache) -> None:
     """With no free text, the query was the argument, in its slot mid-schema: the text after
     the slot was never read for the answer, and the answer was written over its positions.

@@ -196,13 +196,14 @@ def text_ids(tokenizer: Any, text: str) -> list[int]:
 
 def select_units(schema: Schema, imported: set[str]) -> tuple[Unit, ...]:
     """The anonymous units and the imported modules' units, in schema order; a scaffold whose
-    modules are all imported replaces them and the anonymous text with its one unit."""
+    modules are all imported replaces them and the anonymous text with its one unit: of
+    several, the one covering the most modules (the first in the schema was taken, so a
+    smaller scaffold listed first left the larger one's modules apart)."""
     units = [u for u in schema.units if u.module is None or u.module in imported]
-    for names in schema.scaffolds:
-        if set(names) <= imported:
-            covered = [u for u in schema.units if u.module is None or u.module in names]
-            merged = scaffold_unit(covered)
-            units = [u for u in units if u not in covered]
-            units.append(merged)
-            break
+    fitting = [names for names in schema.scaffolds if set(names) <= imported]
+    if fitting:
+        names = max(fitting, key=len)  # (the first of the largest)
+        covered = [u for u in schema.units if u.module is None or u.module in names]
+        units = [u for u in units if u not in covered]
+        units.append(scaffold_unit(covered))
     return tuple(sorted(units, key=lambda u: u.start))
