@@ -445,6 +445,10 @@ def schema_with(body: str) -> str:
             + schema_with('<module name="m">&x;</module>'),
             "external entities are not allowed",
         ),
+        (  # an external DTD (never read) made expat drop the undefined entity silently
+            '<!DOCTYPE s SYSTEM "x.dtd">' + schema_with('<module name="m">5 &euro; each</module>'),
+            r"undefined entity &euro; \(external DTDs are not read",
+        ),
     ],
 )
 def test_bad_schemas_are_refused_clearly(smol_tokenizer, source, message) -> None:

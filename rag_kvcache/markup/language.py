@@ -119,10 +119,18 @@ def parse(source: str) -> Element:
         line, column = parser.CurrentLineNumber, parser.CurrentColumnNumber + 1
         raise MarkupError(f"line {line}, column {column}: external entities are not allowed")
 
+    def skipped(name: str, _parameter: bool) -> None:  # a DOCTYPE naming an external DTD
+        line, column = parser.CurrentLineNumber, parser.CurrentColumnNumber + 1
+        raise MarkupError(  # makes expat pass an undefined entity over, silently dropped
+            f"line {line}, column {column}: undefined entity &{name}; (external DTDs are not "
+            "read: write the character itself)"
+        )
+
     parser.StartElementHandler = start
     parser.EndElementHandler = end
     parser.CharacterDataHandler = text
     parser.ExternalEntityRefHandler = external
+    parser.SkippedEntityHandler = skipped
     try:
         parser.Parse(source, True)
     except expat.ExpatError as e:
