@@ -458,6 +458,25 @@ def test_only_prefill_rows_are_reused_across_durable_encodings(tiny32, tmp_path:
     assert set(other["a"]) == {"prefill"}  # naive answered from float32 KV: run again
 
 
+def test_calibrated_rows_are_reused_only_under_the_same_calibration(tiny32, tmp_path: Path) -> None:
+    """`--reuse` took a `+calibrated` strategy's rows from a report answered with another
+    calibration (the setting was not compared), so its answers stood for this run's."""
+    items = [EvalItem("a", ("The tower is 12 metres tall.", "Gulls."), "How tall?", ("12",))]
+    settings = {**report_settings(tiny32), "calibration": "1" * 64}
+    rows, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
+    calibrated = [
+        replace(r, strategy="naive+reversed+calibrated") for r in rows if r.strategy == "naive"
+    ]
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps(report_dict("eval", [*rows, *calibrated], summary, **settings)))
+    same = reused_rows(report, settings, items)
+    assert "naive+reversed+calibrated" in same["a"]
+    other = reused_rows(report, {**settings, "calibration": "2" * 64}, items)
+    assert set(other["a"]) == {"prefill", "naive"}  # the calibrated rows: run again
+    with pytest.raises(ConfigError, match="lora"):  # an adapter changes every answer
+        reused_rows(report, {**settings, "lora": "3" * 64}, items)
+
+
 def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on(
     tiny32, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -468,7 +487,8 @@ def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on
     settings = {"model": tiny32.name, "strategies": ["prefill", "naive"]}
     whole, _ = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
     path = tmp_path / "eval.partial.jsonl"
-    journal = Journal(path, settings)
+    digests = item_digests(items)
+    journal = Journal(path, settings, digests)
     run_eval(tiny32, items[:2], ["naive"], max_new_tokens=3, teacher_tokens=0, journal=journal)
     text = path.read_text()
     path.write_text(text[: len(text) - 40])  # killed while writing item b's line
@@ -479,7 +499,7 @@ def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on
         "run_item",
         lambda self, item, s, known=None: ran.append(item.id) or original(self, item, s, known),
     )
-    resumed = Journal(path, settings)
+    resumed = Journal(path, settings, digests)
     assert list(resumed.results()) == ["a"]
     results, summary = run_eval(
         tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0, journal=resumed
@@ -491,7 +511,12 @@ def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on
     assert [s.items for s in summary] == [3, 3]
     assert len(path.read_text().splitlines()) == 4  # the settings and three whole items
     with pytest.raises(ConfigError, match="other settings"):
-        Journal(path, {**settings, "model": "another"})  # never mixed into another run's report
+        Journal(path, {**settings, "model": "another"}, digests)  # never in another's report
+    # the dataset file edited since (the settings name its path, not what it holds): item a
+    # now asks something else, and its old row would have stood for the new question's
+    edited = item_digests([replace(items[0], answers=("13",)), *items[1:]])
+    with pytest.raises(ConfigError, match="measured item a as the dataset had it then"):
+        Journal(path, settings, edited)
     resumed.close()
     assert not path.exists()
 

@@ -335,6 +335,8 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         "teacher_tokens": args.teacher_tokens,
         "document_order": "retrieval" if args.retrieval_order else "as in the dataset",
     }
+    if args.needle:  # the essays' chunking (a QA set's documents are its chunks already)
+        facts["chunk_tokens"] = args.chunk_tokens
     store = None
     if args.store_compress is not None:  # what a durable store reads back, not the KV computed
         import tempfile
@@ -368,7 +370,8 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         }
     # a killed run, started again with the same settings, goes on from where it stopped
     # (a larger --limit too: the items measured are kept, the new ones run)
-    journal = Journal(args.out / f"{name}.partial.jsonl", facts)
+    digests = item_digests(items)  # the journal's and the report's (a later --reuse checks)
+    journal = Journal(args.out / f"{name}.partial.jsonl", facts, digests)
     resumed = len(journal.results())
     if resumed:
         console.print(
@@ -402,7 +405,6 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
     if other is not None:
         facts["kept_against"] = kept_against_other(results, other, console)
     sections, compared = comparisons(results, strategies, needle=args.needle, other=other)
-    digests = item_digests(items)  # what a later --reuse of this report checks
     report = report_dict(name, results, summary, **facts, **compared, item_digests=digests)
     save_eval(args.out, name, report, summary, sections)
     if args.needle:

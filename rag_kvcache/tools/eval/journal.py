@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,14 @@ from rag_kvcache.tools.eval.results import ItemResult
 class Journal:
     """An evaluation's results so far, one JSON line per item after a header line holding the
     run's settings. Resuming checks the settings first: results measured under other settings
-    (another model, dataset, strategy list, ...) are never mixed into a report."""
+    (another model, dataset, strategy list, ...) are never mixed into a report. Each item's
+    line keeps its digest (`reuse.item_digests`: its question, documents and answers), so an
+    item edited in the dataset file since (the settings name the file, not its contents) is
+    refused too."""
 
-    def __init__(self, path: Path, settings: dict[str, object]):
+    def __init__(self, path: Path, settings: dict[str, object], digests: Mapping[str, str]):
         self.path = Path(path)
+        self.digests = digests
         settings = json.loads(json.dumps(settings))  # as it reads back from JSON
         self._done: dict[str, list[ItemResult]] = {}
         kept_lines = [json.dumps({"settings": settings})]
@@ -38,10 +43,17 @@ class Journal:
                     f"eval journal); delete it or write to another --out"
                 )
             for line in lines[1:]:
-                rows = _rows(line)
+                digest, rows = _line(line)
                 if rows is None:  # cut short by a kill: that item is run again
                     break
-                self._done[rows[0].item] = rows
+                item = rows[0].item
+                if digest != digests.get(item, digest):
+                    raise ConfigError(
+                        f"{self.path} measured item {item} as the dataset had it then, not as "
+                        "it is now (its question, documents or answers changed); delete it "
+                        "or write to another --out"
+                    )
+                self._done[item] = rows
                 kept_lines.append(line)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".tmp")
@@ -53,8 +65,9 @@ class Journal:
         return dict(self._done)
 
     def append(self, rows: list[ItemResult]) -> None:
+        line = {"digest": self.digests.get(rows[0].item), "rows": [asdict(r) for r in rows]}
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps([asdict(r) for r in rows]) + "\n")
+            f.write(json.dumps(line) + "\n")
             f.flush()
 
     def close(self) -> None:
@@ -109,9 +122,11 @@ def check_rows(path: Path, rows: list[ItemResult], strategies: list[str]) -> Non
         )
 
 
-def _rows(line: str) -> list[ItemResult] | None:
+def _line(line: str) -> tuple[str | None, list[ItemResult] | None]:
+    """An item's journal line: its digest and its rows (None: a line cut short)."""
     try:
-        rows = [item_result(row) for row in json.loads(line)]
-    except (ValueError, TypeError, KeyError):  # (JSON errors too)
-        return None
-    return rows or None
+        data = json.loads(line)
+        rows = [item_result(row) for row in data["rows"]]
+    except (ValueError, TypeError, KeyError, RecursionError):  # (JSON errors too)
+        return None, None
+    return data.get("digest"), rows or None

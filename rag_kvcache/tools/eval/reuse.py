@@ -20,7 +20,7 @@ from rag_kvcache.tools.eval.journal import check_rows, item_result
 from rag_kvcache.tools.eval.results import ItemResult, summarize
 
 # a report's rows stand for this run's only under these
-REUSE_SETTINGS = ("dtype", "max_new_tokens", "teacher_tokens", "document_order")
+REUSE_SETTINGS = ("dtype", "max_new_tokens", "teacher_tokens", "document_order", "lora")
 
 
 # ... and the rows of strategies that read the cache only under this one too: how the durable
@@ -78,7 +78,8 @@ def reused_rows(
     come from the same settings (`REUSE_SETTINGS`): greedy answers repeat under them, so its
     rows stand for this run's. Not with teacher forcing, whose KL needs this run's `full`.
     Measured with the KV kept otherwise (`CACHE_SETTINGS`: a bfloat16 durable tier against
-    float32), only the rows of strategies that never read the cache (prefill) are taken."""
+    float32), only the rows of strategies that never read the cache (prefill) are taken; with
+    another calibration, none of a `+calibrated` strategy's."""
     text = read_json_text(Path(report))
     try:
         data = json.loads(text)
@@ -105,10 +106,17 @@ def reused_rows(
                 "cannot stand for this run's"
             )
     same_cache = all(data.get(name) == settings.get(name) for name in CACHE_SETTINGS)
+    # a `+calibrated` row was answered with that run's calibration (another's answers differ)
+    same_calibration = data.get("calibration") == settings.get("calibration")
     wanted = {item.id for item in items}
     out: dict[str, dict[str, ItemResult]] = {}
     for row in rows:
-        if row.item in wanted and (same_cache or not Strategy.parse(row.strategy).uses_cache):
+        strategy = Strategy.parse(row.strategy)
+        if (
+            row.item in wanted
+            and (same_cache or not strategy.uses_cache)
+            and (same_calibration or not strategy.calibrated)
+        ):
             out.setdefault(row.item, {})[row.strategy] = row
     return out
 
