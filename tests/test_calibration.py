@@ -159,8 +159,13 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     resumed = calibrate(tiny32, config, tmp_path / "cut", resume=True, items=ITEMS)
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
     torch.testing.assert_close(resumed.calibration.vectors, whole.calibration.vectors)
-    with pytest.raises(CalibrationError, match="other settings"):
+    with pytest.raises(CalibrationError, match=r"other settings \(lr: lr=0.05 there\)"):
         calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", resume=True, items=ITEMS)
+    # other items (an --items-file added, dropped or edited) trained on unnoticed
+    edited = [{**ITEMS[0], "question": "Another question?"}, *ITEMS[1:]]
+    for other in (edited, None):
+        with pytest.raises(CalibrationError, match="trained on other items"):
+            calibrate(tiny32, config, tmp_path / "cut", resume=True, items=other)
     with pytest.raises(CalibrationError, match="at step 6, past --steps 4"):  # said 4, took 6
         calibrate(tiny32, replace(config, steps=4), tmp_path / "cut", resume=True, items=ITEMS)
 

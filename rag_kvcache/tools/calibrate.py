@@ -372,6 +372,10 @@ def calibrate(
             f"asked for {config.items} + {config.held_out} held out"
         )
     chosen = items[:needed]
+    trained_on = items_digest(chosen)
+    checkpoint = out / CHECKPOINT
+    if resume and checkpoint.exists():
+        _check_checkpoint(checkpoint, config, lm, trained_on)
     done = 0
 
     def ticked() -> None:
@@ -403,9 +407,8 @@ def calibrate(
         kl_without = mean_kl(scratch, held, plain)
         kl_before = kl_without if config.kind == "lora" else mean_kl(scratch, held, initial)
         start_step, losses = 0, list[float]()
-        checkpoint = out / CHECKPOINT
         if resume and checkpoint.exists():
-            start_step, losses = _load_checkpoint(checkpoint, config, lm, params, optimizer)
+            start_step, losses = _load_checkpoint(checkpoint, params, optimizer)
             if start_step > config.steps:  # its result would say fewer steps than it took
                 raise CalibrationError(
                     f"{checkpoint} is at step {start_step}, past --steps {config.steps}: resume "
@@ -427,7 +430,9 @@ def calibrate(
                     f"with a lower --lr than {config.learning_rate:g}"
                 )
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                _save_checkpoint(checkpoint, config, lm, params, optimizer, step + 1, losses)
+                _save_checkpoint(
+                    checkpoint, config, lm, params, optimizer, step + 1, losses, trained_on
+                )
             if progress:
                 progress("train", step + 1, config.steps)
         minutes = (time.perf_counter() - began) / 60
@@ -510,8 +515,51 @@ def _context(item: dict[str, object]) -> str:
 
 
 def _resumable(config: dict[str, object]) -> dict[str, object]:
-    """The settings a resumed run must share with the checkpoint's (more steps may follow)."""
-    return {k: v for k, v in config.items() if k not in ("steps", "checkpoint_every")}
+    """The settings a resumed run must share with the checkpoint's (more steps may follow);
+    the learning rate as used (the default given by name is the default)."""
+    settings = {k: v for k, v in config.items() if k not in ("steps", "checkpoint_every")}
+    if settings.get("lr") is None:
+        settings["lr"] = 5e-4 if settings.get("kind") == "lora" else 5e-3
+    return settings
+
+
+def items_digest(items: list[dict[str, object]]) -> str:
+    """What a run trains and measures on (its items as chosen): a resumed run must have the
+    same (an --items-file added, dropped or edited was trained on unnoticed)."""
+    return hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _check_checkpoint(path: Path, config: CalibrateConfig, lm: LoadedModel, items: str) -> None:
+    """A checkpoint a run may resume from: the same settings, model and items. Read before the
+    teacher pass, so a refusal comes at once."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        settings = json.loads(meta.get("config", "{}"))
+    except (OSError, SafetensorError, ValueError) as e:  # (JSON errors too)
+        raise CalibrationError(
+            f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
+        ) from None
+    ours, theirs = _resumable(asdict(config)), _resumable(settings)
+    if ours != theirs:
+        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise CalibrationError(
+            f"{path} was written by a run with other settings ({', '.join(differ)}: "
+            f"{', '.join(f'{k}={theirs.get(k)!r}' for k in differ)} there); resume with the "
+            "same ones, or train afresh in another folder"
+        )
+    if meta.get("fingerprint") != lm.fingerprint:
+        raise CalibrationError(
+            f"{path} was trained on model {meta.get('fingerprint')}, not on the loaded "
+            f"{lm.fingerprint}; train afresh in another folder"
+        )
+    if meta.get("items") != items:
+        raise CalibrationError(
+            f"{path} was trained on other items (another --items-file, or none); resume "
+            "with the same ones, or train afresh in another folder"
+        )
 
 
 def _save_checkpoint(
@@ -522,6 +570,7 @@ def _save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     losses: list[float],
+    items: str,
 ) -> None:
     """The parameters and AdamW's moments by name (`NAME`, `NAME/exp_avg`, ...), safetensors."""
     tensors = {}
@@ -536,39 +585,27 @@ def _save_checkpoint(
         "fingerprint": lm.fingerprint,
         "step": str(step),
         "losses": json.dumps(losses),
+        "items": items,
     }
     write_atomically(path, save_safetensors(tensors, metadata=meta))
 
 
 def _load_checkpoint(
-    path: Path,
-    config: CalibrateConfig,
-    lm: LoadedModel,
-    params: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    path: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> tuple[int, list[float]]:
+    """The step and losses a checkpoint (`_check_checkpoint`ed) holds; its parameters and
+    AdamW's moments loaded into `params` and `optimizer`."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-        settings = json.loads(meta.get("config", "{}"))
         tensors = load_file(str(path))
         step, losses = int(meta["step"]), json.loads(meta["losses"])
     except (OSError, SafetensorError, ValueError, KeyError) as e:  # (JSON errors too)
         raise CalibrationError(
             f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
         ) from None
-    if _resumable(settings) != _resumable(asdict(config)):
-        raise CalibrationError(
-            f"{path} was written by a run with other settings ({meta.get('config')}); "
-            "resume with the same ones, or train afresh in another folder"
-        )
-    if meta.get("fingerprint") != lm.fingerprint:
-        raise CalibrationError(
-            f"{path} was trained on model {meta.get('fingerprint')}, not on the loaded "
-            f"{lm.fingerprint}; train afresh in another folder"
-        )
     if set(tensors) != {
         f"{n}{s}" for n in params for s in ("", "/exp_avg", "/exp_avg_sq", "/step")
     } or any(tensors[name].shape != param.shape for name, param in params.items()):
