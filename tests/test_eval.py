@@ -142,6 +142,9 @@ def test_load_dataset_reports_the_bad_line(tmp_path: Path) -> None:
     path.write_text(json.dumps({**good, "answers": []}) + "\n")
     with pytest.raises(ConfigError, match="non-empty"):
         load_dataset(path)
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")  # past Python's recursion limit:
+    with pytest.raises(ConfigError, match=r"set.jsonl:1: expected"):  # was a traceback
+        load_dataset(path)
     path.write_text(json.dumps(good) + "\n")
     assert load_dataset(path) == [EvalItem("a", ("x",), "q", ("x",))]
 
@@ -369,6 +372,13 @@ def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:
         kept_against([*ours, _result("e", "prefill", True)], theirs_run)
     with pytest.raises(ConfigError, match="cannot read .*missing.json"):
         other_run(tmp_path / "missing.json")
+    rows[1]["contains"] = "no"  # a hand-edited row: "no" counted as right
+    other.write_text(json.dumps({"items": rows}))
+    with pytest.raises(ConfigError, match="contains must be true or false, not 'no'"):
+        other_run(other)
+    other.write_text("[" * 100_000 + "]" * 100_000)  # a traceback, past the recursion limit
+    with pytest.raises(ConfigError, match="not an eval report"):
+        other_run(other)
 
 
 def test_kept_against_another_runs_prefill_in_the_same_placement(tmp_path: Path) -> None:

@@ -61,8 +61,8 @@ def load_dataset(path: Path) -> list[EvalItem]:
             item = EvalItem(
                 str(item_id), documents, _text(raw["question"], "the question"), answers
             )
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ConfigError(
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:  # (nested
+            raise ConfigError(  # past Python's recursion limit: a line of 100,000 "[")
                 f"{where}: expected {{id, documents: [{{id, text}}], question, answers}} ({e!r})"
             ) from None
         if not documents or not answers or not item.question.strip():

@@ -58,8 +58,10 @@ def other_run(report: Path) -> OtherRun:
     try:
         data = json.loads(text)
         answered = [r for r in data["items"] if "contains" in r]
-        right = {(str(r["strategy"]), str(r["item"])): bool(r["contains"]) for r in answered}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        if wrong := [r["contains"] for r in answered if not isinstance(r["contains"], bool)]:
+            raise TypeError(f"contains must be true or false, not {wrong[0]!r}")  # "no" is truthy
+        right = {(str(r["strategy"]), str(r["item"])): r["contains"] for r in answered}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
         raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
     return OtherRun(str(report), str(data.get("dtype")), right)
 

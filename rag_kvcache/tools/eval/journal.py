@@ -35,7 +35,7 @@ class Journal:
             lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
             try:
                 header = json.loads(lines[0]) if lines else None
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 header = None
             if header != {"settings": settings}:
                 raise ConfigError(

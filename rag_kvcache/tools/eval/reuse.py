@@ -84,7 +84,7 @@ def reused_rows(
     try:
         data = json.loads(text)
         rows = [item_result(r) for r in data["items"]]
-    except (ValueError, KeyError, TypeError) as e:  # (JSON errors too)
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # (JSON errors too)
         raise ConfigError(f"{report}: not an eval report to reuse ({e!r})") from None
     if settings.get("teacher_tokens"):
         raise ConfigError("reusing an earlier run's rows needs --teacher-tokens 0")
@@ -178,7 +178,7 @@ def combined(reports: Sequence[Path]) -> Combined:
             data = json.loads(text)
             rows = [item_result(r) for r in data["items"]]
             names = [str(Strategy.parse(s)) for s in data["strategies"]]
-        except (ValueError, KeyError, TypeError) as e:  # (JSON errors too)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # (JSON errors too)
             raise ConfigError(f"{path}: not an eval report ({e!r})") from None
         loaded.append((Path(path), data, rows, names))
     if len(loaded) < 2:
