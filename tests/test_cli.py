@@ -332,6 +332,21 @@ def test_an_out_folder_that_cannot_be_is_one_line_and_paths_print_as_text(
             err = " ".join(capsys.readouterr().out.split())
             assert err.startswith("error:") and "--out" in err and str(out) in err, err
     assert file.read_text() == "mine"
+    # a folder it cannot write (a read-only file system; as root, no mode bit says so, so
+    # the system's answer is stood in for): `diagnose` found out after answering every item
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p) != locked and real_access(p, m))
+    for args in (["diagnose", "x.jsonl"], ["eval", "x.jsonl"]):
+        assert main([*args, "--out", str(locked / "run")]) == 1
+        err = " ".join(capsys.readouterr().out.split())
+        assert (
+            err == f"error: cannot write the --out folder {locked / 'run'}: {locked} is read-only"
+        )
+    monkeypatch.setattr(os, "access", real_access)
     odd = tmp_path / "sets[/x][bold]"
     assert main(["dataset", "--out", str(odd), "--repeats", "1"]) == 0
     out = capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import signal
 import threading
@@ -99,6 +100,8 @@ def output_folder(folder: Path) -> None:
         if place.exists():
             if not place.is_dir():
                 raise ConfigError(f"cannot make the --out folder {folder}: {place} is a file")
+            if not os.access(place, os.W_OK | os.X_OK):  # (a read-only file system too)
+                raise ConfigError(f"cannot write the --out folder {folder}: {place} is read-only")
             return
 
 
