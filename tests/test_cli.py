@@ -456,6 +456,15 @@ def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path)
     assert "naive+calibrated" in rows["strategies"]
 
 
+def test_calibrate_refuses_a_lora_adapter_for_random_weights(tmp_path: Path, capsys) -> None:
+    """It trained, kept the adapter in the store and advised `--lora store`, which every
+    answer then refused (random-weight models take no adapter)."""
+    args = ["calibrate", "--kind", "lora", "--model", "random:tiny"]
+    assert main([*args, "--store", str(tmp_path / "s"), "--out", str(tmp_path / "o")]) == 2
+    assert "random-weight models take no LoRA adapter" in capsys.readouterr().out
+    assert not (tmp_path / "s").exists() and not (tmp_path / "o").exists()
+
+
 def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: Path) -> None:
     """`calibrate --kind lora` writes the adapter and keeps it in the store, where
     `--lora store` finds it (`--no-install`: the file only); `eval --lora` answers with the

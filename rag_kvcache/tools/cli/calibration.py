@@ -58,6 +58,7 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
 
     from rich.progress import Progress, TaskID
 
+    from rag_kvcache.model.loading import RANDOM_PREFIX
     from rag_kvcache.model.lora import LinkLoRA
     from rag_kvcache.tools.calibrate import LORA_RESULT, CalibrateConfig, calibrate
     from rag_kvcache.tools.cli.common import open_engine
@@ -73,6 +74,10 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
         ]
     if config.kind == "lora" and args.lora:
         console.print("[red]a LoRA adapter trains on the base model: drop --lora")
+        return 2
+    if config.kind == "lora" and str(args.model or "").startswith(RANDOM_PREFIX):
+        # (it trained, and kept in the store an adapter no answer could then load)
+        console.print("[red]random-weight models take no LoRA adapter: train link tokens")
         return 2
     engine = open_engine(args, console)
     with Progress(console=console) as progress:
