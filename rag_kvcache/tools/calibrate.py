@@ -557,8 +557,9 @@ def _check_checkpoint(path: Path, config: CalibrateConfig, lm: LoadedModel, item
         )
     if meta.get("items") != items:
         raise CalibrationError(
-            f"{path} was trained on other items (another --items-file, or none); resume "
-            "with the same ones, or train afresh in another folder"
+            f"{path} was trained on other items (another --items-file, or none"
+            + ("; or by a version that recorded none" if meta.get("items") is None else "")
+            + "); resume with the same ones, or train afresh in another folder"
         )
 
 
