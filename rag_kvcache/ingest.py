@@ -163,7 +163,14 @@ def _blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
 
 def _read_pieces(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
     """The text of a file, a piece at a time as it is read, hashing its bytes into `digest`;
-    SkipFile says why it cannot be ingested."""
+    SkipFile says why it cannot be ingested. NUL, no text's character (some PDFs' text holds
+    it, and a text file past its first 8 KiB may), is dropped, as `ingest_document` drops it:
+    a PostgreSQL catalog cannot keep it."""
+    for piece in _decoded(path, max_bytes, digest):
+        yield piece.replace("\x00", "")
+
+
+def _decoded(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
     f, size = _opened(path, max_bytes)
     with f:
         blocks = _blocks(f, size)

@@ -135,11 +135,11 @@ def _in_folder(root: Path, catalog_url: str) -> bool:
     """Does a marker's catalog URL name the catalog file in the store's own folder? (A store
     made by a relative path has a relative one, read against that time's working folder.)"""
     file = sqlite_path(catalog_url)
-    if file is None:
+    if file is None or file.name != CATALOG_FILE:
         return False
-    if file.is_absolute():
-        return file.resolve() == (root / CATALOG_FILE).resolve()
-    return file.name == CATALOG_FILE and file.parent.name == root.resolve().name
+    if file.is_absolute():  # (a folder moved since: that path is gone)
+        return file.resolve() == (root / CATALOG_FILE).resolve() or not file.exists()
+    return file.parent.name in ("", ".", "..", root.resolve().name)  # (`--store .` too)
 
 
 def _check_marker(root: Path, marker: StoreMarker, catalog: Catalog) -> None:

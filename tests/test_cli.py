@@ -344,7 +344,8 @@ def test_an_out_folder_that_cannot_be_is_one_line_and_paths_print_as_text(
         assert main([*args, "--out", str(locked / "run")]) == 1
         err = " ".join(capsys.readouterr().out.split())
         assert (
-            err == f"error: cannot write the --out folder {locked / 'run'}: {locked} is read-only"
+            err
+            == f"error: cannot write the --out folder {locked / 'run'}: {locked} is not writable"
         )
     monkeypatch.setattr(os, "access", real_access)
     odd = tmp_path / "sets[/x][bold]"

@@ -105,6 +105,24 @@ def ingest(engine: RagKVCache, *paths: Path, **kw):
 # ----------------------------------------------------------------------------- reading files
 
 
+def test_a_nul_past_the_binary_sniff_is_dropped_as_ingest_document_drops_it(
+    engine, tmp_path: Path
+) -> None:
+    """A text file is sniffed for NUL in its first 8 KiB only: one later (or in a PDF's text)
+    reached the catalog, which PostgreSQL refuses (the whole run then stopped) and SQLite
+    kept."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    late = ("Words go here. " * 30 + "\n\n") * 20 + "The gate code is 4417.\x00 Keep it."
+    (docs / "late.txt").write_text(late)  # its NUL at ~9 KB
+    plan, done = ingest(engine, docs)
+    assert plan.skipped == [] and len(done) == 1
+    texts = [row.text for row in engine.store.catalog.chunks(done[0].cache_ids).values()]
+    assert any("The gate code is 4417. Keep it." in t for t in texts)
+    assert not any("\x00" in t for t in texts)
+    assert "\x00" not in read_text(docs / "late.txt")[0]
+
+
 def test_bad_files_are_reported_and_the_good_ones_ingested(
     engine, tmp_path: Path, monkeypatch
 ) -> None:

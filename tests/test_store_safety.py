@@ -992,6 +992,10 @@ def test_an_index_behind_another_processs_ingest_is_not_damage(
     store = TieredStore(root)
     assert index_lag(store) == (0, 0) and index_problem(store) is None
     store.close()
+    for name in ("index.faiss", "index.ids", "index.faiss.sha256"):  # a new replica's folder:
+        (root / name).unlink()  # none saved yet
+    assert main(["verify", "--store", str(root)]) == 0
+    assert " chunks to add and 0 to drop" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(

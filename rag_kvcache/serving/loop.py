@@ -32,6 +32,7 @@ from rag_kvcache.strategy import Strategy
 
 Sink = Callable[[StepOutput], None]
 R = TypeVar("R")
+EXIT_WAIT_S = 5.0  # at interpreter exit, how long a running loop's step is waited for
 _RUNNING: weakref.WeakSet[EngineLoop] = weakref.WeakSet()  # closed at exit (`_close_running`)
 
 
@@ -63,7 +64,7 @@ def _close_running() -> None:
     thread left in place while the interpreter is torn down aborted the process now and then
     ("terminate called without an active exception", exit code 134) after asyncio use."""
     for loop in list(_RUNNING):
-        loop.close()
+        loop.close(timeout=EXIT_WAIT_S)
 
 
 class EngineLoop:
@@ -104,13 +105,14 @@ class EngineLoop:
             self._inbox.append(_Abort(ticket))
             self._wake.notify()
 
-    def close(self) -> None:
-        """Stop the thread; requests still in flight get an EngineClosedError."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread; requests still in flight get an EngineClosedError. `timeout`:
+        wait at most this long for a step in progress (at exit: then left as it was)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
         _RUNNING.discard(self)
 
     # ------------------------------------------------------------------ the loop thread

@@ -101,7 +101,9 @@ def output_folder(folder: Path) -> None:
             if not place.is_dir():
                 raise ConfigError(f"cannot make the --out folder {folder}: {place} is a file")
             if not os.access(place, os.W_OK | os.X_OK):  # (a read-only file system too)
-                raise ConfigError(f"cannot write the --out folder {folder}: {place} is read-only")
+                raise ConfigError(
+                    f"cannot write the --out folder {folder}: {place} is not writable"
+                )
             return
 
 

@@ -122,8 +122,8 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
                 console.print(f"vector index: {lag}; brought up to date")
             else:
                 console.print(
-                    f"vector index: {lag} (another process changed the documents; the next "
-                    "retrieval here brings it up to date: not damage)"
+                    f"vector index: {lag} (the catalog changed since: another process's "
+                    "ingest, or gc; the next retrieval here brings it up to date: not damage)"
                 )
         else:
             console.print("vector index: matches the catalog")
@@ -153,7 +153,7 @@ def index_problem(store: TieredStore) -> str | None:
     wanted = store.catalog.documented_ids()
     index_path, ids_path = store.root / "index.faiss", store.root / "index.ids"
     if not index_path.exists() and not ids_path.exists():
-        return "missing" if wanted else None
+        return None  # a folder that never saved one (a new replica's): it lags, `index_lag`
     try:
         index = faiss.read_index(str(index_path))
         ids = ids_path.read_text(encoding="ascii").split()

@@ -43,6 +43,11 @@ class Journal:
                     f"eval journal); delete it or write to another --out"
                 )
             for line in lines[1:]:
+                if line.startswith("["):  # an earlier version's line: rows, no digest
+                    raise ConfigError(
+                        f"{self.path} was written by an earlier rag-kvcache, which kept no "
+                        "digest of its items; delete it or write to another --out"
+                    )
                 digest, rows = _line(line)
                 if rows is None:  # cut short by a kill: that item is run again
                     break

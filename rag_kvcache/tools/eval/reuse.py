@@ -123,7 +123,7 @@ def reused_rows(
 
 # settings two reports must share to be read as one (`combined`): those a reused row needs,
 # and the extras that change what every strategy's answers mean
-COMBINE_SETTINGS = (*REUSE_SETTINGS, *CACHE_SETTINGS, "benchmark", "lora", "calibration")
+COMBINE_SETTINGS = (*REUSE_SETTINGS, *CACHE_SETTINGS, "benchmark", "calibration")
 
 
 @dataclass(frozen=True)

@@ -386,6 +386,7 @@ async def _respond(
         return f"data: {json.dumps({**body_, 'choices': [choice], **extra})}\n\n"
 
     async def events() -> AsyncIterator[str]:
+        counted = False  # in an outcome: answered or failed (else, cut short: aborted)
         try:
             if kind == "chat.completion":
                 yield chunk("", role=True)  # the first chunk names the role
@@ -396,6 +397,7 @@ async def _respond(
             answer = stream.result
             assert answer is not None
             metrics.answered(answer)
+            counted = True
             extra: dict[str, Any] = {"rag": _rag_usage(job, answer).model_dump()} if job.rag else {}
             yield chunk(None, finish_reason(answer), **extra)
             if body.stream_options is not None and body.stream_options.include_usage:
@@ -406,15 +408,17 @@ async def _respond(
         except RagKVCacheError as e:  # after the first byte: the error travels in the stream
             status, code = _status_of(e)
             metrics.failed(status)
+            counted = True
             failure = {"message": str(e), "type": "server_error", "code": code}
             yield f"data: {json.dumps({'error': failure})}\n\n"
         except Exception:  # a bug: the client still learns that its stream ended in error
             log.exception("request failed while streaming")
             metrics.failed(500)
+            counted = True
             failure = {"message": INTERNAL, "type": "server_error", "code": None}
             yield f"data: {json.dumps({'error': failure})}\n\n"
         except (asyncio.CancelledError, GeneratorExit):  # the client left, or shutdown cut it
-            if stream.result is None:  # (not once answered, sending the last events)
+            if not counted:  # (not once answered, sending the last events)
                 metrics.aborted()
             raise
         finally:
