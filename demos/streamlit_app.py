@@ -558,6 +558,12 @@ def answer_live(
 ) -> None:
     """Retrieve, then stream the answer (and the full-prefill answer beside it if comparing)."""
     turn.hits = engine.retrieve(turn.question, top_k)
+    if not turn.hits:  # nothing ingested, or every chunk past its time to live
+        st.error(
+            "No ingested chunk could be retrieved (none is in the store, or their cache "
+            "entries expired). Ingest documents on the **Ingest** page, then ask again."
+        )
+        return
     ids = [h.cache_id for h in turn.hits]
     chosen = Strategy.parse(strategy)
     runs = [chosen, chosen.baseline] if compare else [chosen]  # the same prompt, prefilled
