@@ -135,10 +135,11 @@ class Corpus:
         has removed it: it is skipped and the index asked for more, not handed out for the
         answer to refuse."""
         asked = top_k
+        rows: dict[str, ChunkRow] = {}
         while True:
             hits = self.index.search(vector, asked)
             now = datetime.now(UTC)
-            rows = self.catalog.chunks([c for c, _ in hits])
+            rows |= self.catalog.chunks([c for c, _ in hits if c not in rows])  # the new ones
             kept = [(c, score) for c, score in hits if c in rows and rows[c].servable(now)]
             if len(kept) >= top_k or len(hits) < asked:  # enough, or the index has no more
                 return kept[:top_k], {c: rows[c] for c, _ in kept[:top_k]}
