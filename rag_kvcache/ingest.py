@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 from rag_kvcache.config import printable_path
 from rag_kvcache.engine import DocumentIngest, RagKVCache
 from rag_kvcache.errors import StoreError
+from rag_kvcache.storage.layout import MAX_SOURCE_CHARS
 
 MAX_BYTES = 16 << 20  # larger files are reported and skipped (raise with --max-bytes)
 SEGMENT_CHARS = 1 << 20  # text split at a time (a file's chunks never span two segments)
@@ -111,6 +112,9 @@ def _add_file(file: Path, files: dict[Path, None], skipped: list[Skipped]) -> No
             skipped.append(Skipped(printable_path(file), "not a regular file"))
         elif printable_path(file) != str(file):  # the catalog keeps a source as text
             skipped.append(Skipped(printable_path(file), "its name is not valid UTF-8: rename it"))
+        elif len(str(file.resolve())) > MAX_SOURCE_CHARS:  # found now, not after encoding it
+            long = f"its path is {len(str(file.resolve()))} characters: at most {MAX_SOURCE_CHARS}"
+            skipped.append(Skipped(str(file.resolve()), long))
         else:
             files[file.resolve()] = None
     except OSError as err:

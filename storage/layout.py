@@ -42,6 +42,8 @@ class NameRule:
     relative_path: Callable[[str], Path] | None  # where a valid name lives under its folder
 
 
+MAX_SOURCE_CHARS = 1024  # a document's source (its file's path) as the catalog keeps it
+
 RULES = {
     "cache ID": NameRule(
         re.compile(f"[0-9a-f]{{{CACHE_ID_LENGTH}}}"),
@@ -56,7 +58,9 @@ RULES = {
     "store ID": NameRule(re.compile("[0-9a-f]{32}"), "exactly 32 lowercase hex digits", None),
     # a catalog value, never a path: any text but NUL, which PostgreSQL's text cannot hold
     "document source": NameRule(
-        re.compile("[^\x00]{1,1024}", re.DOTALL), "1-1024 characters, none of them NUL", None
+        re.compile(f"[^\x00]{{1,{MAX_SOURCE_CHARS}}}", re.DOTALL),
+        f"1-{MAX_SOURCE_CHARS} characters, none of them NUL",
+        None,
     ),
 }
 

@@ -164,6 +164,24 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(
     )
 
 
+def test_a_path_longer_than_the_catalog_keeps_is_skipped_before_encoding(
+    engine, tmp_path: Path
+) -> None:
+    """A document's source is its path, and the catalog keeps 1024 characters of it: a longer
+    one was encoded, then failed the catalog's check and stopped the whole run."""
+    deep = tmp_path / "docs"
+    while len(str(deep)) <= 1024:
+        deep = deep / ("d" * 200)
+    deep.mkdir(parents=True)
+    (deep / "far.md").write_text("The far file says the vault opens at dawn.")
+    (tmp_path / "docs" / "near.md").write_text("The near file says the gate opens at noon.")
+    plan, done = ingest(engine, tmp_path / "docs")
+    assert [Path(d.source).name for d in done] == ["near.md"]
+    ((skipped),) = plan.skipped
+    assert skipped.path == str(deep / "far.md")
+    assert skipped.reason == f"its path is {len(str(deep / 'far.md'))} characters: at most 1024"
+
+
 def test_a_file_growing_while_read_is_read_as_it_was_opened(
     engine, tmp_path: Path, monkeypatch
 ) -> None:
