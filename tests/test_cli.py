@@ -362,6 +362,24 @@ def test_bench_ingest_of_a_missing_path_is_one_line(tmp_path: Path, capsys) -> N
     assert out.startswith("error: nothing at") and "missing.md" in out, out
 
 
+def test_bench_store_with_a_redis_that_does_not_answer_is_one_line(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A Redis named by --redis-url that does not answer was skipped in silence: the report
+    then had no Redis tier and said nothing. Now it is an error before any model loads; with
+    no --redis-url the local Redis is timed where one answers, else the bench says so."""
+    from rag_kvcache.tools.bench import store
+
+    args = ["bench", "store", "--out", str(tmp_path / "r"), "--model", "random:tiny"]
+    assert main([*args, "--redis-url", "redis://127.0.0.1:1/0"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("error: ") and "redis://127.0.0.1:1/0" in out, out
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(store, "LOCAL_REDIS", "redis://127.0.0.1:1/0")
+    assert store.redis_to_time(None) is None
+    assert "no Redis answers at redis://127.0.0.1:1/0" in capsys.readouterr().err
+
+
 def test_verify_repairs_with_the_model_that_encoded_the_chunks(tmp_path: Path, capsys) -> None:
     """A store ingested with --model is repaired with that model; repairing with another one
     reports the blobs it cannot rebuild and still checks and repairs the rest."""

@@ -78,7 +78,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     store.add_argument("--repeats", type=whole(1), default=3)
     store.add_argument(
-        "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for the Redis tier"
+        "--redis-url",
+        default=None,
+        help="Redis for the Redis tier, which must answer (default: redis://127.0.0.1:6379/0 "
+        "if a Redis answers there, else no Redis tier)",
     )
     store.add_argument(
         "--strategy", default="legolink:2", help="timed from every tier (default legolink:2)"
