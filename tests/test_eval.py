@@ -89,6 +89,8 @@ def test_the_bootstrap_interval_of_a_constant_is_a_point() -> None:
         estimate = accuracy(right)
         assert estimate.low == estimate.value == estimate.high == 100.0 * right[0]
     assert kept([True] * 30, [True] * 30) == Estimate(100.0, 100.0, 100.0, 30)
+    assert str(kept([True] * 30, [True] * 30)) == "100.0% [100.0, 100.0] (n=30)"
+    assert str(kept([False] * 4, [True] * 4)) == "none to count (n=0)"  # was "nan% [nan, nan]"
 
 
 def test_kept_counts_only_the_items_the_baseline_gets_right() -> None:
@@ -466,6 +468,40 @@ def test_only_prefill_rows_are_reused_across_durable_encodings(tiny32, tmp_path:
     assert set(same["a"]) == {"prefill", "naive"}
     other = reused_rows(report, {**settings, "store_compress": "bfloat16"}, items)
     assert set(other["a"]) == {"prefill"}  # naive answered from float32 KV: run again
+
+
+def test_reports_are_strict_json_and_read_back_what_was_not_measured_as_nan(
+    tiny32, tmp_path: Path
+) -> None:
+    """Without teacher forcing a row has no KL, and a baseline with no right answer no
+    "kept": they were written as bare NaN, which JSON forbids (jq and browsers refuse the
+    file). Now null, read back by --reuse and the journal as NaN again."""
+    items = [EvalItem("a", ("The tower is 12 metres tall.", "Gulls."), "How tall?", ("99",))]
+    settings = report_settings(tiny32)
+    rows, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
+    assert math.isnan(rows[0].kl) and math.isnan(summary[0].kept)  # nothing right to keep
+    report = report_dict("eval", rows, summary, **settings)
+    save_eval(tmp_path, "eval", report, summary)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in a report")
+
+    written = json.loads((tmp_path / "eval.json").read_text(), parse_constant=refuse)
+    assert {r["kl"] for r in written["items"]} == {None}
+    assert {s["kept"] for s in written["summary"]} == {None}
+    reused = reused_rows(tmp_path / "eval.json", settings, items)
+    assert math.isnan(reused["a"]["naive"].kl) and math.isnan(reused["a"]["naive"].top1)
+    assert {s: r.token_ids for s, r in reused["a"].items()} == {
+        r.strategy: r.token_ids for r in rows
+    }
+    Journal(tmp_path / "run.jsonl", settings, item_digests(items)).append(rows)
+    for line in (tmp_path / "run.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)
+    again = Journal(tmp_path / "run.jsonl", settings, item_digests(items)).results()
+    assert [(r.strategy, r.token_ids) for r in again["a"]] == [
+        (r.strategy, r.token_ids) for r in rows
+    ]
+    assert all(math.isnan(r.kl) for r in again["a"])
 
 
 def test_calibrated_rows_are_reused_only_under_the_same_calibration(tiny32, tmp_path: Path) -> None:

@@ -59,6 +59,7 @@ from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.model.lora import TARGETS, LinkLoRA, add_lora, lora_tensors, remove_lora
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools import report_json
 from rag_kvcache.tools.qa_set import make_split
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -470,7 +471,7 @@ def calibrate(
         if config.kind == "lora":  # the caller's model is the base model again
             remove_lora(lm.model, merge=False)
     report = CalibrationReport(result, config, minutes, kl_before, kl_without, kl_after, losses)
-    (out / "calibration.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    (out / "calibration.json").write_text(report_json.dumps(report.to_json(), indent=2) + "\n")
     plot_training(report, out / "calibration.png")
     return report
 

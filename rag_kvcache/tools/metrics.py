@@ -76,6 +76,8 @@ class Estimate:
     n: int  # items it is measured on
 
     def __str__(self) -> str:
+        if self.n == 0:  # no item to measure it on (a baseline that got none right)
+            return "none to count (n=0)"
         return f"{self.value:.1f}% [{self.low:.1f}, {self.high:.1f}] (n={self.n})"
 
 

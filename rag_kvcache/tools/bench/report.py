@@ -3,7 +3,6 @@ writing NAME.json plus its plot."""
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ from rag_kvcache.model.calibration_file import write_atomically
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.samples import sample_corpus_dir
 from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.tools import report_json
 
 
 def machine_facts() -> dict[str, object]:
@@ -89,6 +89,6 @@ def save_report(
         "rows": [asdict(r) for r in rows],
     }
     # replaced whole: a kill mid-write keeps the previous report
-    write_atomically(out_dir / f"{name}.json", json.dumps(report, indent=2).encode())
+    write_atomically(out_dir / f"{name}.json", report_json.dumps(report, indent=2).encode())
     plot(out_dir / f"{name}.png")
     return report

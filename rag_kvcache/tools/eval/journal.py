@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_kvcache.errors import ConfigError
+from rag_kvcache.tools import report_json
 from rag_kvcache.tools.eval.results import ItemResult
 
 
@@ -72,7 +73,7 @@ class Journal:
     def append(self, rows: list[ItemResult]) -> None:
         line = {"digest": self.digests.get(rows[0].item), "rows": [asdict(r) for r in rows]}
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(report_json.dumps(line) + "\n")
             f.flush()
 
     def close(self) -> None:
@@ -84,7 +85,9 @@ def item_result(row: dict[str, Any]) -> ItemResult:
     """An ItemResult from its JSON form (a report's or a journal's row); a value of another
     kind is a TypeError (`"contains": "no"` would count as right), one that no measurement
     gives (an F1 of 7, a negative or NaN TTFT) a ValueError."""
-    result = ItemResult(**{**row, "token_ids": tuple(row["token_ids"])})
+    # a measurement without a value is null in the JSON (`report_json`), NaN here
+    unmeasured = {name: math.nan for name in ("kl", "top1") if row.get(name, 0) is None}
+    result = ItemResult(**{**row, **unmeasured, "token_ids": tuple(row["token_ids"])})
     kinds = {"item": str, "strategy": str, "answer": str, "contains": bool}
     kinds |= {"context_tokens": int, "recomputed_tokens": int}
     for name, kind in kinds.items():

@@ -5,11 +5,11 @@ summary and every row) and the files of `save_eval` (JSON, the markdown table, p
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 from rag_kvcache.strategy import Strategy
+from rag_kvcache.tools import report_json
 from rag_kvcache.tools.eval.floor import OtherRun, against_floor, floor_table
 from rag_kvcache.tools.eval.needle import needle_cells, needle_cells_table
 from rag_kvcache.tools.eval.plots import plot_kl, plot_pareto
@@ -56,7 +56,7 @@ def save_eval(
     """NAME.json, NAME.md (the table, then `sections`: more markdown) and two plots: speed vs
     accuracy and kept, KL vs k."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"{name}.json").write_text(report_json.dumps(report, indent=2))
     (out_dir / f"{name}.md").write_text(markdown_table(summary) + sections)
     plot_pareto(summary, out_dir / f"{name}_pareto.png")
     plot_kl(summary, out_dir / f"{name}_kl_k.png")
