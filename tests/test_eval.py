@@ -353,10 +353,14 @@ def test_reports_and_plots_take_every_spelling(tmp_path: Path) -> None:
     curve, not parsed as a point of it."""
     strategies = check_strategies(["legolink:2", "legolink:16+reversed", "naive+reversed+top:1"])
     results = [_result(i, str(s), i == "a") for i in "ab" for s in strategies]
-    save_eval(tmp_path, "eval", {"items": []}, summarize(results, strategies))
+    measured = [replace(r, kl=0.1, top1=0.9) for r in results]  # as with teacher forcing
+    save_eval(tmp_path, "eval", {"items": []}, summarize(measured, strategies))
     for png in ("eval_pareto.png", "eval_kl_k.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     assert "| legolink:16+reversed |" in (tmp_path / "eval.md").read_text()
+    # no KL measured (--teacher-tokens 0): no KL plot, and the earlier run's is not left
+    save_eval(tmp_path, "eval", {"items": []}, summarize(results, strategies))
+    assert (tmp_path / "eval_pareto.png").exists() and not (tmp_path / "eval_kl_k.png").exists()
 
 
 def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ summary and every row) and the files of `save_eval` (JSON, the markdown table, p
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -54,12 +55,16 @@ def save_eval(
     sections: str = "",
 ):
     """NAME.json, NAME.md (the table, then `sections`: more markdown) and two plots: speed vs
-    accuracy and kept, KL vs k."""
+    accuracy and kept, and KL vs k where a KL was measured (teacher forcing; an earlier
+    run's KL plot in out_dir is removed otherwise, not left to stand for this run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(report_json.dumps(report, indent=2))
     (out_dir / f"{name}.md").write_text(markdown_table(summary) + sections)
     plot_pareto(summary, out_dir / f"{name}_pareto.png")
-    plot_kl(summary, out_dir / f"{name}_kl_k.png")
+    if any(math.isfinite(s.kl) for s in summary):
+        plot_kl(summary, out_dir / f"{name}_kl_k.png")
+    else:
+        (out_dir / f"{name}_kl_k.png").unlink(missing_ok=True)
 
 
 def report_dict(kind: str, results: list[ItemResult], summary: list[StrategySummary], **facts):
