@@ -240,6 +240,11 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
     again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     assert again.losses == pytest.approx(once.losses)
     assert load_file(str(narrow))["teacher"].shape == shape  # written anew
+    # metadata of valid JSON but not of the form a run writes: no traceback either
+    for edit in ({"config": "[1, 2]"}, {"losses": '{"a": 1}'}, {"losses": "[" * 100_000}):
+        save_file(tensors, checkpoint, {**meta, **edit})
+        with pytest.raises(CalibrationError, match="is damaged"):
+            calibrate(tiny32, replace(config, steps=1), tmp_path / "nan", resume=True, items=ITEMS)
     checkpoint.write_bytes(b"\x08" + bytes(20))  # truncated
     with pytest.raises(CalibrationError, match="is damaged"):
         calibrate(tiny32, config, tmp_path / "nan", resume=True, items=ITEMS)

@@ -542,7 +542,9 @@ def _check_checkpoint(path: Path, config: CalibrateConfig, lm: LoadedModel, item
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         settings = json.loads(meta.get("config", "{}"))
-    except (OSError, SafetensorError, ValueError) as e:  # (JSON errors too)
+        if not isinstance(settings, dict):  # valid JSON, but not the settings a run writes
+            raise ValueError(f"its settings are {type(settings).__name__}, not an object")
+    except (OSError, SafetensorError, ValueError, RecursionError) as e:  # (JSON errors too)
         raise CalibrationError(
             f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
         ) from None
@@ -607,7 +609,9 @@ def _load_checkpoint(
             meta = f.metadata() or {}
         tensors = load_file(str(path))
         step, losses = int(meta["step"]), json.loads(meta["losses"])
-    except (OSError, SafetensorError, ValueError, KeyError) as e:  # (JSON errors too)
+        if not isinstance(losses, list) or not all(isinstance(x, int | float) for x in losses):
+            raise ValueError("its losses are not a list of numbers")
+    except (OSError, SafetensorError, ValueError, KeyError, RecursionError) as e:  # (JSON too)
         raise CalibrationError(
             f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
         ) from None
