@@ -558,6 +558,37 @@ def test_bench_memory_refuses_an_earlier_report_it_cannot_add_to(tmp_path: Path)
 
 
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
+def test_a_terminated_command_stops_as_on_ctrl_c_and_leaves_no_temporaries(tmp_path: Path):
+    """SIGTERM (`kill`, `timeout`) ended the process at once: `bench memory` left its
+    temporary text and store (gigabytes at the sizes it is meant for) in --out, and its
+    ingest child running. Now it stops as on Ctrl-C: "interrupted", exit 130, nothing left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "r"
+    cli = str(Path(sys.executable).parent / "rag-kvcache")
+    command = [cli, "bench", "memory", "--model", "random:tiny", "--out", str(out)]
+    child = subprocess.Popen([*command, "--sizes-mb", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not list(out.glob("*/store")):
+            assert child.poll() is None, child.communicate()
+            time.sleep(0.05)
+        assert list(out.glob("*/store")), "the ingest must be under way when terminated"
+        child.send_signal(signal.SIGTERM)
+        output, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130 and "interrupted" in output, output
+    assert list(out.iterdir()) == []  # the temporary folder, and the store in it, removed
+    ingests = subprocess.run(["pgrep", "-f", f"ingest .*{out}"], capture_output=True, text=True)
+    assert ingests.stdout == ""  # the measured ingest was stopped too
+
+
+@pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
 def test_bench_memory_measures_the_ingest_command_and_gathers_runs(tmp_path: Path) -> None:
     """Each size is a real `rag-kvcache ingest` in its own process; a second run (another
     dtype) adds its rows beside the first's, and a rerun of the same one replaces its own."""

@@ -10,6 +10,7 @@ import io
 import os
 import re
 import shutil
+import signal
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -613,6 +614,21 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, caplog, monkeypa
     out = " ".join(capsys.readouterr().out.split())
     assert out.count("answer stopped") == 1 and out.count("TTFT") == 2
     assert asked == [1, 1, 3]  # the stopped answer left no turn behind
+
+    # a SIGTERM while an answer is computed ends the session (taken as a Ctrl-C elsewhere)
+    asked.clear()
+
+    def terminated_once(self, *args, **kwargs):
+        if len(asked) == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(RagKVCache, "generate", terminated_once)
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["chat", "--max-new-tokens", "4", *store]) == 130
+    out = " ".join(capsys.readouterr().out.split())
+    assert "interrupted" in out and "answer stopped" not in out and asked == [1]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # as it was before the command
 
     empty_store = ["--store", str(tmp_path / "empty-store")]
     assert main(["query", question, *empty_store]) == 1

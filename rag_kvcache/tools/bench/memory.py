@@ -86,8 +86,13 @@ def measure(file: Path, store: Path, model: str, dtype: str) -> tuple[float, flo
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert child.stdout is not None
-    output = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
+    try:
+        output = child.stdout.read()
+        _, status, usage = os.wait4(child.pid, 0)
+    except BaseException:  # interrupted: the ingest must not go on writing into the temporary
+        child.kill()  # folder being removed (a Ctrl-C in a terminal reaches it too; a SIGTERM
+        child.wait()  # to this process does not)
+        raise
     child.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - start
     if child.returncode != 0:

@@ -210,6 +210,37 @@ def ctrl_c_held() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, taken as a Ctrl-C (`terminate_as_ctrl_c`) that ends the command: the chat
+    stops the answer under way on a Ctrl-C and goes on, but not on this."""
+
+
+@contextmanager
+def terminate_as_ctrl_c() -> Iterator[None]:
+    """Take a SIGTERM (`kill`, `timeout`, a process manager stopping the command) as a
+    Ctrl-C (`Terminated`), so what was stored is kept, temporary files are removed and the
+    command exits with "interrupted" (130); where `ctrl_c_held` holds a Ctrl-C back, it is
+    held too. Python's default for SIGTERM ends the process at once, leaving a bench's
+    multi-gigabyte temporary store behind. `serve` sets its own while it runs (uvicorn's
+    graceful shutdown)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def as_ctrl_c(signum: int, frame: Any) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(signal.SIGINT, frame)  # a section holding Ctrl-C back (`ctrl_c_held`)
+        else:  # (and where SIGINT is ignored, a job started in the background: still stops)
+            raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, as_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def engine_config(args: argparse.Namespace, keep_hot: bool = True) -> EngineConfig:
     """The engine's config from a command's flags (`engine_options`, and a command's own
     --max-new-tokens, --strategy, --kv-cache-mib where it has them)."""

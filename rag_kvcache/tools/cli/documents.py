@@ -16,7 +16,7 @@ from rich.text import Text
 from rag_kvcache.chat import earlier_answers, unless_repeated
 from rag_kvcache.errors import RagKVCacheError
 from rag_kvcache.strategy import DEFAULT, Strategy
-from rag_kvcache.tools.cli.common import engine_options, open_engine, whole
+from rag_kvcache.tools.cli.common import Terminated, engine_options, open_engine, whole
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -226,6 +226,8 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             # said, and the session goes on with its history; one bad line ended it
             console.print(Text.assemble(("error: ", "red"), str(error)), highlight=False)
             continue
+        except Terminated:  # a SIGTERM ends the session
+            raise
         except KeyboardInterrupt:  # Ctrl-C stops this answer, not the session (nor its history)
             console.print("\n[red]answer stopped[/red] (Ctrl-C at the prompt, or /quit, ends)")
             continue

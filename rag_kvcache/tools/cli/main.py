@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from rag_kvcache.tools.cli import calibration, documents, markup, measure, serve, store
-from rag_kvcache.tools.cli.common import close_opened, output_folder
+from rag_kvcache.tools.cli.common import close_opened, output_folder, terminate_as_ctrl_c
 
 
 class DefaultsShown(argparse.HelpFormatter):
@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     try:
         try:
-            if isinstance(out := getattr(args, "out", None), Path):
-                output_folder(out)
-            return int(args.run(args, console))
+            with terminate_as_ctrl_c():
+                if isinstance(out := getattr(args, "out", None), Path):
+                    output_folder(out)
+                return int(args.run(args, console))
         finally:  # (a Ctrl-C meanwhile is caught below too)
             close_opened(args)
     except RagKVCacheError as e:  # bad input: say what and why, no traceback
