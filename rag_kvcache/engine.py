@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 import threading
 import time
@@ -293,7 +294,9 @@ class RagKVCache:
         """The ingested chunks most similar to `query` (cosine, best first), with cache IDs.
         Their KV starts moving from the durable tier into the hot tiers at once (`prefetch`),
         so the answer that follows finds it there or already on its way."""
-        hits = self.corpus.search(check_text(query), top_k, self.lm.fingerprint)
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
+            raise ConfigError(f"top_k must be a whole number >= 1, got {top_k!r}")  # (FAISS'
+        hits = self.corpus.search(check_text(query), int(top_k), self.lm.fingerprint)  # own)
         self.store.prefetch([h.cache_id for h in hits])
         return hits
 

@@ -897,3 +897,102 @@ def test_copies_of_the_llm_share_its_engine_and_keep_their_own_settings(smol) ->
     assert french not in llm.completion_to_prompt("Say hello.")
     updated = llm.model_copy(update={"system_prompt": french})
     assert french in updated.completion_to_prompt("Say hello.")
+
+
+# ----------------------------------------------------------------------------- careless input
+
+
+def test_a_node_of_nul_characters_is_a_blank_page_not_a_failed_run(smol, tmp_path: Path) -> None:
+    """NUL is no text (the engine drops it; some PDFs' text holds it), yet a node of NULs
+    alone counted as text: the run failed as an empty chunk after the documents before it
+    were written, and an answer retrieving such a node failed."""
+    durable = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path / "kv")), lm=smol)
+    documents = [
+        Document(text="The Hallam Point lighthouse was designed by Mara Quell.", id_="a.pdf"),
+        Document(text="\x00\x00\n\x00", id_="b.pdf"),
+        Document(text="The Orrin Vale ferry leaves at 7:40 every morning.", id_="c.pdf"),
+    ]
+    pipeline = IngestionPipeline(
+        transformations=[
+            token_splitter(smol.tokenizer, chunk_tokens=64),
+            KVCacheTransform(durable, index_documents=True),
+        ]
+    )
+    with pytest.warns(UserWarning, match="1 node"):
+        pipeline.run(documents=documents)
+    assert {h.source for h in durable.retrieve("lighthouse ferry", top_k=5)} == {"a.pdf", "c.pdf"}
+    nul = NodeWithScore(node=TextNode(text="\x00\n\x00"))
+    good = NodeWithScore(node=TextNode(text=DOCS["lighthouse"]))
+    answer = KVCacheSynthesizer(KVCacheLLM(durable)).synthesize(QUESTION, [nul, good])
+    assert answer.metadata is not None
+    assert cache_ids_of(durable, [nul.node, good.node]) == [good.node.metadata["cache_id"]]
+
+
+def test_a_cache_id_copied_from_another_node_is_not_trusted(engine) -> None:
+    """The tag hashed the node's text alone: another chunk's valid ID copied into a node's
+    metadata was taken, and the model read that chunk instead of the text the node shows."""
+    lighthouse, harbor = TextNode(text=DOCS["lighthouse"]), TextNode(text=DOCS["harbor"])
+    KVCacheTransform(engine)([lighthouse, harbor])
+    harbor.metadata["cache_id"] = lighthouse.metadata["cache_id"]
+    assert cache_ids_of(engine, [harbor]) == engine.generate_context_cache([DOCS["harbor"]])
+    assert harbor.metadata["cache_id"] != lighthouse.metadata["cache_id"]
+
+
+def test_document_ids_the_store_cannot_name_fail_the_run_before_anything_is_written(
+    smol, tmp_path: Path
+) -> None:
+    """LlamaIndex takes any string as a document id; the store names a document by at most
+    1024 characters and no NUL. One such id failed the run after the documents before it
+    were written (which a docstore then skips for good)."""
+    durable = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path / "kv")), lm=smol)
+    pipeline = IngestionPipeline(
+        transformations=[
+            token_splitter(smol.tokenizer, chunk_tokens=64),
+            KVCacheTransform(durable, index_documents=True),
+        ]
+    )
+    for bad in ("x\x00y", "d" * 2000):
+        documents = [
+            Document(text=DOCS["lighthouse"], id_="good.md"),
+            Document(text=DOCS["harbor"], id_=bad),
+        ]
+        with pytest.raises(RagKVCacheError, match="cannot name a document in the store"):
+            pipeline.run(documents=documents)
+        assert durable.corpus.catalog.documents() == []
+
+
+def test_the_llms_system_prompt_leads_linked_questions_too(engine, nodes) -> None:
+    """`KVCacheLLM(system_prompt=...)` led plain prompts and LlamaIndex's own query engines'
+    prompts, but linked `complete` / `chat` calls (the plugin's synthesizer's) dropped it."""
+    told = "Answer in one word."
+    llm = KVCacheLLM(engine, strategy="naive", system_prompt=told)
+    cache_ids = [n.metadata["cache_id"] for n in nodes[:2]]
+    question = "When was the lighthouse first lit?"
+    expected = engine.generate(f"{told}\n\n{question}", cache_ids, strategy="naive")
+    done = llm.complete(question, cache_ids=cache_ids)
+    assert done.raw["question"] == f"{told}\n\n{question}"
+    assert done.raw["token_ids"] == list(expected.token_ids)
+    assert asyncio.run(llm.acomplete(question, cache_ids=cache_ids)).text == done.text
+    user = ChatMessage(role=MessageRole.USER, content=question)
+    system = ChatMessage(role=MessageRole.SYSTEM, content=told)
+    chat = llm.chat([user], cache_ids=cache_ids).raw["token_ids"]
+    assert (
+        chat
+        == KVCacheLLM(engine, strategy="naive")
+        .chat([system, user], cache_ids=cache_ids)
+        .raw["token_ids"]
+    )
+    # where LlamaIndex already put it first (`predict`), it is not said twice
+    assert llm.chat([system, user], cache_ids=cache_ids).raw["token_ids"] == chat
+    # formatted by LlamaIndex (its templates hold the system prompt): asked as it is
+    plain = KVCacheLLM(engine, strategy="naive").complete(question, cache_ids=cache_ids)
+    assert llm.complete(question, formatted=True, cache_ids=cache_ids).text == plain.text
+
+
+def test_a_top_k_that_is_not_a_whole_number_is_refused_at_once(engine) -> None:
+    """A float or bool top_k reached FAISS, which failed with its own TypeError."""
+    for bad in (1.5, True, 0, "3"):
+        with pytest.raises(ValueError, match="similarity_top_k must be a whole number"):
+            KVCacheRetriever(engine, similarity_top_k=bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="top_k must be a whole number >= 1"):
+            engine.retrieve("lighthouse", top_k=bad)  # type: ignore[arg-type]

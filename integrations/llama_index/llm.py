@@ -362,7 +362,7 @@ class KVCacheLLM(CustomLLM):
         Retrieved nodes found in the messages are linked: their text leaves the messages,
         and system messages (a LlamaIndex template's instructions) lead the question."""
         if kwargs.get("cache_ids") is not None:
-            return chat_question(messages, self._engine)
+            return chat_question(self._with_system_prompt(messages), self._engine)
         if self._retrieved is not None:
             texts = [message_text(m) for m in messages]
             found = [(m, text, self._retrieved.find(text)) for m, text in zip(messages, texts)]
@@ -373,7 +373,7 @@ class KVCacheLLM(CustomLLM):
                     ChatMessage(role=m.role, content=without(text, placed))
                     for m, text, placed in found
                 ]
-                return chat_question(rest, self._engine)
+                return chat_question(self._with_system_prompt(rest), self._engine)
         assert self.messages_to_prompt is not None  # set in __init__ or by the caller
         return self.messages_to_prompt(messages)
 
@@ -401,6 +401,7 @@ class KVCacheLLM(CustomLLM):
                 text, max_new_tokens=max_new_tokens, stream=True, **self._sampling(kwargs)
             )
         else:
+            prompt = self._linked_question(prompt, formatted)
             run = self._engine.generate(
                 prompt,
                 cache_ids,
@@ -427,6 +428,7 @@ class KVCacheLLM(CustomLLM):
                 text, max_new_tokens=max_new_tokens, **self._sampling(kwargs)
             )
         elif batchable(strategy):
+            prompt = self._linked_question(prompt, formatted)
             stream = self._engine.astream(
                 prompt,
                 cache_ids,
@@ -442,6 +444,24 @@ class KVCacheLLM(CustomLLM):
             # worker thread: the event loop runs on, but this request shares no batch.
             return _in_thread(self._generate(prompt, formatted, kwargs))
         return self._aresponses(stream, cache_ids, str(strategy), prompt)
+
+    def _linked_question(self, prompt: str, formatted: bool) -> str:
+        """A linked call's question: this LLM's `system_prompt` leads it, as a plain prompt's
+        turn and a chat's system messages lead theirs (a prompt LlamaIndex `formatted` holds
+        it already). It was dropped from linked calls only."""
+        if formatted or not self.system_prompt:
+            return prompt
+        return f"{self.system_prompt}\n\n{prompt}"
+
+    def _with_system_prompt(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+        """A linked chat's messages, this LLM's `system_prompt` first as a system message
+        unless one says it already (LlamaIndex's `predict` inserts it so)."""
+        system = self.system_prompt
+        if not system or any(
+            m.role == MessageRole.SYSTEM and message_text(m) == system for m in messages
+        ):
+            return list(messages)
+        return [ChatMessage(role=MessageRole.SYSTEM, content=system), *messages]
 
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[list[str] | None, Strategy, int | None]:
         """(cache IDs or None for a plain prompt, strategy, max_new_tokens) of one call."""

@@ -3,6 +3,7 @@ cache IDs, so the synthesizer links the stored KV and never re-encodes retrieved
 
 from __future__ import annotations
 
+import numbers
 from pathlib import PurePath
 from typing import Any
 
@@ -22,8 +23,11 @@ class KVCacheRetriever(BaseRetriever):
     and LLM text: the chunk's text is what was embedded and cached)."""
 
     def __init__(self, engine: RagKVCache, similarity_top_k: int = 4, **kwargs: Any):
-        if similarity_top_k < 1:
-            raise ValueError(f"similarity_top_k must be >= 1, got {similarity_top_k}")
+        whole = isinstance(similarity_top_k, numbers.Integral)
+        if not whole or isinstance(similarity_top_k, bool) or similarity_top_k < 1:
+            raise ValueError(
+                f"similarity_top_k must be a whole number >= 1, got {similarity_top_k!r}"
+            )
         super().__init__(**kwargs)
         self._engine = engine
         self.similarity_top_k = similarity_top_k

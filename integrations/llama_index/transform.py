@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.errors import InvalidNameError
+from rag_kvcache.storage.layout import RULES, is_name, shown_name
 
 CACHE_ID_KEY = "cache_id"
-TAGGED_TEXT_KEY = "cache_id_text"  # a hash of the text the cache ID was given for
+TAGGED_TEXT_KEY = "cache_id_text"  # a hash of the cache ID with the text it was given for
 
 
 def node_text(node: BaseNode) -> str:
@@ -29,21 +30,26 @@ def node_text(node: BaseNode) -> str:
 
 
 def attach_cache_id(node: BaseNode, cache_id: str) -> BaseNode:
-    """Record `cache_id` in the node's metadata, with a hash of the text it was given for (a
-    node whose text is replaced later, e.g. by a sentence window, is no longer that chunk),
-    both hidden from embedding and from LLM prompts (hashes: they would only add noise to the
-    vector and tokens to a prompt)."""
+    """Record `cache_id` in the node's metadata, with a hash of it and the text it was given
+    for (`tag_hash`: a node whose text is replaced later, e.g. by a sentence window, is no
+    longer that chunk, nor is a node given another chunk's ID), both hidden from embedding and
+    from LLM prompts (hashes: they would only add noise to the vector and tokens to a
+    prompt)."""
     for key in (CACHE_ID_KEY, TAGGED_TEXT_KEY):
         for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
             if key not in excluded:
                 excluded.append(key)
     node.metadata[CACHE_ID_KEY] = cache_id
-    node.metadata[TAGGED_TEXT_KEY] = text_hash(node_text(node))
+    node.metadata[TAGGED_TEXT_KEY] = tag_hash(cache_id, node_text(node))
     return node
 
 
-def text_hash(text: str) -> str:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+def tag_hash(cache_id: str, text: str) -> str:
+    """The hash binding a cache ID to the text it was given for. Of the text alone, another
+    valid ID copied into the node's metadata (a node built from another's, a hand edit) was
+    trusted, and the model read that chunk instead of the text the node shows."""
+    pair = f"{cache_id}\n{text}".encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(pair, digest_size=16).hexdigest()
 
 
 def tagged_id(engine: RagKVCache, node: BaseNode) -> str | None:
@@ -51,9 +57,9 @@ def tagged_id(engine: RagKVCache, node: BaseNode) -> str | None:
     when the text changed since it was tagged, or the chunk is gone (expired, another store or
     model), or the tag is not an ID at all."""
     cache_id = node.metadata.get(CACHE_ID_KEY)
-    if not isinstance(cache_id, str) or node.metadata.get(TAGGED_TEXT_KEY) != text_hash(
-        node_text(node)
-    ):
+    if not isinstance(cache_id, str):
+        return None
+    if node.metadata.get(TAGGED_TEXT_KEY) != tag_hash(cache_id, node_text(node)):
         return None
     try:
         return cache_id if engine.store.contains(cache_id) else None
@@ -64,8 +70,9 @@ def tagged_id(engine: RagKVCache, node: BaseNode) -> str | None:
 def has_text(node: BaseNode) -> bool:
     """Whether the node holds something to encode: a blank page's node (SentenceSplitter makes
     one from an empty document) has nothing to link, and is left out rather than failing the
-    run or the answer it is part of."""
-    return bool(node_text(node).strip())
+    run or the answer it is part of. NUL counts as no text: the engine drops it (some PDFs'
+    text holds it), and a node of NULs alone then failed as an empty chunk."""
+    return bool(node_text(node).replace("\x00", "").strip())
 
 
 def cache_ids_of(engine: RagKVCache, nodes: Sequence[BaseNode]) -> list[str]:
@@ -188,6 +195,13 @@ class KVCacheTransform(TransformComponent):
                 UserWarning,
                 stacklevel=3,
             )
+        for source in positions:  # all checked before any is written: one bad name failed
+            if not is_name("document source", source):  # the run after the documents before
+                raise InvalidNameError(  # it were written (and a docstore then skips them)
+                    f"document id {shown_name(source)} cannot name a document in the store "
+                    f"(expected {RULES['document source'].allowed}): give the document "
+                    "another id_"
+                )
         tagged: list[tuple[BaseNode, str]] = []
         for source, where in positions.items():
             kept = [nodes[i] for i in where if has_text(nodes[i])]
