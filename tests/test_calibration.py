@@ -155,9 +155,14 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     torch.testing.assert_close(saved.vectors, whole.calibration.vectors)
     # stopped after 3 steps, then resumed to 6 (its teachers read back from the first
     # part): the same vectors as the run never stopped
-    calibrate(tiny32, replace(config, steps=3), tmp_path / "cut", items=ITEMS)
+    first = calibrate(tiny32, replace(config, steps=3), tmp_path / "cut", items=ITEMS)
     resumed = calibrate(tiny32, config, tmp_path / "cut", resume=True, items=ITEMS)
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
+    # the training minutes are those of both sessions, not the resumed one's alone
+    with safe_open(str(tmp_path / "cut" / CHECKPOINT), "pt") as f:
+        trained_s = float(f.metadata()["trained_s"])
+    assert resumed.train_minutes == pytest.approx(trained_s / 60)
+    assert resumed.train_minutes > first.train_minutes > 0
     torch.testing.assert_close(resumed.calibration.vectors, whole.calibration.vectors)
     with pytest.raises(CalibrationError, match=r"other settings \(lr: lr=0.05 there\)"):
         calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", resume=True, items=ITEMS)

@@ -410,15 +410,15 @@ def calibrate(
         # before a checkpoint is read: a resumed adapter is no longer the model alone
         kl_without = mean_kl(scratch, held, plain)
         kl_before = kl_without if config.kind == "lora" else mean_kl(scratch, held, initial)
-        start_step, losses = 0, list[float]()
+        start_step, losses, earlier_s = 0, list[float](), 0.0
         if resume and checkpoint.exists():
-            start_step, losses = _load_checkpoint(checkpoint, params, optimizer)
+            start_step, losses, earlier_s = _load_checkpoint(checkpoint, params, optimizer)
             if start_step > config.steps:  # its result would say fewer steps than it took
                 raise CalibrationError(
                     f"{checkpoint} is at step {start_step}, past --steps {config.steps}: resume "
                     f"with --steps {start_step} or more"
                 )
-        began = time.perf_counter()
+        began, trained_s = time.perf_counter(), earlier_s
         for step in range(start_step, config.steps):
             example = train[step_order(config.seed, step, len(train))]
             loss = example_kl(scratch, example, student)
@@ -434,12 +434,16 @@ def calibrate(
                     f"with a lower --lr than {config.learning_rate:g}"
                 )
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+                trained_s = earlier_s + time.perf_counter() - began
                 _save_checkpoint(
-                    checkpoint, config, lm, params, optimizer, step + 1, losses, trained_on
-                )
+                    checkpoint, config, lm, params, optimizer, step + 1, losses, trained_on,
+                    trained_s,
+                )  # fmt: skip
             if progress:
                 progress("train", step + 1, config.steps)
-        minutes = (time.perf_counter() - began) / 60
+        # the training of every session the result's steps were taken in, not this one's alone
+        # (as the last step's checkpoint keeps it)
+        minutes = trained_s / 60
         kl_after = mean_kl(scratch, held, student)
         recent = losses[-len(train) :] or [math.nan]
         loss_now = sum(recent) / len(recent)
@@ -578,8 +582,10 @@ def _save_checkpoint(
     step: int,
     losses: list[float],
     items: str,
+    trained_s: float,
 ) -> None:
-    """The parameters and AdamW's moments by name (`NAME`, `NAME/exp_avg`, ...), safetensors."""
+    """The parameters and AdamW's moments by name (`NAME`, `NAME/exp_avg`, ...), safetensors,
+    with the seconds the steps it holds took to train (over every session, for the report)."""
     tensors = {}
     for name, param in params.items():
         state = optimizer.state[param]
@@ -593,15 +599,16 @@ def _save_checkpoint(
         "step": str(step),
         "losses": json.dumps(losses),
         "items": items,
+        "trained_s": repr(trained_s),
     }
     write_atomically(path, save_safetensors(tensors, metadata=meta))
 
 
 def _load_checkpoint(
     path: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
-) -> tuple[int, list[float]]:
-    """The step and losses a checkpoint (`_check_checkpoint`ed) holds; its parameters and
-    AdamW's moments loaded into `params` and `optimizer`."""
+) -> tuple[int, list[float], float]:
+    """The step, losses and training seconds a checkpoint (`_check_checkpoint`ed) holds; its
+    parameters and AdamW's moments loaded into `params` and `optimizer`."""
     from safetensors import safe_open
 
     try:
@@ -611,6 +618,9 @@ def _load_checkpoint(
         step, losses = int(meta["step"]), json.loads(meta["losses"])
         if not isinstance(losses, list) or not all(isinstance(x, int | float) for x in losses):
             raise ValueError("its losses are not a list of numbers")
+        trained_s = float(meta.get("trained_s", "0"))  # (none kept before: counted from here)
+        if not 0 <= trained_s < math.inf:
+            raise ValueError(f"its training time is {trained_s}")
     except (OSError, SafetensorError, ValueError, KeyError, RecursionError) as e:  # (JSON too)
         raise CalibrationError(
             f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
@@ -630,4 +640,4 @@ def _load_checkpoint(
             "exp_avg": tensors[f"{name}/exp_avg"],
             "exp_avg_sq": tensors[f"{name}/exp_avg_sq"],
         }
-    return step, losses
+    return step, losses, trained_s
