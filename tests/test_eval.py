@@ -387,6 +387,73 @@ def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:
         other_run(other)
 
 
+def test_kept_against_a_report_of_other_items_is_refused_before_the_run(tmp_path: Path) -> None:
+    """`--kept-against` matched rows by item id alone: a report that asked other questions
+    under the same ids was counted against, and one missing items was found out only after
+    every item was answered (hours at 4K)."""
+    items = [
+        EvalItem(i, (f"The {i} tower is 12 metres tall.",), "How tall?", ("12",)) for i in "ab"
+    ]
+    rows = [{"item": i, "strategy": "prefill", "contains": True} for i in "ab"]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"items": rows, "item_digests": item_digests(items)}))
+    assert other_run(other, items).right == {("prefill", "a"): True, ("prefill", "b"): True}
+    asked_otherwise = [replace(items[0], question="How old?"), items[1]]
+    with pytest.raises(ConfigError, match="measured other questions or documents under 1"):
+        other_run(other, asked_otherwise)
+    with pytest.raises(ConfigError, match=r"has no prefill answer for items \['c'\]"):
+        other_run(other, [*items, replace(items[0], id="c")])
+    for bad in ('{"items": "x"}', '{"items": [1, 2]}', '{"items": [], "n": 1' + "1" * 5000 + "}"):
+        other.write_text(bad)  # an AttributeError, a TypeError, past Python's int digits
+        with pytest.raises(ConfigError, match="not an eval report"):
+            other_run(other, items)
+
+
+def test_dataset_lines_end_at_newlines_only_and_bad_ids_are_refused_at_load(
+    tmp_path: Path,
+) -> None:
+    """U+2028 / U+2029 / U+0085 are legal in a JSON string as they are, but splitlines() cut
+    lines there and refused the file; an id of 5000 digits or with a lone surrogate was a
+    traceback (the second only when the item was printed, after it was answered)."""
+    item = {"id": "a", "documents": [{"id": "d", "text": "The tower\u2028is 12 m."}]}
+    item |= {"question": "How tall\u0085is it?", "answers": ["12"]}
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps(item, ensure_ascii=False) + "\n" + json.dumps(item | {"id": "b"}))
+    assert "\u2028" in path.read_text() and "\u0085" in path.read_text()
+    loaded = load_dataset(path)
+    assert [i.id for i in loaded] == ["a", "b"] and loaded[0].question == "How tall\u0085is it?"
+    for bad_id in ('"x\\ud800"', "1" * 5000):
+        line = json.dumps(item).replace('"id": "a"', f'"id": {bad_id}')
+        path.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=f"{path.name}:1: expected"):
+            load_dataset(path)
+
+
+def test_a_journal_that_measured_nothing_does_not_block_the_next_run(tmp_path: Path) -> None:
+    """A run refused after it wrote its journal's header (a strategy needing a schema, a bad
+    question) left a journal of no rows, which refused the corrected command as "an
+    unfinished run with other settings". With rows in it, it still does."""
+    items = [EvalItem("a", ("The tower is 12 metres tall.",), "How tall?", ("12",))]
+    path = tmp_path / "eval.partial.jsonl"
+    Journal(path, {"strategies": ["positions"]}, item_digests(items))  # the refused run's
+    fixed = Journal(path, {"strategies": ["naive"]}, item_digests(items))
+    assert fixed.results() == {}
+    assert json.loads(path.read_text().splitlines()[0]) == {"settings": {"strategies": ["naive"]}}
+    fixed.append([_result("a", "naive", True)])
+    with pytest.raises(ConfigError, match="unfinished run with other settings"):
+        Journal(path, {"strategies": ["legolink:2"]}, item_digests(items))
+
+
+def test_a_report_whose_items_are_not_rows_is_one_line(tmp_path: Path) -> None:
+    """`"items": "x"` in a report to --reuse or --combine was an AttributeError traceback."""
+    items = [EvalItem("a", ("The tower is 12 metres tall.",), "How tall?", ("12",))]
+    report = tmp_path / "eval.json"
+    for bad in ("x", {"a": 1}, [1], ["x"]):
+        report.write_text(json.dumps({"items": bad, "teacher_tokens": 0}))
+        with pytest.raises(ConfigError, match="not an eval report"):
+            reused_rows(report, {"teacher_tokens": 0}, items)
+
+
 def test_kept_against_another_runs_prefill_in_the_same_placement(tmp_path: Path) -> None:
     """A LoRA-adapted model's links against the base model's prefill with their placement."""
     other = tmp_path / "base.json"

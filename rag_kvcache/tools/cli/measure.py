@@ -359,8 +359,9 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         import hashlib
 
         facts["calibration"] = hashlib.sha256(args.calibration.read_bytes()).hexdigest()
-    # read before answering: a report that cannot be read is refused before the run, not after
-    other = other_run(args.kept_against) if args.kept_against else None
+    # read before answering: a report that cannot be read, or that answered other items, is
+    # refused before the run, not after it
+    other = other_run(args.kept_against, items) if args.kept_against else None
     reuse = None
     if args.reuse is not None:
         reuse = reused_rows(args.reuse, facts, items)

@@ -36,7 +36,7 @@ from rag_kvcache.tools.diagnosis.records import (
     Outcome,
 )
 from rag_kvcache.tools.diagnosis.summary import json_ready, readable_json, summary
-from rag_kvcache.tools.eval.dataset import EvalItem, read_json_text
+from rag_kvcache.tools.eval.dataset import EvalItem, json_lines
 from rag_kvcache.tools.metrics import contains_answer
 
 
@@ -128,9 +128,7 @@ def load_gold(path: Path) -> dict[str, Gold]:
     the rest of each line). A `meta` that names no document of its item is a ConfigError
     naming the line: a 7 among 4 documents failed after the model had answered."""
     gold = {}
-    for number, line in enumerate(read_json_text(Path(path)).splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in json_lines(path):  # (each line checked by `load_dataset` first)
         raw = json.loads(line)
         meta = raw.get("meta") or {}
         if not isinstance(meta, dict):

@@ -6,6 +6,7 @@ retriever returns them (`in_retrieval_order`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,13 +41,20 @@ def _text(value: object, what: str) -> str:
     return value
 
 
+def json_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a JSONL file's lines that are not blank. Lines end at "\n" only:
+    `str.splitlines` also cuts at U+2028, U+2029 and U+0085, which JSON strings may hold as
+    they are (`json.dumps(ensure_ascii=False)` writes them so), and refused such a file."""
+    for number, line in enumerate(read_json_text(Path(path)).split("\n"), 1):
+        if line.strip():
+            yield number, line
+
+
 def load_dataset(path: Path) -> list[EvalItem]:
     """Read a JSONL QA set; a malformed line is an error naming the line and the field."""
     items = []
     first_line: dict[str, int] = {}
-    for number, line in enumerate(read_json_text(Path(path)).splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in json_lines(path):
         where = f"{path}:{number}"
         try:
             raw = json.loads(line)
@@ -58,11 +66,13 @@ def load_dataset(path: Path) -> list[EvalItem]:
             item_id = raw["id"]
             if not isinstance(item_id, str | int) or isinstance(item_id, bool):
                 raise TypeError(f"id must be a string or a number, not {type(item_id).__name__}")
+            str(item_id).encode("utf-8")  # a lone surrogate failed when the item was printed
             item = EvalItem(
                 str(item_id), documents, _text(raw["question"], "the question"), answers
             )
-        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:  # (nested
-            raise ConfigError(  # past Python's recursion limit: a line of 100,000 "[")
+        # (ValueError: JSON's, a number past Python's 4300 digits, a lone surrogate in the id;
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested
+            raise ConfigError(  # past Python's recursion limit, a line of 100,000 "[")
                 f"{where}: expected {{id, documents: [{{id, text}}], question, answers}} ({e!r})"
             ) from None
         if not documents or not answers or not item.question.strip():

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.strategy import Strategy
-from rag_kvcache.tools.eval.dataset import read_json_text
+from rag_kvcache.tools.eval.dataset import EvalItem, read_json_text
 from rag_kvcache.tools.eval.results import ItemResult, baseline
+from rag_kvcache.tools.eval.reuse import check_same_items
 from rag_kvcache.tools.metrics import (
     Estimate,
     kept,
@@ -52,17 +53,27 @@ class OtherRun:
     right: Mapping[tuple[str, str], bool]  # (strategy, item) -> the gold answer in the output
 
 
-def other_run(report: Path) -> OtherRun:
-    """The answered rows of another run's eval report."""
+def other_run(report: Path, items: Sequence[EvalItem] | None = None) -> OtherRun:
+    """The answered rows of another run's eval report. With this run's `items`, checked
+    before the run (not after it, hours later at 4K): the report answered each of them with
+    `prefill`, and on the same questions and documents (`check_same_items`)."""
     text = read_json_text(Path(report))
     try:
         data = json.loads(text)
-        answered = [r for r in data["items"] if "contains" in r]
+        rows = data["items"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise TypeError("items must be a list of objects")
+        answered = [r for r in rows if "contains" in r]
         if wrong := [r["contains"] for r in answered if not isinstance(r["contains"], bool)]:
             raise TypeError(f"contains must be true or false, not {wrong[0]!r}")  # "no" is truthy
         right = {(str(r["strategy"]), str(r["item"])): r["contains"] for r in answered}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # (JSON's too)
         raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
+    if items is not None:
+        if missing := [i.id for i in items if ("prefill", i.id) not in right]:
+            raise ConfigError(f"{report} has no prefill answer for items {missing[:5]}")
+        ids = {i.id for i in items}
+        check_same_items(report, data, ids, items, "count what this run keeps")
     return OtherRun(str(report), str(data.get("dtype")), right)
 
 

@@ -38,7 +38,7 @@ class Journal:
                 header = json.loads(lines[0]) if lines else None
             except (json.JSONDecodeError, RecursionError):
                 header = None
-            if header != {"settings": settings}:
+            if header != {"settings": settings} and any(line.strip() for line in lines[1:]):
                 raise ConfigError(
                     f"{self.path} holds an unfinished run with other settings (or is not an "
                     f"eval journal); delete it or write to another --out"
@@ -85,6 +85,8 @@ def item_result(row: dict[str, Any]) -> ItemResult:
     """An ItemResult from its JSON form (a report's or a journal's row); a value of another
     kind is a TypeError (`"contains": "no"` would count as right), one that no measurement
     gives (an F1 of 7, a negative or NaN TTFT) a ValueError."""
+    if not isinstance(row, dict):  # (a report's "items": "x" gave an AttributeError)
+        raise TypeError(f"a row must be an object, not {type(row).__name__}")
     # a measurement without a value is null in the JSON (`report_json`), NaN here
     unmeasured = {name: math.nan for name in ("kl", "top1") if row.get(name, 0) is None}
     result = ItemResult(**{**row, **unmeasured, "token_ids": tuple(row["token_ids"])})
@@ -135,6 +137,7 @@ def _line(line: str) -> tuple[str | None, list[ItemResult] | None]:
     try:
         data = json.loads(line)
         rows = [item_result(row) for row in data["rows"]]
-    except (ValueError, TypeError, KeyError, RecursionError):  # (JSON errors too)
+        digest = data.get("digest")
+    except (ValueError, TypeError, KeyError, RecursionError, AttributeError):  # (JSON's too)
         return None, None
-    return data.get("digest"), rows or None
+    return digest, rows or None
