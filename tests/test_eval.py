@@ -863,6 +863,16 @@ def test_reports_of_one_setup_are_combined_into_one_run(tmp_path: Path, capsys) 
         {"c": {P: True, R: True, O: True, C: False, "legolink:2": True},
          "d": {P: False, R: False, O: True, C: True, "legolink:2": True}},
     )  # fmt: skip
+    # --out onto a combined report's own name replaced it (and its table and plots) unasked
+    within = tmp_path / "1k-run"
+    within.mkdir()
+    (within / "eval.json").write_bytes(one.read_bytes())
+    kept_bytes = one.read_bytes()
+    assert (
+        main(["eval", "--combine", str(within / "eval.json"), str(two), "--out", str(within)]) == 1
+    )
+    assert "would write over" in " ".join(capsys.readouterr().out.split())
+    assert (within / "eval.json").read_bytes() == kept_bytes
     out = tmp_path / "both"
     assert main(["eval", "--combine", str(one), str(two), "--out", str(out)]) == 0
     assert "left out, not in every report: legolink:2" in capsys.readouterr().out

@@ -440,6 +440,10 @@ def schema_with(body: str) -> str:
             "cannot hold both 'm' and 'n': they are members of one <union>",
         ),
         (schema_with("<module name='m'>" * 70 + "x" + "</module>" * 70), "nest more than 64"),
+        (  # the rule said "letters", and an accented one was refused without saying why
+            schema_with('<module name="été">x</module>'),
+            "needs a name of a letter A-Z or a-z, or '_', then .* \\(got 'été'\\)",
+        ),
         (
             '<!DOCTYPE s [<!ENTITY x SYSTEM "file:///etc/hostname">]>'
             + schema_with('<module name="m">&x;</module>'),

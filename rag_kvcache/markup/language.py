@@ -285,7 +285,10 @@ class _Compiler:
     def module(self, node: Element, pos: int, parent: str | None, union: int | None) -> int:
         name = node.attrs.get("name", "")
         if not NAME.fullmatch(name):
-            raise MarkupError(f"{node.where()}: <module> needs a name (letters, digits, -_.)")
+            raise MarkupError(
+                f"{node.where()}: <module> needs a name of a letter A-Z or a-z, or '_', then "
+                f"letters, digits, '_', '.' or '-' (got {name!r})"
+            )
         if name in ROLES:  # a prompt's <user/> is a turn, so such a module could not be used
             raise MarkupError(f"{node.where()}: a module cannot be named {name!r}, like a role")
         path = name if parent is None else f"{parent}/{name}"

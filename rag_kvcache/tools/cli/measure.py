@@ -449,11 +449,18 @@ def kept_against_other(
 
 def combine_command(args: argparse.Namespace, console: Console) -> int:
     """`eval --combine`: several reports written as one (`eval.reuse.combined`)."""
+    from rag_kvcache.errors import ConfigError
     from rag_kvcache.tools.eval.floor import other_run
     from rag_kvcache.tools.eval.report import comparisons, report_dict, save_eval
     from rag_kvcache.tools.eval.results import markdown_table, summarize
     from rag_kvcache.tools.eval.reuse import combined
 
+    written = (args.out / "eval.json").resolve()
+    if any(Path(report).resolve() == written for report in args.combine):
+        raise ConfigError(  # (it replaced the report, and its table and plots, unasked)
+            f"--out {args.out} would write over {written}, one of the reports combined: "
+            "write to another --out"
+        )
     both = combined(args.combine)
     if both.dropped:
         console.print(f"left out, not in every report: {', '.join(both.dropped)}", markup=False)
