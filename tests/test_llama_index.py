@@ -397,6 +397,9 @@ def test_sampling_settings_reach_the_engine_and_unknown_arguments_are_refused(
         KVCacheLLM(engine, temprature=0.5)
     with pytest.raises(RagKVCacheError, match="temperature"):
         KVCacheLLM(engine, temperature=-1.0)
+    for flag in ("max_new_tokens", "seed"):  # pydantic made True a 1
+        with pytest.raises(RagKVCacheError, match=f"{flag} .*True"):
+            KVCacheLLM(engine, **{flag: True})
     window = engine.lm.max_context
     for length in (0, window, 10**9):  # LlamaIndex leaves the prompt the window less these
         with pytest.raises(ValueError, match=f"below the model's window of {window}"):

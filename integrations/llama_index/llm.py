@@ -196,6 +196,9 @@ class KVCacheLLM(CustomLLM):
                 f"max_new_tokens must be >= 1 and below the model's window of {window}, got "
                 f"{max_new_tokens}"
             )
+        # as given, before pydantic makes a True 1 (as a per-call value is refused, too)
+        sampling = {name: kwargs.get(name) for name in ("temperature", "top_p", "seed")}
+        engine.generation_config(max_new_tokens, **sampling)
         unknown = sorted(set(kwargs) - set(type(self).model_fields))
         if unknown:  # pydantic would drop them silently
             where = (
