@@ -408,6 +408,11 @@ def test_sampling_settings_reach_the_engine_and_unknown_arguments_are_refused(
         KVCacheLLM(engine).complete(question, max_new_tokens=0)  # not the default instead
     with pytest.raises(TypeError, match="not one string"):
         KVCacheLLM(engine).complete(question, cache_ids=cache_ids[0])
+    for prompt in (None, b"When?"):  # answered as an empty prompt
+        with pytest.raises(TypeError, match="a prompt is text"):
+            KVCacheLLM(engine).complete(prompt)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="a prompt is text"):
+            asyncio.run(KVCacheLLM(engine).acomplete(prompt, cache_ids=cache_ids))  # type: ignore[arg-type]
     for call in (dict(cache_ids=cache_ids), {}):  # a plain call too: it was ignored there
         for name in ("bogus", ""):  # "" is a bad name, not "not given"
             with pytest.raises(StrategyError, match=f"unknown link strategy '{name}'"):

@@ -383,6 +383,8 @@ class KVCacheLLM(CustomLLM):
     def _link_found(self, prompt: str, kwargs: dict[str, Any]) -> str:
         """A plain prompt holding retrieved nodes: link them (`cache_ids` set in `kwargs`)
         and return the rest of the prompt, the question; else the prompt as it is."""
+        if not isinstance(prompt, str):  # None or bytes were answered as an empty prompt
+            raise TypeError(f"a prompt is text (str), not {type(prompt).__name__}")
         if kwargs.get("cache_ids") is not None or self._retrieved is None:
             return prompt
         placed = self._retrieved.find(prompt)
