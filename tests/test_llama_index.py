@@ -1004,3 +1004,19 @@ def test_a_top_k_that_is_not_a_whole_number_is_refused_at_once(engine) -> None:
             KVCacheRetriever(engine, similarity_top_k=bad)  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="top_k must be a whole number >= 1"):
             engine.retrieve("lighthouse", top_k=bad)  # type: ignore[arg-type]
+
+
+def test_a_system_prompt_is_said_once_through_llamaindexs_own_query_engine(
+    engine, index, embed_model, events, monkeypatch
+) -> None:
+    """LlamaIndex's `predict` puts the LLM's `system_prompt` first as a system message; the
+    linked chat's question must hold it once, whatever its spacing (the message is tidied
+    when the retrieved nodes' text is cut out of it, and then no longer matched)."""
+    told = "Answer in one word.\n"  # a trailing newline, as a triple-quoted string has
+    llm = KVCacheLLM(engine, strategy="naive", system_prompt=told)
+    monkeypatch.setattr(Settings, "_llm", llm)
+    monkeypatch.setattr(Settings, "_embed_model", embed_model)
+    index.as_query_engine(similarity_top_k=2).query(QUESTION)
+    [raw] = asked(events)
+    assert raw["question"].count("Answer in one word.") == 1, raw["question"]
+    assert raw["question"].startswith("Answer in one word.")

@@ -365,7 +365,7 @@ class KVCacheLLM(CustomLLM):
         Retrieved nodes found in the messages are linked: their text leaves the messages,
         and system messages (a LlamaIndex template's instructions) lead the question."""
         if kwargs.get("cache_ids") is not None:
-            return chat_question(self._with_system_prompt(messages), self._engine)
+            return chat_question(self._with_system_prompt(messages, messages), self._engine)
         if self._retrieved is not None:
             texts = [message_text(m) for m in messages]
             found = [(m, text, self._retrieved.find(text)) for m, text in zip(messages, texts)]
@@ -376,7 +376,7 @@ class KVCacheLLM(CustomLLM):
                     ChatMessage(role=m.role, content=without(text, placed))
                     for m, text, placed in found
                 ]
-                return chat_question(self._with_system_prompt(rest), self._engine)
+                return chat_question(self._with_system_prompt(rest, messages), self._engine)
         assert self.messages_to_prompt is not None  # set in __init__ or by the caller
         return self.messages_to_prompt(messages)
 
@@ -458,12 +458,15 @@ class KVCacheLLM(CustomLLM):
             return prompt
         return f"{self.system_prompt}\n\n{prompt}"
 
-    def _with_system_prompt(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
-        """A linked chat's messages, this LLM's `system_prompt` first as a system message
-        unless one says it already (LlamaIndex's `predict` inserts it so)."""
+    def _with_system_prompt(
+        self, messages: Sequence[ChatMessage], given: Sequence[ChatMessage]
+    ) -> list[ChatMessage]:
+        """A linked chat's `messages`, this LLM's `system_prompt` first as a system message
+        unless the caller's messages (`given`, before any node's text was cut out of them)
+        hold it already: LlamaIndex's `predict` inserts it so."""
         system = self.system_prompt
         if not system or any(
-            m.role == MessageRole.SYSTEM and message_text(m) == system for m in messages
+            m.role == MessageRole.SYSTEM and message_text(m) == system for m in given
         ):
             return list(messages)
         return [ChatMessage(role=MessageRole.SYSTEM, content=system), *messages]

@@ -36,7 +36,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from rag_kvcache.integrations.llama_index.llm import KVCacheLLM
 from rag_kvcache.integrations.llama_index.recognition import tidy
-from rag_kvcache.integrations.llama_index.transform import cache_ids_of
+from rag_kvcache.integrations.llama_index.transform import cache_ids_of, holds_text
 
 dispatcher = get_dispatcher(__name__)
 
@@ -174,7 +174,7 @@ class KVCacheSynthesizer(BaseSynthesizer):
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         """Plain texts (the BaseSynthesizer contract): cached (if new) and linked in order."""
-        chunks = [text for text in text_chunks if text.strip()]  # a blank one: nothing to link
+        chunks = [text for text in text_chunks if holds_text(text)]  # a blank one: none to link
         cache_ids = self._kv_llm.engine.generate_context_cache(chunks)
         return self._answer(self.question(query_str), cache_ids, {}, **response_kwargs)
 
@@ -182,7 +182,7 @@ class KVCacheSynthesizer(BaseSynthesizer):
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         engine = self._kv_llm.engine
-        chunks = [text for text in text_chunks if text.strip()]  # a blank one: nothing to link
+        chunks = [text for text in text_chunks if holds_text(text)]  # a blank one: none to link
         cache_ids = await asyncio.to_thread(engine.generate_context_cache, chunks)
         return await self._aanswer(self.question(query_str), cache_ids, {}, **response_kwargs)
 

@@ -70,9 +70,14 @@ def tagged_id(engine: RagKVCache, node: BaseNode) -> str | None:
 def has_text(node: BaseNode) -> bool:
     """Whether the node holds something to encode: a blank page's node (SentenceSplitter makes
     one from an empty document) has nothing to link, and is left out rather than failing the
-    run or the answer it is part of. NUL counts as no text: the engine drops it (some PDFs'
-    text holds it), and a node of NULs alone then failed as an empty chunk."""
-    return bool(node_text(node).replace("\x00", "").strip())
+    run or the answer it is part of."""
+    return holds_text(node_text(node))
+
+
+def holds_text(text: str) -> bool:
+    """Whether a chunk's text is more than whitespace and NUL: the engine drops NUL (some
+    PDFs' text holds it), and a text of NULs alone then failed as an empty chunk."""
+    return bool(text.replace("\x00", "").strip())
 
 
 def cache_ids_of(engine: RagKVCache, nodes: Sequence[BaseNode]) -> list[str]:
