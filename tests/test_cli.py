@@ -378,6 +378,17 @@ def test_bench_store_with_a_redis_that_does_not_answer_is_one_line(
     monkeypatch.setattr(store, "LOCAL_REDIS", "redis://127.0.0.1:1/0")
     assert store.redis_to_time(None) is None
     assert "no Redis answers at redis://127.0.0.1:1/0" in capsys.readouterr().err
+    # without the redis extra: no Redis tier unless one is asked for
+    from rag_kvcache.extras import MissingExtraError
+
+    def not_installed(*args: object, **kwargs: object) -> None:
+        raise MissingExtraError("the Redis blob tier needs redis, which is not installed")
+
+    monkeypatch.setattr(store, "RedisTier", not_installed)
+    assert store.redis_to_time(None) is None
+    assert "the redis package is not installed" in capsys.readouterr().err
+    with pytest.raises(MissingExtraError):
+        store.redis_to_time("redis://127.0.0.1:6379/0")
 
 
 def test_verify_repairs_with_the_model_that_encoded_the_chunks(tmp_path: Path, capsys) -> None:
@@ -871,6 +882,24 @@ def test_a_second_ctrl_c_while_closing_stops_at_once() -> None:
         os.kill(os.getpid(), signal.SIGINT)
         reached.append("second held")
     assert reached == ["first held"] and signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_sigterm_while_closing_is_held_as_a_ctrl_c_is() -> None:
+    """A SIGTERM is taken as a Ctrl-C for the whole command, closing included: held until
+    the stores are closed, then raised (it ended the process in the middle of the close)."""
+    import signal
+
+    from rag_kvcache.tools.cli.common import ctrl_c_held, terminate_as_ctrl_c
+
+    reached, handler = [], signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), terminate_as_ctrl_c(), ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            reached.append("held")
+        assert reached == ["held"]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # as it was before
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def test_a_ctrl_c_held_goes_to_the_handler_there_was_before() -> None:

@@ -90,7 +90,7 @@ def test_the_bootstrap_interval_of_a_constant_is_a_point() -> None:
         assert estimate.low == estimate.value == estimate.high == 100.0 * right[0]
     assert kept([True] * 30, [True] * 30) == Estimate(100.0, 100.0, 100.0, 30)
     assert str(kept([True] * 30, [True] * 30)) == "100.0% [100.0, 100.0] (n=30)"
-    assert str(kept([False] * 4, [True] * 4)) == "none to count (n=0)"  # was "nan% [nan, nan]"
+    assert str(kept([False] * 4, [True] * 4)) == "n/a (n=0: no right answer to keep)"  # was nan%
 
 
 def test_kept_counts_only_the_items_the_baseline_gets_right() -> None:
@@ -387,7 +387,9 @@ def test_kept_against_another_runs_prefill(tmp_path: Path) -> None:
         other_run(other)
 
 
-def test_kept_against_a_report_of_other_items_is_refused_before_the_run(tmp_path: Path) -> None:
+def test_kept_against_a_report_of_other_items_is_refused_before_the_run(
+    tmp_path: Path, capsys
+) -> None:
     """`--kept-against` matched rows by item id alone: a report that asked other questions
     under the same ids was counted against, and one missing items was found out only after
     every item was answered (hours at 4K)."""
@@ -396,17 +398,38 @@ def test_kept_against_a_report_of_other_items_is_refused_before_the_run(tmp_path
     ]
     rows = [{"item": i, "strategy": "prefill", "contains": True} for i in "ab"]
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"items": rows, "item_digests": item_digests(items)}))
-    assert other_run(other, items).right == {("prefill", "a"): True, ("prefill", "b"): True}
-    asked_otherwise = [replace(items[0], question="How old?"), items[1]]
-    with pytest.raises(ConfigError, match="measured other questions or documents under 1"):
-        other_run(other, asked_otherwise)
+    facts = {"item_digests": item_digests(items), "document_order": "as in the dataset"}
+    other.write_text(json.dumps({"items": rows, **facts}))
+    ours = item_digests(items)
+    assert other_run(other, ours, "as in the dataset").right == {
+        ("prefill", "a"): True,
+        ("prefill", "b"): True,
+    }
+    asked_otherwise = item_digests([replace(items[0], question="How old?"), items[1]])
+    with pytest.raises(ConfigError, match=r"other questions or documents under 1 .*\(a\):"):
+        other_run(other, asked_otherwise, "as in the dataset")
     with pytest.raises(ConfigError, match=r"has no prefill answer for items \['c'\]"):
-        other_run(other, [*items, replace(items[0], id="c")])
+        other_run(other, ours | {"c": "0" * 16}, "as in the dataset")
+    with pytest.raises(ConfigError, match="read each item's documents in another order"):
+        other_run(other, ours, "retrieval")
     for bad in ('{"items": "x"}', '{"items": [1, 2]}', '{"items": [], "n": 1' + "1" * 5000 + "}"):
         other.write_text(bad)  # an AttributeError, a TypeError, past Python's int digits
         with pytest.raises(ConfigError, match="not an eval report"):
-            other_run(other, items)
+            other_run(other, ours)
+    # the command checks it before answering any item: no row measured
+    dataset = tmp_path / "set.jsonl"
+    lines = [
+        {"id": i.id, "documents": [{"id": "d", "text": i.documents[0]}]}
+        | {"question": i.question, "answers": list(i.answers)}
+        for i in items
+    ]
+    dataset.write_text("\n".join(json.dumps(line) for line in lines))
+    other.write_text(json.dumps({"items": rows, **facts, "item_digests": asked_otherwise}))
+    out = tmp_path / "run"
+    args = ["eval", str(dataset), "--strategies", "naive", "--teacher-tokens", "0"]
+    assert main([*args, "--kept-against", str(other), "--out", str(out)]) == 1
+    assert "other questions or documents" in " ".join(capsys.readouterr().out.split())
+    assert not (out / "eval.partial.jsonl").exists() and not (out / "eval.json").exists()
 
 
 def test_dataset_lines_end_at_newlines_only_and_bad_ids_are_refused_at_load(
@@ -424,6 +447,11 @@ def test_dataset_lines_end_at_newlines_only_and_bad_ids_are_refused_at_load(
     assert [i.id for i in loaded] == ["a", "b"] and loaded[0].question == "How tall\u0085is it?"
     for bad_id in ('"x\\ud800"', "1" * 5000):
         line = json.dumps(item).replace('"id": "a"', f'"id": {bad_id}')
+        path.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=f"{path.name}:1: expected"):
+            load_dataset(path)
+    for field in ("question", "answers"):  # a lone surrogate in any text: at load, not mid-run
+        line = json.dumps(item | {field: "x\ud800" if field == "question" else ["x\ud800"]})
         path.write_text(line + "\n")
         with pytest.raises(ConfigError, match=f"{path.name}:1: expected"):
             load_dataset(path)
@@ -692,7 +720,7 @@ def test_a_run_reusing_an_earlier_runs_rows_equals_a_run_of_everything(
         EvalItem("b", ("The b tower is 31 metres tall.", "Gulls."), "How tall?", ("31",)),
     ]
     with pytest.raises(
-        ConfigError, match=r"other questions or documents under 1 of these ids, .* \(b\.\.\.\)"
+        ConfigError, match=r"other questions or documents under 1 of these ids, .* \(b\):"
     ):
         reused_rows(report, settings, edited)
     assert set(reused_rows(report, settings, items[:1])) == {"a"}  # fewer items: fine

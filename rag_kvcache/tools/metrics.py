@@ -77,7 +77,7 @@ class Estimate:
 
     def __str__(self) -> str:
         if self.n == 0:  # no item to measure it on (a baseline that got none right)
-            return "none to count (n=0)"
+            return "n/a (n=0: no right answer to keep)"
         return f"{self.value:.1f}% [{self.low:.1f}, {self.high:.1f}] (n={self.n})"
 
 

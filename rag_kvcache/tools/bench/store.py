@@ -32,6 +32,7 @@ from rich.progress import Progress
 from rag_kvcache.answer import Answer
 from rag_kvcache.config import EngineConfig, ModelConfig
 from rag_kvcache.engine import RagKVCache
+from rag_kvcache.extras import MissingExtraError
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.storage.disk import DiskTier
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
@@ -128,6 +129,8 @@ def bench_dtype(
     # from the CPU tier (pinned, fed layer by layer; the "cpu" row)
     gpu_bytes = 2 * n * docs[0].nbytes if lm.device.type == "cuda" else 0
     where = f"{dtype}-{context}"
+    # Redis first: a Redis gone since `redis_to_time` fails here, before any store is open
+    redis = RedisTier(redis_url, prefix=f"rag-kvcache-bench:{os.getpid()}:") if redis_url else None
     durables: list[tuple[str, TieredStore]] = [
         ("disk", TieredStore(root / f"disk-{where}", compress=None, gpu_bytes=gpu_bytes)),
         ("disk-int8", TieredStore(root / f"int8-{where}", compress="int8", gpu_bytes=gpu_bytes)),
@@ -136,9 +139,7 @@ def bench_dtype(
             TieredStore(root / f"bf16-{where}", compress="bfloat16", gpu_bytes=gpu_bytes),
         ),
     ]
-    if redis_url:  # checked to answer (`redis_to_time`)
-        prefix_key = f"rag-kvcache-bench:{os.getpid()}:"
-        redis = RedisTier(redis_url, prefix=prefix_key)
+    if redis is not None:
         store = TieredStore(root / f"redis-{where}", durable=redis, gpu_bytes=gpu_bytes)
         durables.append(("redis", store))
     cpu_ttft: float | None = None
@@ -288,10 +289,15 @@ def redis_to_time(url: str | None) -> str | None:
     None, said on stderr (a bench without a Redis measures the other tiers)."""
     try:
         RedisTier(url or LOCAL_REDIS, prefix="rag-kvcache-bench:").close()
-    except StoreUnavailableError:
+    except (StoreUnavailableError, MissingExtraError) as err:
         if url:
             raise
-        print(f"no Redis answers at {LOCAL_REDIS}: the Redis tier is not timed", file=sys.stderr)
+        why = (
+            "the redis package is not installed"
+            if isinstance(err, MissingExtraError)
+            else f"no Redis answers at {LOCAL_REDIS}"
+        )
+        print(f"{why}: the Redis tier is not timed", file=sys.stderr)
         return None
     return url or LOCAL_REDIS
 

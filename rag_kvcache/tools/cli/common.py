@@ -222,7 +222,7 @@ def terminate_as_ctrl_c() -> Iterator[None]:
     command exits with "interrupted" (130); where `ctrl_c_held` holds a Ctrl-C back, it is
     held too. Python's default for SIGTERM ends the process at once, leaving a bench's
     multi-gigabyte temporary store behind. `serve` sets its own while it runs (uvicorn's
-    graceful shutdown)."""
+    graceful shutdown, which exits 0, as on a Ctrl-C)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pypdf").setLevel(logging.ERROR)
     console = Console()
     try:
-        try:
-            with terminate_as_ctrl_c():
+        with terminate_as_ctrl_c():  # closing too: held there as a Ctrl-C is (ctrl_c_held)
+            try:
                 if isinstance(out := getattr(args, "out", None), Path):
                     output_folder(out)
                 return int(args.run(args, console))
-        finally:  # (a Ctrl-C meanwhile is caught below too)
-            close_opened(args)
+            finally:  # (a Ctrl-C meanwhile is caught below too)
+                close_opened(args)
     except RagKVCacheError as e:  # bad input: say what and why, no traceback
         console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)  # text, not markup
         return 1

@@ -361,7 +361,10 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
         facts["calibration"] = hashlib.sha256(args.calibration.read_bytes()).hexdigest()
     # read before answering: a report that cannot be read, or that answered other items, is
     # refused before the run, not after it
-    other = other_run(args.kept_against, items) if args.kept_against else None
+    other = None
+    if args.kept_against:
+        order = facts["document_order"]
+        other = other_run(args.kept_against, item_digests(items), order)
     reuse = None
     if args.reuse is not None:
         reuse = reused_rows(args.reuse, facts, items)
@@ -467,7 +470,11 @@ def combine_command(args: argparse.Namespace, console: Console) -> int:
     timed_report, timed_items = both.longest()
     summary = summarize(both.results, both.strategies, timed_items)
     facts = {**both.facts, "timed_report": timed_report}
-    other = other_run(args.kept_against) if args.kept_against else None
+    other = None
+    if args.kept_against:  # the combined items' digests, as each report kept them
+        digests = both.facts.get("item_digests")
+        known = digests if isinstance(digests, dict) else None  # (older parts: by id alone)
+        other = other_run(args.kept_against, known, both.facts.get("document_order"))
     if other is not None:
         facts["kept_against"] = kept_against_other(both.results, other, console)
     sections, compared = comparisons(both.results, both.strategies, other=other)

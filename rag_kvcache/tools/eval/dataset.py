@@ -38,6 +38,7 @@ def read_json_text(path: Path) -> str:
 def _text(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a string, not {type(value).__name__}")
+    value.encode("utf-8")  # a lone surrogate (a JSON escape) failed mid-run, items answered
     return value
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.strategy import Strategy
-from rag_kvcache.tools.eval.dataset import EvalItem, read_json_text
+from rag_kvcache.tools.eval.dataset import read_json_text
 from rag_kvcache.tools.eval.results import ItemResult, baseline
 from rag_kvcache.tools.eval.reuse import check_same_items
 from rag_kvcache.tools.metrics import (
@@ -53,10 +53,16 @@ class OtherRun:
     right: Mapping[tuple[str, str], bool]  # (strategy, item) -> the gold answer in the output
 
 
-def other_run(report: Path, items: Sequence[EvalItem] | None = None) -> OtherRun:
-    """The answered rows of another run's eval report. With this run's `items`, checked
-    before the run (not after it, hours later at 4K): the report answered each of them with
-    `prefill`, and on the same questions and documents (`check_same_items`)."""
+def other_run(
+    report: Path,
+    digests: Mapping[str, str] | None = None,
+    document_order: object = None,
+) -> OtherRun:
+    """The answered rows of another run's eval report. With this run's item `digests`
+    (`item_digests`: item id -> digest) and `document_order`, checked before the run (not
+    after it, hours later at 4K): the report answered each item with `prefill`, with the
+    documents in the same order, and on the same questions and documents
+    (`check_same_items`)."""
     text = read_json_text(Path(report))
     try:
         data = json.loads(text)
@@ -69,11 +75,16 @@ def other_run(report: Path, items: Sequence[EvalItem] | None = None) -> OtherRun
         right = {(str(r["strategy"]), str(r["item"])): r["contains"] for r in answered}
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # (JSON's too)
         raise ConfigError(f"{report}: not an eval report with prefill answers ({e!r})") from None
-    if items is not None:
-        if missing := [i.id for i in items if ("prefill", i.id) not in right]:
+    if digests is not None:
+        if missing := [i for i in digests if ("prefill", i) not in right]:
             raise ConfigError(f"{report} has no prefill answer for items {missing[:5]}")
-        ids = {i.id for i in items}
-        check_same_items(report, data, ids, items, "count what this run keeps")
+        theirs = data.get("document_order")
+        if theirs is not None and document_order is not None and theirs != document_order:
+            raise ConfigError(  # (said as it is: the digests differ too, saying less)
+                f"{report} read each item's documents in another order ({theirs!r}, this run "
+                f"{document_order!r}): its prefill answers are not this run's baseline"
+            )
+        check_same_items(report, data, set(digests), digests, "count what this run keeps")
     return OtherRun(str(report), str(data.get("dtype")), right)
 
 

@@ -72,22 +72,22 @@ def item_digests(items: Sequence[EvalItem]) -> dict[str, str]:
 
 
 def check_same_items(
-    report: Path, data: Mapping[str, object], ids: set[str], items: Sequence[EvalItem], use: str
+    report: Path, data: Mapping[str, object], ids: set[str], digests: Mapping[str, str], use: str
 ) -> None:
     """Refuse a report (its JSON `data`) whose rows under these item `ids` answered other
-    questions or documents than `items` under the same ids: it keeps each item's digest
-    (`item_digests`), and an item it measured without one is refused too. Reports older
-    than the digests are matched by id only."""
+    questions or documents than this run's, whose `digests` (`item_digests`) it keeps beside
+    its own; an item it measured without one is refused too. Reports older than the digests
+    are matched by id only."""
     earlier = data.get("item_digests")
     if earlier is None and "combined" not in data:
         return
     earlier = earlier if isinstance(earlier, dict) else {}
-    changed = [i for i, d in item_digests(items).items() if i in ids and earlier.get(i) != d]
+    changed = [i for i, d in digests.items() if i in ids and earlier.get(i) != d]
     if changed:
+        shown = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
         raise ConfigError(
             f"{report} measured other questions or documents under {len(changed)} of these "
-            f"ids, or keeps no hash of them ({', '.join(changed[:3])}...): its answers "
-            f"cannot {use}"
+            f"ids, or keeps no hash of them ({shown}): its answers cannot {use}"
         )
 
 
@@ -114,7 +114,8 @@ def reused_rows(
         REUSE_SETTINGS,
         "its answers cannot stand for this run's",
     )
-    check_same_items(report, data, {r.item for r in rows}, items, "stand for this run's")
+    ids = {r.item for r in rows}
+    check_same_items(report, data, ids, item_digests(items), "stand for this run's")
     same_cache = all(data.get(name) == settings.get(name) for name in CACHE_SETTINGS)
     # a `+calibrated` row was answered with that run's calibration (another's answers differ)
     same_calibration = data.get("calibration") == settings.get("calibration")
