@@ -409,6 +409,10 @@ def test_schema_and_prompt_commands(tmp_path: Path, capsys, monkeypatch) -> None
 
     monkeypatch.setenv("COLUMNS", "250")
     store = ["--store", str(tmp_path / "store")]
+    # a schema file that is not there: one line, and no empty store made for it
+    assert main(["schema", "add", str(tmp_path / "missing.xml"), *store]) == 1
+    assert "missing.xml" in " ".join(capsys.readouterr().out.split())
+    assert not (tmp_path / "store").exists()
     assert main(["schema", "add", str(SCHEMAS / "personalization.xml"), *store]) == 0
     assert "16 modules" in capsys.readouterr().out
     assert main(["schema", "add", str(SCHEMAS / "personalization.xml"), *store]) == 0

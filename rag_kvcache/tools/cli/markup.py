@@ -50,12 +50,14 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
             f"{args.prompt!r} is neither a file nor a prompt: give "
             '<prompt schema="NAME">...</prompt>, or a file holding one'
         )
+    # read before the store is made: a schema file that is missing left an empty store behind
+    source = read_source(args.file) if adding else ""
     engine = open_engine(args, console, existing=not adding)  # listing and prompting only read
     folder = Path(args.store) / SCHEMAS_FOLDER
     cache = PromptCache(engine)
     try:
         if adding:
-            schema = cache.checked_schema(read_source(args.file))
+            schema = cache.checked_schema(source)
             path = schema_path(Path(args.store), schema.name)  # a hostile name: nothing encoded
             added = cache.add(schema)
             path.parent.mkdir(parents=True, exist_ok=True)
