@@ -112,11 +112,11 @@ def _add_file(file: Path, files: dict[Path, None], skipped: list[Skipped]) -> No
             skipped.append(Skipped(printable_path(file), "not a regular file"))
         elif printable_path(file) != str(file):  # the catalog keeps a source as text
             skipped.append(Skipped(printable_path(file), "its name is not valid UTF-8: rename it"))
-        elif len(str(file.resolve())) > MAX_SOURCE_CHARS:  # found now, not after encoding it
-            long = f"its path is {len(str(file.resolve()))} characters: at most {MAX_SOURCE_CHARS}"
-            skipped.append(Skipped(str(file.resolve()), long))
+        elif len(source := str(file.resolve())) > MAX_SOURCE_CHARS:  # found now, not after
+            long = f"its path is {len(source)} characters: at most {MAX_SOURCE_CHARS}"  # encoding
+            skipped.append(Skipped(source, long))
         else:
-            files[file.resolve()] = None
+            files[Path(source)] = None
     except OSError as err:
         skipped.append(Skipped(printable_path(file), f"cannot read: {err.strerror or err}"))
 
