@@ -124,6 +124,12 @@ class Fetched:
     settle: Callable[[], bool] = field(default=lambda: True)
 
 
+# The catalog counter bumped whenever the set of documented chunks changes (a document set or
+# removed, a listed chunk deleted): every process's vector index compares it with the value it
+# last saw, and syncs when it moved.
+DOCUMENTS_VERSION = "corpus-version"
+
+
 class DocumentCatalog(Protocol):
     """The documents of a durable store, as its catalog keeps them: what the corpus, ingestion
     and the tools read and write (`rag_kvcache.storage.catalog.Catalog` is one)."""

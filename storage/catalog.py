@@ -30,6 +30,7 @@ from sqlalchemy import Connection, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from rag_kvcache.errors import UnknownCacheIdError
+from rag_kvcache.kv import DOCUMENTS_VERSION
 from rag_kvcache.storage.database import CatalogDatabase
 from rag_kvcache.storage.layout import checked_name
 from rag_kvcache.storage.records import CatalogError, CatalogStats, ChunkRow, DocumentRow
@@ -486,9 +487,15 @@ class Catalog(CatalogDatabase):
             return list(conn.scalars(stmt))
 
     def remove_chunk(self, cache_id: str) -> bool:
-        """Delete a chunk and (by cascade) its placements; False if it was unknown."""
+        """Delete a chunk and (by cascade) its placements and document listings; False if it
+        was unknown. A chunk some document listed bumps DOCUMENTS_VERSION, so every process's
+        vector index drops it (gc's expired chunks, not only `expire_cache`'s)."""
         with self._write() as conn:
-            return conn.execute(delete(Chunk).where(Chunk.cache_id == cache_id)).rowcount > 0
+            listed = conn.scalar(select(func.count()).where(DocumentChunk.cache_id == cache_id))
+            removed = conn.execute(delete(Chunk).where(Chunk.cache_id == cache_id)).rowcount > 0
+            if removed and listed:
+                conn.execute(_count(self._insert, DOCUMENTS_VERSION, 1))
+            return removed
 
     def _update_one(self, cache_id: str, **values: Any) -> None:
         with self._write() as conn:
@@ -557,12 +564,8 @@ class Catalog(CatalogDatabase):
         _check_key("counter name", name, 255)
         if not isinstance(by, int):
             raise CatalogError(f"counter increment must be an int, got {by!r}")
-        stmt = self._insert(Counter).values(name=name, value=by)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["name"], set_={"value": Counter.value + stmt.excluded.value}
-        )
         with self._write() as conn:
-            conn.execute(stmt)
+            conn.execute(_count(self._insert, name, by))
 
     def counters(self) -> dict[str, int]:
         """All counters by name."""
@@ -609,6 +612,14 @@ def _check_state(state: str) -> None:
 def _batches(ids: list[str]) -> Iterator[list[str]]:
     for i in range(0, len(ids), _BATCH):
         yield ids[i : i + _BATCH]
+
+
+def _count(insert: Any, name: str, by: int) -> Any:
+    """The upsert that adds `by` to counter `name` (created at 0)."""
+    stmt = insert(Counter).values(name=name, value=by)
+    return stmt.on_conflict_do_update(
+        index_elements=["name"], set_={"value": Counter.value + stmt.excluded.value}
+    )
 
 
 def _counters(conn: Connection) -> dict[str, int]:

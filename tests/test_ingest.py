@@ -456,6 +456,47 @@ def test_a_chunk_past_its_time_to_live_is_not_retrieved_and_top_k_is_filled(engi
     assert not engine.store.contains(best)
 
 
+def test_gc_of_an_expired_chunk_takes_it_out_of_every_workers_index(engine) -> None:
+    """gc removed an expired chunk from the catalog but no process's vector index dropped it:
+    each search kept finding it and asking the index for more, and the saved index listed a
+    chunk no document lists."""
+    other = RagKVCache(engine.config, lm=engine.lm)  # another worker, its index loaded
+    ids = engine.ingest_document("tide.md", ["High tide is at noon.", "Low tide at six."]).cache_ids
+    other.retrieve("tide", 2)
+    engine.store.catalog.set_expiry(ids[0], datetime.now(UTC) - timedelta(seconds=1))
+    assert engine.store.gc().expired == 1
+    for worker in (engine, other):
+        assert [h.cache_id for h in worker.retrieve("When is high tide?", 2)] == [ids[1]]
+        assert ids[0] not in worker.corpus.index.cache_ids()
+    saved = set((engine.store.root / "index.ids").read_text(encoding="ascii").split())
+    assert saved == engine.corpus.catalog.documented_ids() == {ids[1]}
+
+
+def test_threads_ingesting_one_document_at_once_leave_the_last_version(engine) -> None:
+    """Threads re-ingesting one document at once (a web app's re-uploads) failed with a
+    KeyError: one thread's replacement removed the chunk another was indexing."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def upload(i: int) -> None:
+        start.wait()
+        try:
+            for round_ in range(3):
+                engine.ingest_document("shared.md", [f"Shared notice, version {i}.{round_}."])
+        except BaseException as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=upload, args=(i,)) for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []
+    (listed,) = engine.corpus.catalog.document_chunks("shared.md")
+    assert engine.corpus.index.cache_ids() == {listed} == engine.corpus.catalog.documented_ids()
+    assert [h.cache_id for h in engine.retrieve("shared notice", 4)] == [listed]
+
+
 def test_a_chunk_that_is_not_unicode_is_refused_before_anything_is_stored(engine) -> None:
     """A lone surrogate (what a JSON `\\ud800` escape decodes to) is named, not a codec error
     from hashing the document, and the document's other chunks are not stored either."""

@@ -9,13 +9,14 @@ the chunk texts the catalog keeps.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rag_kvcache.errors import FingerprintMismatchError
-from rag_kvcache.kv import DocumentCatalog, KVStore
+from rag_kvcache.kv import DOCUMENTS_VERSION, DocumentCatalog, KVStore
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 
     from rag_kvcache.storage.records import ChunkRow
 
-VERSION = "corpus-version"  # catalog counter bumped by every document change
 EMBED_CHUNKS = 512  # chunk rows read and embedded at a time
 
 
@@ -46,10 +46,17 @@ class Corpus:
         self.ids_path = folder / "index.ids"
         self.index = VectorIndex.load(self.index_path, self.ids_path, embedder.dim)
         self._version = -1
+        # one thread at a time changes or reads the index (threads ingesting one document at
+        # once failed with a KeyError); other processes are followed by the version counter
+        self._lock = threading.RLock()
         self.sync()
 
     def sync(self) -> SyncReport:
         """Make the index hold exactly the chunks some document lists."""
+        with self._lock:
+            return self._sync()
+
+    def _sync(self) -> SyncReport:
         version = self._current_version()
         wanted = self.catalog.documented_ids()
         have = self.index.cache_ids()
@@ -65,54 +72,62 @@ class Corpus:
     def set_document(self, source: str, content_hash: str, cache_ids: list[str]) -> list[str]:
         """Record a document's chunks (already in the store) and index them; drop the chunks it
         no longer has (unless another document lists them). Returns the dropped cache IDs."""
-        _, orphans = self.catalog.set_document(source, content_hash, cache_ids)
-        self._changed(cache_ids, orphans)
+        with self._lock:
+            _, orphans = self.catalog.set_document(source, content_hash, cache_ids)
+            self._changed(cache_ids, orphans)
         return orphans
 
     def remove_document(self, source: str) -> list[str]:
         """Forget a document and the chunks only it listed. Returns those cache IDs."""
-        orphans = self.catalog.remove_document(source)
-        self._changed([], orphans)
+        with self._lock:
+            orphans = self.catalog.remove_document(source)
+            self._changed([], orphans)
         return orphans
 
     def forget(self, cache_ids: list[str]) -> None:
         """Chunks the store no longer holds (expired) leave the index, here and, by the version
         counter, in every process: the saved index listed them, which `verify` reports as
         damage, and a search spent its top_k on them."""
-        self._changed([], cache_ids)
+        with self._lock:
+            self._changed([], cache_ids)
 
     def _changed(self, listed: list[str], orphans: list[str]) -> None:
         for cache_id in orphans:
             self.store.remove(cache_id)
         version = self._current_version()
         if version != self._version:
-            self.sync()  # another process changed the corpus since we last looked
+            self._sync()  # another process changed the corpus since we last looked
         have = self.index.cache_ids()
         self._embed([c for c in dict.fromkeys(listed) if c not in have])
         self.index.remove(orphans)
         self.index.save(self.index_path, self.ids_path)
-        self.catalog.count(VERSION)
+        self.catalog.count(DOCUMENTS_VERSION)
         self._version = version + 1  # a later mismatch means someone else wrote meanwhile
 
     def _embed(self, cache_ids: list[str]) -> None:
         """Add these chunks to the index, embedding the texts the catalog keeps, EMBED_CHUNKS
         at a time (a big file's rows, token IDs included, are never all in memory at once)."""
         for i in range(0, len(cache_ids), EMBED_CHUNKS):
-            batch = cache_ids[i : i + EMBED_CHUNKS]
-            rows = self.catalog.chunks(batch)
-            self.index.add(batch, self.embedder.embed([rows[c].text for c in batch]))
+            rows = self.catalog.chunks(cache_ids[i : i + EMBED_CHUNKS])
+            # (a chunk another process's replacement of its document removed meanwhile is
+            # gone from the catalog: not indexed; that process's version bump is seen next)
+            batch = [c for c in cache_ids[i : i + EMBED_CHUNKS] if c in rows]
+            if batch:
+                self.index.add(batch, self.embedder.embed([rows[c].text for c in batch]))
 
     def _current_version(self) -> int:
-        return self.catalog.counters().get(VERSION, 0)
+        return self.catalog.counters().get(DOCUMENTS_VERSION, 0)
 
     def search(self, query: str, top_k: int = 4, fingerprint: str | None = None) -> list[Retrieved]:
         """The top_k chunks most similar to `query`, best first. With `fingerprint` (the model
         asking), a hit encoded by another model is a FingerprintMismatchError naming its
         documents: a document's chunks are one model's (the last that ingested it), and the
         error says what to do, where linking would only name a chunk."""
-        if self._current_version() != self._version:
-            self.sync()
-        hits, rows = self._servable_hits(self.embedder.embed([query])[0], top_k)
+        vector = self.embedder.embed([query])[0]
+        with self._lock:
+            if self._current_version() != self._version:
+                self._sync()
+            hits, rows = self._servable_hits(vector, top_k)
         sources = self.catalog.sources(rows)
         others = {r.fingerprint for r in rows.values() if fingerprint not in (None, r.fingerprint)}
         if others:
