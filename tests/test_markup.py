@@ -330,6 +330,39 @@ def test_a_folder_with_a_bad_schema_still_loads_the_others(cache, tmp_path: Path
     assert cache.serve('<prompt schema="chain"><harbor/>How deep?</prompt>').token_ids
 
 
+def test_two_files_defining_one_schema_serve_the_one_named_after_it(cache, tmp_path) -> None:
+    """A copy of a schema file under another name (`chain-old.xml` beside `chain.xml`) took
+    over the schema in silence whenever it came later by file name."""
+    (tmp_path / "chain.xml").write_text(CHAIN, encoding="utf-8")
+    (tmp_path / "chain-old.xml").write_text(CHAIN.replace("14 meters", "9 m"), encoding="utf-8")
+    (tmp_path / "z-copy.xml").write_text(CHAIN.replace("14 meters", "8 m"), encoding="utf-8")
+    loaded = cache.load_folder(tmp_path)
+    assert [a.name for a in loaded.added] == ["chain"]
+    assert (
+        "14 meters" in cache.schemas["chain"].source and "9 m" not in cache.schemas["chain"].source
+    )
+    why = "defines schema 'chain' again; chain.xml's is the one served"
+    assert loaded.skipped == [(tmp_path / "chain-old.xml", why), (tmp_path / "z-copy.xml", why)]
+    (tmp_path / "chain.xml").unlink()  # none named after it: the first by file name
+    fresh = PromptCache(cache.engine)
+    again = fresh.load_folder(tmp_path)
+    assert [a.name for a in again.added] == ["chain"] and "9 m" in fresh.schemas["chain"].source
+    assert again.skipped == [
+        (tmp_path / "z-copy.xml", "defines schema 'chain' again; chain-old.xml's is the one served")
+    ]
+
+
+def test_a_schema_or_prompt_that_is_not_text_is_a_type_error(cache) -> None:
+    """None or a number was an AttributeError from deep inside the parser."""
+    for bad in (None, 123, b"<schema/>"):
+        with pytest.raises(TypeError, match="a schema is its markup text, a str; got"):
+            cache.add_schema(bad)
+        for call in (cache.serve, cache.compile):
+            with pytest.raises(TypeError, match="a prompt is its markup text .* got"):
+                call(bad)
+    assert cache.schemas == {}
+
+
 def test_editing_a_schema_reencodes_only_what_changed(cache) -> None:
     first = cache.add_schema(CHAIN)
     again = cache.add_schema(CHAIN)
@@ -398,6 +431,44 @@ def test_a_python_function_builds_the_same_kind_of_schema(smol_tokenizer) -> Non
         @schema
         def broken(city):
             f"Visit {city}."  # noqa: B021 (read as schema text, not as a docstring)
+
+
+def test_the_python_front_end_refuses_what_the_compiler_would() -> None:
+    """Module names the compiler refuses (`-weird`, a role's) and Param(0) were accepted here
+    and failed only at `add_schema`; a conversion or format spec in an f-string was dropped."""
+    from rag_kvcache.markup.builder import Param, schema
+
+    with pytest.raises(MarkupError, match=r"line \d+: a module name is .* \(got '-weird'\)"):
+
+        @schema
+        def weird(city):
+            if city == "-weird":
+                "Odd."
+
+    with pytest.raises(MarkupError, match="cannot be named 'system', like a role"):
+
+        @schema
+        def role():
+            if system:  # noqa: F821
+                "Odd."
+
+    with pytest.raises(MarkupError, match=r"Param needs a token count >= 1"):
+
+        @schema
+        def empty(city: Param(0)):  # type: ignore[valid-type]
+            f"Visit {city}."  # noqa: B021
+
+    with pytest.raises(MarkupError, match=r"a conversion \(!r\) or format spec .* dropped"):
+
+        @schema
+        def converted(city: Param(4)):  # type: ignore[valid-type]
+            f"Visit {city!r}."  # noqa: B021
+
+    with pytest.raises(MarkupError, match="would be dropped"):
+
+        @schema
+        def formatted(city: Param(4)):  # type: ignore[valid-type]
+            f"Visit {city:>8}."  # noqa: B021
 
 
 # ----------------------------------------------------------------------------- the commands

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from rag_kvcache.markup.language import ROLES, MarkupError
+from rag_kvcache.markup.language import NAME, ROLES, MarkupError
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,10 @@ def schema(fn: Callable[..., Any]) -> PythonSchema:
         note = arg.annotation
         if isinstance(note, ast.Call) and getattr(note.func, "id", "") == "Param":
             length = note.args[0] if note.args else None
-            if not isinstance(length, ast.Constant) or not isinstance(length.value, int):
-                raise MarkupError(f"line {note.lineno}: Param needs a token count, Param(6)")
-            params[arg.arg] = length.value
+            count = length.value if isinstance(length, ast.Constant) else None
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise MarkupError(f"line {note.lineno}: Param needs a token count >= 1, Param(6)")
+            params[arg.arg] = count
     body = _statements(func.body, params)
     name = fn.__name__.replace("_", "-")
     return PythonSchema(name, f"<schema name={quoteattr(name)}>{body}</schema>")
@@ -112,15 +113,27 @@ def _conditional(node: ast.If, params: dict[str, int]) -> str:
 
 
 def _module_name(test: ast.expr) -> str:
+    """The module an `if` names, refused here, at its line, if the compiler would refuse it."""
     if isinstance(test, ast.Name):
-        return test.id.replace("_", "-")
-    if (
+        name = test.id.replace("_", "-")
+    elif (
         isinstance(test, ast.Compare)
         and len(test.comparators) == 1
         and isinstance(test.ops[0], ast.Eq)
         and isinstance(test.comparators[0], ast.Constant)
     ):
-        return str(test.comparators[0].value)
+        name = str(test.comparators[0].value)
+    else:
+        name = ""
+    if name in ROLES:
+        raise MarkupError(f"line {test.lineno}: a module cannot be named {name!r}, like a role")
+    if NAME.fullmatch(name):
+        return name
+    if name:
+        raise MarkupError(
+            f"line {test.lineno}: a module name is a letter A-Z or a-z, or '_', then letters, "
+            f"digits, '_', '.' or '-' (got {name!r})"
+        )
     raise MarkupError(
         f"line {test.lineno}: a module condition is a name (`if miami:`) or a comparison with a "
         'string (`if city == "miami":`)'
@@ -134,6 +147,11 @@ def _fstring(node: ast.JoinedStr, params: dict[str, int]) -> str:
             out.append(escape(str(part.value)))
         elif isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name):
             name = part.value.id
+            if part.conversion != -1 or part.format_spec is not None:  # nothing could apply it
+                raise MarkupError(
+                    f"line {node.lineno}: {{{name}}} is filled with the argument's text as "
+                    "given; a conversion (!r) or format spec (:>8) would be dropped"
+                )
             if name not in params:
                 raise MarkupError(f"line {node.lineno}: {{{name}}} is not a Param(n) argument")
             out.append(f'<param name={quoteattr(name)} len="{params[name]}"/>')

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rag_kvcache.answer import Answer, AnswerStream, Placement, Prepared, answer_steps, prepare
 from rag_kvcache.engine import RagKVCache
-from rag_kvcache.errors import ContextTooLongError, StoreError
+from rag_kvcache.errors import ContextTooLongError
 from rag_kvcache.kv import ChunkKV, EncodeSettings
 from rag_kvcache.markup.language import (
     MarkupError,
@@ -61,6 +61,8 @@ class PromptCache:
     def checked_schema(self, source: str) -> Schema:
         """A schema compiled for this model, nothing encoded yet (a caller may check its name
         first); refused if its positions pass the model's window."""
+        if not isinstance(source, str):  # (None failed deep in the parser, an AttributeError)
+            raise TypeError(f"a schema is its markup text, a str; got {type(source).__name__}")
         schema = compile_schema(source, self.engine.lm.tokenizer)
         window = self.engine.lm.max_context
         if schema.length > window:  # its later positions could never be attended
@@ -85,24 +87,42 @@ class PromptCache:
 
         A file that no longer compiles or fits (edited by hand, or stored before a check
         existed) is skipped with its reason, so one bad schema does not take the others'
-        prompts down with it; a store that fails (a full disk) still raises."""
-        added: list[SchemaAdded] = []
+        prompts down with it; a store that fails (a full disk) still raises. Two files that
+        define one schema name: the file named after it (`NAME.xml`, as `schema add` writes
+        it) is served, else the first by file name, and the other is skipped, saying so."""
         skipped: list[tuple[Path, str]] = []
+        compiled: list[tuple[Path, Schema]] = []
         for path in sorted(folder.glob("*.xml")):
             if not path.is_file():  # a folder, or a FIFO, whose read would never end
                 skipped.append((path, "not a regular file"))
                 continue
             try:
-                added.append(self.add_schema(read_source(path)))
+                compiled.append((path, self.checked_schema(read_source(path))))
             except (MarkupError, ContextTooLongError) as e:
                 skipped.append((path, str(e)))
-            except StoreError:  # the store's fault (a full disk, a catalog gone): not the file's
-                raise
             except OSError as e:
                 skipped.append((path, f"cannot read it: {e.strerror or e}"))
-        return SchemasLoaded(added, skipped)
+        served: dict[str, Path] = {}
+        for path, schema in sorted(compiled, key=lambda c: c[0].stem != c[1].name):  # (stable)
+            if schema.name in served:
+                skipped.append(
+                    (
+                        path,
+                        f"defines schema {schema.name!r} again; {served[schema.name].name}'s "
+                        "is the one served",
+                    )
+                )
+            else:
+                served[schema.name] = path
+        added = [self.add(schema) for path, schema in compiled if served.get(schema.name) == path]
+        return SchemasLoaded(added, sorted(skipped))
 
     def compile(self, prompt: str) -> CompiledPrompt:
+        if not isinstance(prompt, str):  # (None failed deep in the parser, an AttributeError)
+            raise TypeError(
+                "a prompt is its markup text (a str) or a CompiledPrompt; got "
+                + type(prompt).__name__
+            )
         return compile_prompt(prompt, self.schemas, self.engine.lm.tokenizer)
 
     def serve(
@@ -114,7 +134,7 @@ class PromptCache:
         """Answer a prompt through the engine's answer path: at schema positions (`positions`,
         the default), with a link strategy (imported modules back to back, any order), or by a
         plain prefill of the same tokens in position order (`prefill`), for comparison."""
-        compiled = self.compile(prompt) if isinstance(prompt, str) else prompt
+        compiled = prompt if isinstance(prompt, CompiledPrompt) else self.compile(prompt)
         strategy = Strategy.parse(strategy)
         end = max(compiled.new_positions, default=0) + 1
         if end > self.engine.lm.max_context:  # a schema added before its window was checked
