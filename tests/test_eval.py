@@ -14,9 +14,10 @@ import torch
 
 from rag_kvcache import EncodeConfig, EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import LEGOLINK0_SINKS
-from rag_kvcache.errors import ConfigError
+from rag_kvcache.errors import ConfigError, StrategyError
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.storage.memory import MemoryStore
+from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.eval.dataset import EvalItem, in_retrieval_order, load_dataset
 from rag_kvcache.tools.eval.evaluator import Evaluator, check_strategies, run_eval
@@ -620,6 +621,23 @@ def test_calibrated_rows_are_reused_only_under_the_same_calibration(tiny32, tmp_
     assert set(other["a"]) == {"prefill", "naive"}  # the calibrated rows: run again
     with pytest.raises(ConfigError, match="lora"):  # an adapter changes every answer
         reused_rows(report, {**settings, "lora": "3" * 64}, items)
+
+
+def test_rows_of_a_strategy_spelled_as_an_older_version_did_are_run_again(
+    tiny32, tmp_path: Path
+) -> None:
+    """A report holding a strategy spelling that no longer parses (parts in an older order)
+    failed `--reuse` outright, prefill's rows too, with the strategy error."""
+    items = [EvalItem("a", ("The tower is 12 metres tall.", "Gulls."), "How tall?", ("12",))]
+    settings = report_settings(tiny32)
+    rows, summary = run_eval(tiny32, items, ["naive"], max_new_tokens=3, teacher_tokens=0)
+    old = [replace(r, strategy="naive+ape:1,0.5+reversed") for r in rows if r.strategy == "naive"]
+    with pytest.raises(StrategyError):
+        Strategy.parse(old[0].strategy)
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps(report_dict("eval", [*rows, *old], summary, **settings)))
+    reused = reused_rows(report, settings, items)
+    assert set(reused["a"]) == {"prefill", "naive"}
 
 
 def test_a_killed_run_resumes_from_its_journal_and_loses_only_the_item_it_was_on(

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rag_kvcache.errors import ConfigError
+from rag_kvcache.errors import ConfigError, StrategyError
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.eval.dataset import EvalItem, read_json_text
 from rag_kvcache.tools.eval.journal import check_rows, item_result
@@ -99,7 +99,8 @@ def reused_rows(
     rows stand for this run's. Not with teacher forcing, whose KL needs this run's `full`.
     Measured with the KV kept otherwise (`CACHE_SETTINGS`: a bfloat16 durable tier against
     float32), only the rows of strategies that never read the cache (prefill) are taken; with
-    another calibration, none of a `+calibrated` strategy's."""
+    another calibration, none of a `+calibrated` strategy's; nor a row of a strategy spelled
+    as an older version did (no strategy of this run is named so: it is measured again)."""
     text = read_json_text(Path(report))
     try:
         data = json.loads(text)
@@ -122,7 +123,10 @@ def reused_rows(
     wanted = {item.id for item in items}
     out: dict[str, dict[str, ItemResult]] = {}
     for row in rows:
-        strategy = Strategy.parse(row.strategy)
+        try:
+            strategy = Strategy.parse(row.strategy)
+        except StrategyError:
+            continue
         if (
             row.item in wanted
             and (same_cache or not strategy.uses_cache)
