@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rag_kvcache.config import GenerationConfig
-from rag_kvcache.errors import StrategyError
+from rag_kvcache.errors import RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.linker import link
@@ -202,20 +202,41 @@ def make_answer(
 
 
 class AnswerStream:
-    """Iterates over text pieces as they are generated; `.answer` is set once exhausted."""
+    """Iterates over text pieces as they are generated; `.answer` is set once exhausted.
+
+    A loop that stops early (`break`) pauses the answer: iterating again goes on from the next
+    piece, and `finish` runs it to the end; once the answer is done, iterating yields nothing.
+    (It used to end the answer, and `finish` then failed, clearing `.answer`.)"""
 
     def __init__(self, steps: Generator[str, None, Answer]):
         self._steps = steps
         self.answer: Answer | None = None
+        self._failed: BaseException | None = None
 
     def __iter__(self) -> Iterator[str]:
-        self.answer = yield from self._steps
+        while self.answer is None:
+            if self._failed is not None:
+                raise RagKVCacheError(
+                    f"this answer stopped with {type(self._failed).__name__}, raised when it "
+                    "was read: there is no more of it"
+                ) from self._failed
+            try:
+                piece = next(self._steps)
+            except StopIteration as done:
+                if done.value is None:  # (a closed generator's: never one that ran to its end)
+                    raise RagKVCacheError("this answer was closed before its end") from None
+                self.answer = done.value
+                return
+            except BaseException as e:  # (a generator that raised is over)
+                self._failed = e
+                raise
+            yield piece
 
     def finish(self) -> Answer:
         """Run to the end (if not yet) and return the answer."""
         for _ in self:
             pass
-        assert self.answer is not None
+        assert self.answer is not None  # (the loop ends only with it set, or raises)
         return self.answer
 
 

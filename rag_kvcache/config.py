@@ -95,9 +95,9 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.strip, bool):
             raise ConfigError(f"strip must be True or False, got {self.strip!r}")
-        count = self.max_new_tokens
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, a whole number; got {count!r}")
+        object.__setattr__(
+            self, "max_new_tokens", whole_number("max_new_tokens", self.max_new_tokens)
+        )
         # a number a float holds, as the sampler takes it (10**400 overflowed there), finite
         # (a NaN sampled from NaN weights)
         temperature = math.nan
@@ -164,6 +164,16 @@ class StoreConfig:
             raise ConfigError(f"policy {self.policy!r} is not one of ('lru', 'lfu')")
         if self.catalog_url and self.root is None:
             raise ConfigError("a catalog_url needs a root folder for the blobs")
+
+
+def whole_number(name: str, value: object, least: int = 1) -> int:
+    """`value` as an int when it is a whole number >= `least`, else a ConfigError naming it.
+    A bool is refused (True is no count), and so are 2.0 and "2": refused here, not failing
+    later inside FAISS or torch."""
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not whole or value < least:  # type: ignore[operator]
+        raise ConfigError(f"{name} must be a whole number >= {least}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
 
 
 def _check_bytes(name: str, value: object, default: str = "", least: int = 0) -> None:

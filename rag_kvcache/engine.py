@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import numbers
 import os
 import threading
 import time
@@ -26,7 +25,13 @@ from rag_kvcache.answer import (
 )
 from rag_kvcache.chat import HISTORY_TURNS, Message, chat_question
 from rag_kvcache.chat_text import ChatText
-from rag_kvcache.config import EncodeConfig, EngineConfig, GenerationConfig, StoreConfig
+from rag_kvcache.config import (
+    EncodeConfig,
+    EngineConfig,
+    GenerationConfig,
+    StoreConfig,
+    whole_number,
+)
 from rag_kvcache.errors import (
     CalibrationError,
     ConfigError,
@@ -294,15 +299,20 @@ class RagKVCache:
         """The ingested chunks most similar to `query` (cosine, best first), with cache IDs.
         Their KV starts moving from the durable tier into the hot tiers at once (`prefetch`),
         so the answer that follows finds it there or already on its way."""
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
-            raise ConfigError(f"top_k must be a whole number >= 1, got {top_k!r}")  # (FAISS'
-        hits = self.corpus.search(check_text(query), int(top_k), self.lm.fingerprint)  # own)
+        top_k = whole_number("top_k", top_k)  # (a float or bool failed inside FAISS)
+        hits = self.corpus.search(check_text(query), top_k, self.lm.fingerprint)
         self.store.prefetch([h.cache_id for h in hits])
         return hits
 
     def expire_cache(self, cache_id: str) -> bool:
         """Forget a chunk's KV; later requests naming it get UnknownCacheIdError, and
-        retrieval no longer finds it (its documents no longer list it)."""
+        retrieval no longer finds it (its documents no longer list it). The system prompt's
+        own entry (`prefix_id`), which every answer reads, is refused."""
+        if cache_id == self.prefix_id:  # (every later answer failed, naming an ID never given)
+            raise ConfigError(
+                f"{cache_id} is the system prompt's KV, which every answer of this engine "
+                "reads: it cannot be expired"
+            )
         catalog = self.store.catalog  # (anything but a string: the store's error, below)
         documented = False
         if catalog is not None and isinstance(cache_id, str):

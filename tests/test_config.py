@@ -21,8 +21,14 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: EncodeConfig(batch_size=0), "batch_size must be >= 1"),
         (lambda: EncodeConfig(sink_tokens=-1), "sink_tokens must be in 0..64"),
         (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be >= 1"),
-        (lambda: GenerationConfig(max_new_tokens=2.5), "a whole number; got 2.5"),  # type: ignore[arg-type]
-        (lambda: GenerationConfig(max_new_tokens=True), "a whole number; got True"),
+        (
+            lambda: GenerationConfig(max_new_tokens=2.5),
+            "max_new_tokens must be a whole number >= 1, got 2.5",
+        ),  # type: ignore[arg-type]
+        (
+            lambda: GenerationConfig(max_new_tokens=True),
+            "max_new_tokens must be a whole number >= 1, got True",
+        ),
         (lambda: GenerationConfig(temperature=-1), "temperature must be >= 0"),
         (lambda: GenerationConfig(top_p=0), "top_p must be in"),
         (lambda: GenerationConfig(seed=2**64), "seed must be a 64-bit integer"),

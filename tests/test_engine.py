@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rag_kvcache import (
+    AnswerStream,
     ConfigError,
     ContextTooLongError,
     EmptyChunkError,
@@ -16,6 +17,7 @@ from rag_kvcache import (
     FingerprintMismatchError,
     GenerationConfig,
     RagKVCache,
+    RagKVCacheError,
     UnknownCacheIdError,
 )
 from rag_kvcache.link.linker import link
@@ -88,6 +90,43 @@ def test_streaming_yields_the_same_text(tiny_engine) -> None:
     assert "".join(pieces).strip() == answer.text
     assert answer.text == tiny_engine.generate("How many basins?", ids).text
     assert answer.ttft_s > 0 and answer.total_s >= answer.ttft_s
+
+
+def test_a_stream_read_in_parts_then_finished_is_the_whole_answer(tiny_engine) -> None:
+    """`finish()` after a loop over the stream (the README's loop, then the record) raised a
+    bare AssertionError and cleared `.answer`; after a `break`, the answer was ended."""
+    ids = tiny_engine.generate_context_cache(DOCS)
+    whole = tiny_engine.generate("How many basins?", ids, max_new_tokens=6)
+    stream = tiny_engine.generate("How many basins?", ids, stream=True, max_new_tokens=6)
+    pieces = list(stream)
+    assert stream.finish() == stream.answer and stream.answer.token_ids == whole.token_ids
+    assert list(stream) == [] and stream.answer is not None  # read again: nothing more
+    paused = tiny_engine.generate("How many basins?", ids, stream=True, max_new_tokens=6)
+    first = next(iter(paused))  # a loop that breaks after one piece
+    rest = list(paused)  # goes on from the next piece
+    assert [first, *rest] == pieces
+    assert paused.finish().token_ids == whole.token_ids
+
+
+def test_the_system_prompts_entry_cannot_be_expired(tiny_engine) -> None:
+    """`expire_cache(engine.prefix_id)` was accepted, and every later answer of the engine
+    failed with an UnknownCacheIdError naming an ID the user never gave."""
+    ids = tiny_engine.generate_context_cache(DOCS)
+    with pytest.raises(ConfigError, match="the system prompt's KV, .* cannot be expired"):
+        tiny_engine.expire_cache(tiny_engine.prefix_id)
+    assert tiny_engine.generate("How many basins?", ids, max_new_tokens=2).token_ids
+
+
+def test_a_stream_that_failed_says_so_when_read_again(tiny_engine) -> None:
+    def steps():
+        yield "a"
+        raise ContextTooLongError("too long")
+
+    stream = AnswerStream(steps())
+    with pytest.raises(ContextTooLongError):
+        list(stream)
+    with pytest.raises(RagKVCacheError, match="stopped with ContextTooLongError"):
+        stream.finish()
 
 
 def test_caching_is_idempotent_and_expiry_is_final(tiny_engine) -> None:

@@ -3,13 +3,13 @@ cache IDs, so the synthesizer links the stored KV and never re-encodes retrieved
 
 from __future__ import annotations
 
-import numbers
 from pathlib import PurePath
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
+from rag_kvcache.config import whole_number
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.transform import attach_cache_id
 
@@ -23,11 +23,7 @@ class KVCacheRetriever(BaseRetriever):
     and LLM text: the chunk's text is what was embedded and cached)."""
 
     def __init__(self, engine: RagKVCache, similarity_top_k: int = 4, **kwargs: Any):
-        whole = isinstance(similarity_top_k, numbers.Integral)
-        if not whole or isinstance(similarity_top_k, bool) or similarity_top_k < 1:
-            raise ValueError(
-                f"similarity_top_k must be a whole number >= 1, got {similarity_top_k!r}"
-            )
+        similarity_top_k = whole_number("similarity_top_k", similarity_top_k)  # a ValueError
         super().__init__(**kwargs)
         self._engine = engine
         self.similarity_top_k = similarity_top_k

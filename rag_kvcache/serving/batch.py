@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,8 +42,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rag_kvcache.config import GenerationConfig
-from rag_kvcache.errors import ConfigError, KVBudgetError, RagKVCacheError, StrategyError
+from rag_kvcache.config import GenerationConfig, whole_number
+from rag_kvcache.errors import KVBudgetError, RagKVCacheError, StrategyError
 from rag_kvcache.kv import ChunkKV
 from rag_kvcache.link.checks import check_chunks
 from rag_kvcache.link.linker import LinkedPrefix, link, linked_layers
@@ -212,10 +211,9 @@ class BatchDecoder:
         max_batch: int = 32,
         link_budget_s: float | None = None,
     ):
-        whole = isinstance(max_batch, numbers.Integral) and not isinstance(max_batch, bool)
-        if not whole or max_batch < 1:  # none would be admitted: `run` would spin for ever
-            raise ConfigError(f"max_batch must be a whole number >= 1, not {max_batch!r}")
-        self.lm, self.tree, self.fetch, self.max_batch = lm, tree, fetch, int(max_batch)
+        # (0: none would be admitted, and `run` would spin for ever)
+        self.lm, self.tree, self.fetch = lm, tree, fetch
+        self.max_batch = whole_number("max_batch", max_batch)
         # a step stops linking new requests once it spent this long linking while requests
         # decode (None: it links every request that fits): a burst of arrivals then delays
         # the running requests' next token by about this much, not by the whole burst
