@@ -30,8 +30,9 @@ from collections.abc import (
 from typing import Any
 
 from rag_kvcache.chat_text import ChatText, Piece
+from rag_kvcache.config import whole_number
 from rag_kvcache.errors import ConfigError
-from rag_kvcache.prompt import PromptTemplate
+from rag_kvcache.prompt import PromptTemplate, check_messages
 
 HISTORY_TURNS = 2  # earlier exchanges (question + answer) a follow-up's answer sees
 INSTRUCTION_ROLES = ("system", "developer")  # a caller's instructions: they lead the question
@@ -54,6 +55,7 @@ def chat_question(
     turns, the last `history_turns` exchanges (None: all) are rendered as the chat template
     renders them. The messages' text is read as text (`ChatText`), the template's as written.
     """
+    check_messages(messages)
     instructions = [m["content"].strip() for m in messages if m["role"] in INSTRUCTION_ROLES]
     turns = [{"role": m["role"], "content": m["content"].strip()} for m in messages]
     turns = [t for t in turns if t["role"] not in INSTRUCTION_ROLES]
@@ -100,9 +102,8 @@ def earlier_answers(
 def _shown(turns: list[Any], history_turns: int | None) -> list[Any]:
     """The earlier turns a question shows: those of the last `history_turns` exchanges (None:
     all), from a user turn on (the chunks' turn is a user turn)."""
-    if history_turns is not None and history_turns < 0:
-        raise ConfigError(f"history_turns must be >= 0, got {history_turns}")
-    if history_turns is not None:
+    if history_turns is not None:  # (1.5 was taken, and showed one exchange)
+        history_turns = whole_number("history_turns", history_turns, least=0)
         turns = turns[max(0, len(turns) - 2 * history_turns) :] if history_turns else []
     while turns and turns[0]["role"] != "user":
         turns = turns[1:]

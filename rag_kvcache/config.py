@@ -51,12 +51,18 @@ class ModelConfig:
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
+        for name in ("path", "lora"):  # ("" loaded the default model; bytes failed later)
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str | os.PathLike) or not str(value)):
+                raise ConfigError(f"{name} must be a path (or None), got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, str(value))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None:  # (1.5 or "2" failed at load, inside torch)
+            object.__setattr__(self, "threads", whole_number("threads", self.threads))
         kind, colon, index = str(self.device).partition(":")
         if kind not in DEVICE_TYPES or (colon and not (index.isascii() and index.isdigit())):
             raise ConfigError(f"device {self.device!r} is not one of cpu, cuda, cuda:N")
@@ -73,11 +79,12 @@ class EncodeConfig:
     batch_size: int = 8
     sink_tokens: int = 0
 
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
-        if not 0 <= self.sink_tokens <= 64:
+    def __post_init__(self) -> None:  # (1.5 failed at the first encode; True was 1)
+        object.__setattr__(self, "batch_size", whole_number("batch_size", self.batch_size))
+        sinks = whole_number("sink_tokens", self.sink_tokens, least=0)
+        if sinks > 64:
             raise ConfigError(f"sink_tokens must be in 0..64, got {self.sink_tokens}")
+        object.__setattr__(self, "sink_tokens", sinks)
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,10 @@ class GenerationConfig:
         if not 0 <= temperature < math.inf:
             raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         object.__setattr__(self, "temperature", temperature)
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        real = isinstance(self.top_p, numbers.Real) and not isinstance(self.top_p, bool)
+        if not real or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "top_p", float(self.top_p))
         seed = self.seed
         if seed is None:
             return
@@ -155,6 +164,8 @@ class StoreConfig:
             raise ConfigError(f"compress {self.compress!r} is not one of {COMPRESSIONS}")
         if self.root is not None and not isinstance(self.root, str | os.PathLike):
             raise ConfigError(f"root must be a folder's path, got {type(self.root).__name__}")
+        if self.root is not None and not str(self.root):  # (wrote the store where it ran)
+            raise ConfigError('root "" names no folder: give one (or None: in memory only)')
         for name in ("cpu_bytes", "gpu_bytes"):  # (1.5 or "1G" failed later, or never)
             _check_bytes(name, getattr(self, name))
         if self.root is not None and printable_path(self.root) != str(self.root):
@@ -212,9 +223,25 @@ class EngineConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
+        for name, kind in (
+            ("model", ModelConfig),
+            ("encode", EncodeConfig),
+            ("generation", GenerationConfig),
+            ("store", StoreConfig),
+        ):  # (None or a path failed later with an AttributeError)
+            if not isinstance(getattr(self, name), kind):
+                given = getattr(self, name)
+                raise ConfigError(f"{name} must be a {kind.__name__}(...), got {given!r}")
+        if not isinstance(self.system_prompt, str):  # ("" is allowed: no system message)
+            raise ConfigError(f"system_prompt must be text, got {self.system_prompt!r}")
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))  # StrategyError
         if self.kv_cache_bytes is not None:
             # (0 would leave no room for any request: each would be refused)
             _check_bytes("kv_cache_bytes", self.kv_cache_bytes, " (or None: the default)", 1)
-        if self.link_budget_s is not None and self.link_budget_s < 0:
-            raise ConfigError("link_budget_s must be >= 0 (or None: no budget)")
+        budget = self.link_budget_s
+        real = isinstance(budget, numbers.Real) and not isinstance(budget, bool)
+        if budget is not None and (not real or not 0 <= budget < math.inf):
+            raise ConfigError(
+                f"link_budget_s must be a number of seconds >= 0 (or None: no budget), "
+                f"got {budget!r}"
+            )

@@ -293,6 +293,7 @@ class RagKVCache:
 
     def remove_document(self, source: str) -> int:
         """Forget a document; returns how many chunks (listed by no other document) went."""
+        checked_name("document source", source)  # (None was "no such document": 0)
         return len(self.corpus.remove_document(source))
 
     def retrieve(self, query: str, top_k: int = 4) -> list[Retrieved]:
@@ -300,7 +301,9 @@ class RagKVCache:
         Their KV starts moving from the durable tier into the hot tiers at once (`prefetch`),
         so the answer that follows finds it there or already on its way."""
         top_k = whole_number("top_k", top_k)  # (a float or bool failed inside FAISS)
-        hits = self.corpus.search(check_text(query), top_k, self.lm.fingerprint)
+        if not check_text(query, "query").strip():  # (as `generate` refuses to answer it)
+            raise ConfigError(f"the query is empty ({query!r}): ask something")
+        hits = self.corpus.search(query, top_k, self.lm.fingerprint)
         self.store.prefetch([h.cache_id for h in hits])
         return hits
 
@@ -529,6 +532,11 @@ class RagKVCache:
         IDs, the commonest, are found before any request is computed. `agenerate` answers
         each request apart."""
         strategy = self.config.strategy if strategy is None else Strategy.parse(strategy)
+        for r in requests:  # (a (query, ids) tuple failed with an AttributeError)
+            if not isinstance(r, BatchRequest):
+                raise ConfigError(
+                    f"each request is a BatchRequest(query, cache_ids), got {type(r).__name__}"
+                )
         ids = [cache_id_list(r.cache_ids) for r in requests]  # read once
         self._check_known([c for chunks in ids for c in chunks])
         work = [
@@ -726,4 +734,6 @@ class RagKVCache:
 
     @staticmethod
     def _finish(answer_stream: AnswerStream, stream: bool) -> Answer | AnswerStream:
+        if not isinstance(stream, bool):  # ("no" streamed)
+            raise ConfigError(f"stream must be True or False, got {stream!r}")
         return answer_stream if stream else answer_stream.finish()

@@ -27,9 +27,12 @@ MARKER = "\x00RAG_KVCACHE_USER\x00"
 MESSAGE_MARKER = "\x00RAG_KVCACHE_MESSAGE_{}\x00"  # where message i's content goes
 
 
-def check_text(text: str) -> str:
-    """`text`, if every character of it is one a tokenizer takes; a lone UTF-16 surrogate (what
-    a JSON `\\ud800` escape decodes to) is a ConfigError, not a tokenizer's TypeError."""
+def check_text(text: str, what: str = "text") -> str:
+    """`text`, if it is a str and every character of it is one a tokenizer takes; a lone UTF-16
+    surrogate (what a JSON `\\ud800` escape decodes to) is a ConfigError, not a tokenizer's
+    TypeError, and so is None or bytes (an AttributeError from deep inside)."""
+    if not isinstance(text, str):
+        raise ConfigError(f"the {what} must be text (str), not {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -38,6 +41,25 @@ def check_text(text: str) -> str:
             "character (a lone UTF-16 surrogate): send valid UTF-8"
         ) from None
     return text
+
+
+def check_messages(messages: object) -> None:
+    """Chat messages as the API takes them: a non-empty list of {"role": str, "content": str}
+    (a missing key, None content or a bare string failed inside the template), each content
+    checked by `check_text`."""
+    if isinstance(messages, str | bytes | dict) or not isinstance(messages, list | tuple):
+        raise ConfigError(
+            'messages must be a list of {"role": ..., "content": ...} dicts, got '
+            + type(messages).__name__
+        )
+    if not messages:
+        raise ConfigError("there are no messages: give at least the user's")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+            raise ConfigError(f'message {i} is not a {{"role": ..., "content": ...}} dict')
+        if not isinstance(message["role"], str):
+            raise ConfigError(f"message {i}'s role must be text, got {message['role']!r}")
+        check_text(message["content"], f"content of message {i}")
 
 
 @dataclass(frozen=True)
@@ -65,8 +87,7 @@ class PromptTemplate:
         messages' text is the users' (`ChatText`: read as text, never as control tokens). A
         chat the template refuses (e.g. two user turns in a row, where turns must alternate)
         is a ConfigError naming the template's reason."""
-        for message in messages:  # a bad character named where the client wrote it
-            check_text(message["content"])
+        check_messages(messages)  # a bad character named where the client wrote it
         if not getattr(tokenizer, "chat_template", None):
             pieces: list[Piece] = []
             for i, m in enumerate(messages):
@@ -100,7 +121,7 @@ class PromptTemplate:
     def tokenize(self, tokenizer: Any, text: str) -> list[int]:
         """A prompt's tokens as written: control tokens spelled in it are tokens, except
         where a `ChatText` says a user wrote them."""
-        return pieces_ids(tokenizer, pieces_of(check_text(text), by_user=False))
+        return pieces_ids(tokenizer, pieces_of(check_text(text, "prompt"), by_user=False))
 
     def prefix_ids(self, tokenizer: Any) -> list[int]:
         return self.tokenize(tokenizer, self.prefix)

@@ -136,7 +136,8 @@ class Strategy:
         """A user's spelling (case and surrounding blanks ignored) -> Strategy."""
         if isinstance(spec, Strategy):
             return spec
-        text, *parts = str(spec).strip().lower().split("+")
+        # (blanks around each "+" too; digits are ASCII: `\d` took "legolink:٢" for 2)
+        text, *parts = (part.strip() for part in str(spec).strip().lower().split("+"))
         if parts:
             base, order, top, ape, calibrated = cls.parse(text), "given", 0, ("1", "1"), False
             window: int | None = None
@@ -144,9 +145,9 @@ class Strategy:
             for part in parts:
                 if part in ORDERS[1:] and seen < 1:
                     order, seen = part, 1
-                elif (m := re.fullmatch(r"top:(\d+)", part)) and seen < 2:
+                elif (m := re.fullmatch(r"top:([0-9]+)", part)) and seen < 2:
                     top, seen = int(m.group(1)), 2
-                elif (m := re.fullmatch(r"window:(\d+)", part)) and seen < 3:
+                elif (m := re.fullmatch(r"window:([0-9]+)", part)) and seen < 3:
                     window, seen = int(m.group(1)), 3
                 elif (m := re.fullmatch(f"ape:{_NUMBER},{_NUMBER}", part)) and seen < 4:
                     ape, seen = (m.group(1), m.group(2)), 4
@@ -169,7 +170,7 @@ class Strategy:
                 raise StrategyError(f"{spec!r}: {e}; use {SPELLINGS}") from None
         if text in _PLAIN:
             return cls(text)
-        if m := re.fullmatch(r"legolink:(\d+)", text):
+        if m := re.fullmatch(r"legolink:([0-9]+)", text):
             return cls("legolink", k=int(m.group(1)))
         if m := re.fullmatch(r"cacheblend:([0-9.e+-]+)", text):
             try:

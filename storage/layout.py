@@ -56,10 +56,11 @@ RULES = {
         lambda name: Path(f"{name}.xml"),
     ),
     "store ID": NameRule(re.compile("[0-9a-f]{32}"), "exactly 32 lowercase hex digits", None),
-    # a catalog value, never a path: any text but NUL, which PostgreSQL's text cannot hold
+    # a catalog value, never a path: any text but NUL, which PostgreSQL's text cannot hold,
+    # and lone surrogates, which no database encodes (they failed the catalog's write)
     "document source": NameRule(
-        re.compile(f"[^\x00]{{1,{MAX_SOURCE_CHARS}}}", re.DOTALL),
-        f"1-{MAX_SOURCE_CHARS} characters, none of them NUL",
+        re.compile(f"[^\x00\ud800-\udfff]{{1,{MAX_SOURCE_CHARS}}}", re.DOTALL),
+        f"1-{MAX_SOURCE_CHARS} characters, none of them NUL or a lone surrogate",
         None,
     ),
 }

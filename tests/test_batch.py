@@ -208,10 +208,12 @@ def test_batch_settings_are_checked_like_generates(tiny64) -> None:
     window was refused for its KV, where `generate` stops the answer at the window."""
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=6)), lm=tiny64)
     ids = tuple(engine.generate_context_cache(DOCS[:2]))
+    with pytest.raises(ConfigError, match=r"a BatchRequest\(query, cache_ids\), got tuple"):
+        engine.generate_batch([("Who?", ids)])  # type: ignore[list-item]
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ConfigError, match="max_batch must be a whole number >= 1"):
             engine.generate_batch([BatchRequest("Who?", ids)], max_batch=bad)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ConfigError, match="max_new_tokens must be a whole number >= 1"):
         engine.generate_batch([BatchRequest("Who?", ids, max_new_tokens=0)])
     # an unknown or expired chunk is found before any request is computed
     odd: tuple = (*ids, "f" * 32, "../x", ["a"])  # a list: unhashable, not a TypeError

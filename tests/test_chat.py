@@ -196,8 +196,14 @@ def test_a_template_that_skips_messages_by_their_text_never_reads_a_users_token(
 @pytest.mark.parametrize(
     ("messages", "why"),
     [
-        ([], "must end with the user's message"),
+        ([], "there are no messages"),
         (CHAT[:2], "must end with the user's message"),
+        # these failed inside the template or a lookup (KeyError, AttributeError, TypeError)
+        ("Hello", "messages must be a list of .* got str"),
+        (CHAT[0], "messages must be a list of .* got dict"),
+        ([{"role": "user"}], 'message 0 is not a {"role": ..., "content": ...} dict'),
+        ([{"role": "user", "content": None}], r"content of message 0 must be text \(str\)"),
+        ([CHAT[0], {"role": None, "content": "x"}], "message 1's role must be text"),
         ([{"role": "tool", "content": "42"}, CHAT[0]], "unknown chat role"),
         ([{"role": "system", "content": "Be brief."}], "must end with the user's message"),
     ],
@@ -205,8 +211,12 @@ def test_a_template_that_skips_messages_by_their_text_never_reads_a_users_token(
 def test_a_malformed_chat_is_refused_by_name(tiny_tokenizer, template, messages, why) -> None:
     with pytest.raises(ConfigError, match=why):
         chat_question(template, tiny_tokenizer, SYSTEM, messages)
-    with pytest.raises(ConfigError, match="history_turns must be >= 0"):
-        chat_question(template, tiny_tokenizer, SYSTEM, CHAT, history_turns=-1)
+    if "user's message" not in why and "role" not in why:  # (what a plain chat may hold)
+        with pytest.raises(ConfigError, match=why):
+            template.render_chat(tiny_tokenizer, messages)
+    for turns in (-1, 1.5, "2"):  # (1.5 was taken, and showed one exchange)
+        with pytest.raises(ConfigError, match="history_turns must be a whole number >= 0"):
+            chat_question(template, tiny_tokenizer, SYSTEM, CHAT, history_turns=turns)
 
 
 def test_a_chat_the_template_refuses_is_a_config_error(tiny_tokenizer) -> None:

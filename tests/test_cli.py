@@ -196,7 +196,7 @@ def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
     ("flags", "phrase"),
     [
         (["--strategy", "bogus"], "unknown link strategy 'bogus'"),
-        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be a whole number >= 1"),
         (["--model", "/no/such/model"], "no model at /no/such/model"),
         (["--device", "tpu"], "device 'tpu' is not one of cpu, cuda, cuda:N"),
     ],

@@ -17,10 +17,10 @@ from rag_kvcache.errors import ConfigError, StrategyError
     [
         (lambda: ModelConfig(dtype="float8"), "dtype 'float8' is not one of"),
         (lambda: ModelConfig(quantization="3bit"), "quantization '3bit'"),
-        (lambda: ModelConfig(threads=0), "threads must be >= 1"),
-        (lambda: EncodeConfig(batch_size=0), "batch_size must be >= 1"),
-        (lambda: EncodeConfig(sink_tokens=-1), "sink_tokens must be in 0..64"),
-        (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (lambda: ModelConfig(threads=0), "threads must be a whole number >= 1"),
+        (lambda: EncodeConfig(batch_size=0), "batch_size must be a whole number >= 1"),
+        (lambda: EncodeConfig(sink_tokens=-1), "sink_tokens must be a whole number >= 0"),
+        (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be a whole number >= 1"),
         (
             lambda: GenerationConfig(max_new_tokens=2.5),
             "max_new_tokens must be a whole number >= 1, got 2.5",
@@ -30,7 +30,7 @@ from rag_kvcache.errors import ConfigError, StrategyError
             "max_new_tokens must be a whole number >= 1, got True",
         ),
         (lambda: GenerationConfig(temperature=-1), "temperature must be >= 0"),
-        (lambda: GenerationConfig(top_p=0), "top_p must be in"),
+        (lambda: GenerationConfig(top_p=0), "top_p must be a number in"),
         (lambda: GenerationConfig(seed=2**64), "seed must be a 64-bit integer"),
         (lambda: GenerationConfig(seed=-(2**63) - 1), "seed must be a 64-bit integer"),
         # these reached torch, which failed at answer time
@@ -50,6 +50,29 @@ from rag_kvcache.errors import ConfigError, StrategyError
         (lambda: StoreConfig(gpu_bytes=-1), "gpu_bytes must be >= 0"),
         (lambda: EngineConfig(kv_cache_bytes=True), "kv_cache_bytes must be >= 1"),
         (lambda: EngineConfig(kv_cache_bytes=0), "kv_cache_bytes must be >= 1"),  # room for none
+        # accepted, then failed later (inside torch, jinja or an attribute lookup) or never
+        (lambda: EncodeConfig(batch_size=1.5), "batch_size must be a whole number >= 1, got 1.5"),  # type: ignore[arg-type]
+        (lambda: EncodeConfig(batch_size=None), "batch_size must be a whole number"),  # type: ignore[arg-type]
+        (lambda: EncodeConfig(sink_tokens=2.5), "sink_tokens must be a whole number >= 0"),  # type: ignore[arg-type]
+        (lambda: EncodeConfig(sink_tokens=True), "sink_tokens must be a whole number >= 0"),
+        (lambda: EncodeConfig(sink_tokens=65), "sink_tokens must be in 0..64"),
+        (lambda: ModelConfig(threads=1.5), "threads must be a whole number >= 1, got 1.5"),  # type: ignore[arg-type]
+        (lambda: ModelConfig(threads="2"), "threads must be a whole number >= 1, got '2'"),  # type: ignore[arg-type]
+        (lambda: ModelConfig(path=""), "path must be a path \\(or None\\), got ''"),
+        (lambda: ModelConfig(path=b"x"), "path must be a path \\(or None\\), got b'x'"),  # type: ignore[arg-type]
+        (lambda: ModelConfig(lora=""), "lora must be a path"),
+        (lambda: GenerationConfig(top_p="0.5"), "top_p must be a number in \\(0, 1\\], got '0.5'"),  # type: ignore[arg-type]
+        (lambda: GenerationConfig(top_p=None), "top_p must be a number in"),  # type: ignore[arg-type]
+        (lambda: GenerationConfig(top_p=math.nan), "top_p must be a number in"),
+        (lambda: StoreConfig(root=""), 'root "" names no folder'),
+        (lambda: EngineConfig(system_prompt=None), "system_prompt must be text, got None"),  # type: ignore[arg-type]
+        (lambda: EngineConfig(model=None), "model must be a ModelConfig\\(...\\), got None"),  # type: ignore[arg-type]
+        (lambda: EngineConfig(store="kv"), "store must be a StoreConfig\\(...\\), got 'kv'"),  # type: ignore[arg-type]
+        (lambda: EngineConfig(encode={}), "encode must be a EncodeConfig"),  # type: ignore[arg-type]
+        (lambda: EngineConfig(link_budget_s=math.nan), "link_budget_s must be a number of seconds"),
+        (lambda: EngineConfig(link_budget_s=math.inf), "link_budget_s must be a number of seconds"),
+        (lambda: EngineConfig(link_budget_s="1"), "link_budget_s must be a number of seconds"),  # type: ignore[arg-type]
+        (lambda: EngineConfig(link_budget_s=-1), "link_budget_s must be a number of seconds"),
     ],
 )
 def test_bad_values_are_named(build, message: str) -> None:

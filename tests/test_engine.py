@@ -101,6 +101,8 @@ def test_a_stream_read_in_parts_then_finished_is_the_whole_answer(tiny_engine) -
     pieces = list(stream)
     assert stream.finish() == stream.answer and stream.answer.token_ids == whole.token_ids
     assert list(stream) == [] and stream.answer is not None  # read again: nothing more
+    with pytest.raises(ConfigError, match="stream must be True or False, got 'no'"):
+        tiny_engine.generate("How many basins?", ids, stream="no")  # (it streamed)
     paused = tiny_engine.generate("How many basins?", ids, stream=True, max_new_tokens=6)
     first = next(iter(paused))  # a loop that breaks after one piece
     rest = list(paused)  # goes on from the next piece

@@ -20,7 +20,12 @@ import pytest
 import rag_kvcache.ingest as ingest_module
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
-from rag_kvcache.errors import ConfigError, FingerprintMismatchError, StoreFullError
+from rag_kvcache.errors import (
+    ConfigError,
+    FingerprintMismatchError,
+    InvalidNameError,
+    StoreFullError,
+)
 from rag_kvcache.ingest import plan_ingest, prune, read_text, run_ingest
 from rag_kvcache.integrations.llama_index.splitter import split_text, token_splitter
 from rag_kvcache.retrieval.corpus import Corpus
@@ -529,6 +534,26 @@ def test_the_index_is_rebuilt_from_the_catalog_and_follows_other_writers(engine,
     assert engine.retrieve("What is the cat called?", 1)[0].source == "new.md"
     other.remove_document("new.md")
     assert all(h.source != "new.md" for h in engine.retrieve("What is the cat called?", 8))
+
+
+def test_a_query_or_source_that_is_not_text_is_named(engine) -> None:
+    """`retrieve(None)` and `complete(b"...")` failed with an AttributeError from inside the
+    tokenizer, and a source with a lone surrogate with a codec error from the catalog after
+    its chunks were encoded."""
+    for bad in (None, b"harbour", 3):
+        with pytest.raises(ConfigError, match="the query must be text"):
+            engine.retrieve(bad)
+        with pytest.raises(ConfigError, match="the prompt must be text"):
+            engine.complete(bad)
+    for blank in ("", "  \n"):  # (hits were returned, for a question `generate` refuses)
+        with pytest.raises(ConfigError, match="the query is empty"):
+            engine.retrieve(blank)
+    with pytest.raises(InvalidNameError, match="not a document source: None"):
+        engine.remove_document(None)  # (0: no such document)
+    before = len(engine.store)
+    with pytest.raises(InvalidNameError, match="not a document source: .* a lone surrogate"):
+        engine.ingest_document("tide\ud800.md", ["High tide is at noon."])
+    assert len(engine.store) == before
 
 
 def test_retrieval_needs_a_durable_store(tiny32) -> None:

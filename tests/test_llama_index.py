@@ -404,7 +404,7 @@ def test_sampling_settings_reach_the_engine_and_unknown_arguments_are_refused(
     for length in (0, window, 10**9):  # LlamaIndex leaves the prompt the window less these
         with pytest.raises(ValueError, match=f"below the model's window of {window}"):
             KVCacheLLM(engine, max_new_tokens=length)
-    with pytest.raises(RagKVCacheError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(RagKVCacheError, match="max_new_tokens must be a whole number >= 1"):
         KVCacheLLM(engine).complete(question, max_new_tokens=0)  # not the default instead
     with pytest.raises(TypeError, match="not one string"):
         KVCacheLLM(engine).complete(question, cache_ids=cache_ids[0])

@@ -44,6 +44,7 @@ from rag_kvcache.strategy import PREFILL, Strategy
             Strategy("naive", top=1, window=64, temperature=0.7, scale=0.8),
         ),
         ("naive+calibrated", Strategy("naive", calibrated=True)),
+        (" LegoLink:2 + Reversed ", Strategy("legolink", k=2, order="reversed")),  # (refused)
         (
             "legolink:2+reversed+top:1+ape:0.5,2+calibrated",
             Strategy(
@@ -118,6 +119,9 @@ def test_cacheblend_round_trips(ratio: float) -> None:
         "prefill+window:8",
         "cacheblend:0.3+window:8",
         "naive+window:8+calibrated",
+        "legolink:\u0662",  # an Arabic-Indic 2, taken for 2
+        "naive+top:\u0663",
+        "naive+window:\uff18",  # a fullwidth 8
     ],
 )
 def test_parse_rejects_with_allowed_names(bad: str) -> None:
