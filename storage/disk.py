@@ -55,7 +55,11 @@ class DiskTier:
         target = self.path(cache_id)
         tmp = ""
         try:
-            target.parent.mkdir(exist_ok=True)  # a file in the folder's place: an OSError
+            # a file in the folder's place: an OSError. The blobs folder itself is made again
+            # if it was deleted under a running process (it failed every write until a
+            # restart), but never the store folder above it (a disk unmounted there)
+            self.root.mkdir(exist_ok=True)
+            target.parent.mkdir(exist_ok=True)
             self._clear_non_file(target)
             # the writer's PID in the name: between creating the file and locking it, gc
             # tells a live writer (keep) from a dead one (remove) by it
@@ -188,8 +192,12 @@ def _writer_alive(name: str) -> bool:
     """Whether the process named in a temporary file's name (`.tmp-<pid>-...`) still runs on
     this machine. A name without a PID (an older writer's) counts as dead; a PID reused by
     another process keeps a dead writer's file until it exits (harmless)."""
-    pid = name.removeprefix(TEMPORARY_PREFIX).partition("-")[0]
-    if not pid.isdigit():
+    return process_alive(name.removeprefix(TEMPORARY_PREFIX).partition("-")[0])
+
+
+def process_alive(pid: str) -> bool:
+    """Whether the process `pid` (digits; anything else counts as dead) runs on this machine."""
+    if not pid.isascii() or not pid.isdigit():
         return False
     try:
         os.kill(int(pid), 0)

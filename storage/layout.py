@@ -31,6 +31,8 @@ MARKER_FILE = "store.json"
 FORMAT_VERSION = 1  # of the folder's layout; the catalog's own schema has Alembic revisions
 CATALOG_FILE = "catalog.sqlite"
 BLOBS_FOLDER = "blobs"
+# the vector index's temporary files while it is saved (`index.faiss.<pid>-<thread>.tmp`, ...)
+INDEX_TEMPORARIES = "index.*.tmp"
 SCHEMAS_FOLDER = "schemas"
 CACHE_ID_LENGTH = 32
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,12 +45,13 @@ from rag_kvcache.storage.blob import (
 )
 from rag_kvcache.storage.catalog import Catalog
 from rag_kvcache.storage.database import same_catalog, shown_url, sqlite_path
-from rag_kvcache.storage.disk import DiskTier
+from rag_kvcache.storage.disk import DiskTier, process_alive
 from rag_kvcache.storage.hot import MemoryTier
 from rag_kvcache.storage.layout import (
     BLOBS_FOLDER,
     CATALOG_FILE,
     FORMAT_VERSION,
+    INDEX_TEMPORARIES,
     StoreMarker,
     checked_name,
     is_name,
@@ -62,6 +64,8 @@ from rag_kvcache.storage.layout import (
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
 from rag_kvcache.storage.streaming import LayerReads, open_blob
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rag_kvcache.kv import KVStore
@@ -195,6 +199,23 @@ def _parsed(row: ChunkRow, data: bytes | bytearray) -> ChunkKV | str:
 
 
 MAX_TTL_S = 100 * 365.25 * 86400  # a chunk's time to live, at most
+
+
+def _remove_index_temporaries(root: Path, older_than_s: float) -> int:
+    """The vector index's half-written files of dead writers (a save cut by a kill; they ate
+    the space a retry needed, and gc kept them). A live writer's are left, as are files
+    younger than `older_than_s` (a writer on another machine sharing the folder)."""
+    removed = 0
+    for tmp in root.glob(INDEX_TEMPORARIES):
+        pid = tmp.name.removesuffix(".tmp").rpartition(".")[2].partition("-")[0]
+        try:
+            if time.time() - tmp.lstat().st_mtime < older_than_s or process_alive(pid):
+                continue
+            tmp.unlink()
+        except FileNotFoundError:  # renamed by its writer meanwhile
+            continue
+        removed += 1
+    return removed
 
 
 def _wholesale(orphans: list[str], listed: set[str]) -> bool:
@@ -487,12 +508,20 @@ class TieredStore:
                     found[cid] = kv
                     hits[tier.name] += 1
                     break
-        self.catalog.touch(cache_ids)
-        for tier_name, n in hits.items():
-            if n:
-                self.catalog.count(f"hits:{tier_name}", n)
+        self._count_use(cache_ids, hits)
         misses = [cid for cid in dict.fromkeys(cache_ids) if cid not in found]
         return rows, found, self._await_prefetched(found, misses)
+
+    def _count_use(self, cache_ids: list[str], hits: dict[str, int]) -> None:
+        """Record the chunks' use (LRU/LFU) and the hot tiers' hits: bookkeeping, which a full
+        catalog disk skips with a warning (every answer failed, and `gc` freed nothing)."""
+        try:
+            self.catalog.touch(cache_ids)
+            for tier_name, n in hits.items():
+                if n:
+                    self.catalog.count(f"hits:{tier_name}", n)
+        except StoreFullError as err:
+            log.warning("%s; this use of %d chunks is not counted", err, len(cache_ids))
 
     def _read_whole(
         self, rows: dict[str, ChunkRow], found: dict[str, ChunkKV], misses: list[str]
@@ -603,6 +632,7 @@ class TieredStore:
             )
         removed = sum(self.durable.remove(cid) for cid in orphans)  # (gone meanwhile: not)
         temporaries = self.durable.remove_temporaries(older_than_s=pending_after_s)
+        temporaries += _remove_index_temporaries(self.root, pending_after_s)
         return GcReport(len(expired), len(pending), removed, temporaries)
 
     def verify(

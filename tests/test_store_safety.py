@@ -563,6 +563,94 @@ def test_a_catalog_that_cannot_open_on_a_full_disk_says_the_disk_is_full(tmp_pat
     assert "full" not in str(proc.value)
 
 
+def test_a_vector_index_saved_on_a_full_disk_leaves_nothing_and_retrieval_goes_on(
+    tmp_path: Path, tiny32, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saving the index on a full disk was faiss' RuntimeError (a traceback, from `ingest`
+    and from a query that synced the index), and left its temporary file, which ate the
+    space a retry needed and which gc kept. A real 64 KiB filesystem."""
+    import numpy as np
+
+    index = VectorIndex(64)
+    index.add([uuid.uuid4().hex for _ in range(100)], np.ones((100, 64), dtype=np.float32))
+    with tmpfs(tmp_path / "small", "64k") as small:
+        with suppress(OSError), (small / "filler").open("wb") as filler:
+            while True:
+                filler.write(bytes(1 << 12))
+                filler.flush()
+        with pytest.raises(StoreFullError, match="disk full while saving the vector index"):
+            index.save(small / "index.faiss", small / "index.ids")
+        assert sorted(p.name for p in small.iterdir()) == ["filler"]
+    # the index is a cache of the catalog: a document is still ingested and retrieved
+    engine = _engine(TieredStore(tmp_path / "kv"), tiny32)
+
+    def full(*_: object) -> None:
+        raise StoreFullError("disk full while saving the vector index in kv: free space")
+
+    engine.corpus.index.save = full  # type: ignore[method-assign]
+    engine.ingest_document("a.md", DOCS)
+    assert engine.retrieve("When was the lighthouse built?", 1)[0].source == "a.md"
+    assert "retrieval goes on from the index in memory" in caplog.text
+    engine.store.close()
+
+
+def test_gc_removes_the_index_temporaries_of_dead_writers(tmp_path: Path) -> None:
+    """A save cut by a kill left `index.faiss.<pid>-<thread>.tmp`, which gc never removed."""
+    store = TieredStore(tmp_path / "kv")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], text=True,
+                          capture_output=True, check=True).stdout.strip()  # fmt: skip
+    names = [
+        f"index.faiss.{dead}-1.tmp",
+        f"index.ids.{dead}-1.tmp",
+        f"index.faiss.{os.getpid()}-1.tmp",
+    ]
+    for name in names:
+        (store.root / name).write_bytes(b"half")
+        os.utime(store.root / name, (time.time() - 3600,) * 2)
+    (store.root / f"index.faiss.{dead}-2.tmp").write_bytes(b"new")  # younger than the limit
+    assert store.gc().temporaries == 2
+    left = sorted(p.name for p in store.root.glob("index.*.tmp"))
+    assert left == sorted([f"index.faiss.{os.getpid()}-1.tmp", f"index.faiss.{dead}-2.tmp"])
+    store.close()
+
+
+def test_a_store_answers_when_its_catalog_disk_is_too_full_to_count_uses(
+    tmp_path: Path, tiny32, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Counting a use (LRU time, LFU count) is a catalog write: on a full disk every answer
+    failed with "the catalog's disk is full ... run gc", and gc freed nothing."""
+    store = TieredStore(tmp_path / "kv")
+    engine = _engine(store, tiny32)
+    ids = engine.generate_context_cache(DOCS)
+
+    def full(*_: object) -> None:
+        raise StoreFullError("the catalog's disk is full (sqlite); nothing was recorded")
+
+    store.catalog.touch = full  # type: ignore[method-assign]
+    assert engine.generate("When?", ids).token_ids
+    assert "this use of 3 chunks is not counted" in caplog.text
+    store.close()
+
+
+def test_a_blobs_folder_deleted_under_a_running_store_is_made_again(tmp_path: Path, tiny32) -> None:
+    """Every write failed ("cannot write chunk ... check the disk") until a restart; the store
+    folder itself is never made again (a disk unmounted there)."""
+    import shutil
+
+    store = TieredStore(tmp_path / "kv")
+    engine = _engine(store, tiny32)
+    engine.generate_context_cache(DOCS[:1])
+    shutil.rmtree(store.root / "blobs")
+    (fresh,) = engine.generate_context_cache(["A chunk never stored before."])
+    assert store.durable.path(fresh).exists()  # type: ignore[attr-defined]
+    tier = DiskTier(tmp_path / "gone" / "blobs")
+    shutil.rmtree(tmp_path / "gone")
+    with pytest.raises(StoreError, match="cannot write chunk"):
+        tier.put(fresh, b"x")
+    assert not (tmp_path / "gone").exists()
+    store.close()
+
+
 def test_verify_repair_on_a_full_disk_checks_everything_and_says_why_it_stopped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

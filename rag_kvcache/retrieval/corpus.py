@@ -9,13 +9,14 @@ the chunk texts the catalog keeps.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rag_kvcache.errors import FingerprintMismatchError
+from rag_kvcache.errors import FingerprintMismatchError, StoreFullError
 from rag_kvcache.kv import DOCUMENTS_VERSION, DocumentCatalog, KVStore
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from rag_kvcache.storage.records import ChunkRow
 
 EMBED_CHUNKS = 512  # chunk rows read and embedded at a time
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class Corpus:
         self.index.remove(extra)
         self._embed(missing)
         if missing or extra:
-            self.index.save(self.index_path, self.ids_path)
+            self._save()
         self._version = version
         return SyncReport(len(missing), len(extra))
 
@@ -100,9 +102,18 @@ class Corpus:
         have = self.index.cache_ids()
         self._embed([c for c in dict.fromkeys(listed) if c not in have])
         self.index.remove(orphans)
-        self.index.save(self.index_path, self.ids_path)
+        self._save()
         self.catalog.count(DOCUMENTS_VERSION)
         self._version = version + 1  # a later mismatch means someone else wrote meanwhile
+
+    def _save(self) -> None:
+        """Save the index beside the catalog. It is a cache of the catalog, so a full disk
+        costs only the saved copy (other processes sync theirs from the catalog, or rebuild it):
+        a warning, and retrieval goes on from this one, where a query used to fail."""
+        try:
+            self.index.save(self.index_path, self.ids_path)
+        except StoreFullError as err:
+            log.warning("%s; retrieval goes on from the index in memory", err)
 
     def _embed(self, cache_ids: list[str]) -> None:
         """Add these chunks to the index, embedding the texts the catalog keeps, EMBED_CHUNKS

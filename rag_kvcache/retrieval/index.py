@@ -13,6 +13,7 @@ as empty, and the corpus rebuilds it from the catalog's chunk texts.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rag_kvcache.errors import RagKVCacheError
+from rag_kvcache.errors import RagKVCacheError, StoreFullError
 
 
 @dataclass(frozen=True)
@@ -108,16 +109,25 @@ class VectorIndex:
         writer has its own temporary names, so processes saving into one folder at once
         never take each other's file."""
         mine = f".{os.getpid()}-{threading.get_ident()}.tmp"
-        tmp = path.with_name(path.name + mine)
-        _faiss().write_index(self._index, str(tmp))
-        os.replace(tmp, path)
-        tmp_ids = cache_ids_path.with_name(cache_ids_path.name + mine)
-        tmp_ids.write_text("\n".join(self._ids.values()) + "\n", encoding="ascii")
-        os.replace(tmp_ids, cache_ids_path)
         sums = checksum_path(path)
-        tmp_sums = sums.with_name(sums.name + mine)
-        tmp_sums.write_text(json.dumps(file_checksums(path, cache_ids_path)), encoding="ascii")
-        os.replace(tmp_sums, sums)
+        tmp, tmp_ids, tmp_sums = (p.with_name(p.name + mine) for p in (path, cache_ids_path, sums))
+        try:
+            _faiss().write_index(self._index, str(tmp))
+            os.replace(tmp, path)
+            tmp_ids.write_text("\n".join(self._ids.values()) + "\n", encoding="ascii")
+            os.replace(tmp_ids, cache_ids_path)
+            tmp_sums.write_text(json.dumps(file_checksums(path, cache_ids_path)), encoding="ascii")
+            os.replace(tmp_sums, sums)
+        except (OSError, RuntimeError) as err:  # (faiss says RuntimeError, naming the errno)
+            for half_written in (tmp, tmp_ids, tmp_sums):  # (they filled the last free space)
+                half_written.unlink(missing_ok=True)
+            if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+                os.strerror(errno.ENOSPC) in str(err)
+            ):
+                raise StoreFullError(
+                    f"disk full while saving the vector index in {path.parent}: free space"
+                ) from err
+            raise
 
     @classmethod
     def load(cls, path: Path, cache_ids_path: Path, dim: int) -> VectorIndex:
