@@ -167,6 +167,7 @@ def read_marker(root: Path) -> StoreMarker | None:
 def write_marker(root: Path, marker: StoreMarker) -> None:
     """Write the marker atomically (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-marker-", dir=root)
+    os.fchmod(fd, 0o644)  # as the store's other files (mkstemp's 0600 hid it from other users)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(asdict(marker), f, indent=1)
         f.write("\n")

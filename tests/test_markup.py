@@ -352,6 +352,20 @@ def test_two_files_defining_one_schema_serve_the_one_named_after_it(cache, tmp_p
     ]
 
 
+def test_listing_a_folders_schemas_encodes_nothing(cache, tmp_path) -> None:
+    """`schema list` encoded every schema's units under the model it was run with (a store
+    of another model got a second model's chunks, and a listing took seconds)."""
+    (tmp_path / "chain.xml").write_text(CHAIN, encoding="utf-8")
+    before = len(cache.engine.store)
+    loaded = cache.load_folder(tmp_path, encode=False)
+    assert len(cache.engine.store) == before and list(cache.schemas) == ["chain"]
+    ((name, modules, units, encoded),) = [tuple(vars(a).values()) for a in loaded.added]
+    assert (name, modules, encoded) == ("chain", 3, 0)
+    added = cache.load_folder(tmp_path).added[0]
+    assert added.units == units and added.encoded == units  # encoded now: the same count
+    assert len(cache.engine.store) == before + units
+
+
 def test_a_schema_or_prompt_that_is_not_text_is_a_type_error(cache) -> None:
     """None or a number was an AttributeError from deep inside the parser."""
     for bad in (None, 123, b"<schema/>"):

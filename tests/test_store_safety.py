@@ -714,6 +714,8 @@ def test_a_store_knows_it_exists_and_which_catalog_is_its(tmp_path: Path, tiny32
     store = TieredStore(tmp_path / "s", create=False)
     assert marker == StoreMarker(FORMAT_VERSION, store.catalog.store_id, store.catalog.url)
     assert store.contains(ids[0])
+    # readable by the other users the store's other files are (mkstemp made it 0600)
+    assert (tmp_path / "s" / "store.json").stat().st_mode & 0o777 == 0o644
     store.close()
 
 
@@ -1105,6 +1107,13 @@ def test_a_tampered_or_unreadable_vector_index_is_found_and_rebuilt(
     index.add_with_ids(vectors, keys)
     faiss.write_index(index, str(root / "index.faiss"))
     assert "do not match their checksums" in index_problem(store)  # type: ignore[operator]
+    rebuild_index(store)
+    (root / "index.faiss.sha256").unlink()  # as a version before checksums saved it
+    assert index_problem(store) is None  # (it was "do not match their checksums")
+    index.remove_ids(keys)
+    index.add_with_ids(vectors, keys)
+    faiss.write_index(index, str(root / "index.faiss"))
+    assert index_problem(store) == "1 vectors differ from their chunk's embedding"
     loaded = VectorIndex.load(root / "index.faiss", root / "index.ids", Embedder().dim)
     assert len(loaded) == 0  # never used: the corpus rebuilds it from the catalog
     sums = root / "index.faiss.sha256"  # checksums rewritten to match: the vectors still tell

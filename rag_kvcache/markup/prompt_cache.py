@@ -82,8 +82,9 @@ class PromptCache:
         self.schemas[schema.name] = schema
         return SchemaAdded(schema.name, len(schema.modules), len(units), encoded)
 
-    def load_folder(self, folder: Path) -> SchemasLoaded:
-        """Add every `*.xml` schema in a folder (the CLI keeps them under the store root).
+    def load_folder(self, folder: Path, encode: bool = True) -> SchemasLoaded:
+        """Add every `*.xml` schema in a folder (the CLI keeps them under the store root);
+        with `encode=False` only compiled, for listing (nothing is written to the store).
 
         A file that no longer compiles or fits (edited by hand, or stored before a check
         existed) is skipped with its reason, so one bad schema does not take the others'
@@ -114,8 +115,14 @@ class PromptCache:
                 )
             else:
                 served[schema.name] = path
-        added = [self.add(schema) for path, schema in compiled if served.get(schema.name) == path]
-        return SchemasLoaded(added, sorted(skipped))
+        chosen = [schema for path, schema in compiled if served.get(schema.name) == path]
+        if encode:
+            return SchemasLoaded([self.add(schema) for schema in chosen], sorted(skipped))
+        self.schemas |= {schema.name: schema for schema in chosen}
+        listed = [
+            SchemaAdded(s.name, len(s.modules), len(s.units) + len(s.scaffolds), 0) for s in chosen
+        ]
+        return SchemasLoaded(listed, sorted(skipped))
 
     def compile(self, prompt: str) -> CompiledPrompt:
         if not isinstance(prompt, str):  # (None failed deep in the parser, an AttributeError)

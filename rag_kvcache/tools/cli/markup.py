@@ -68,7 +68,9 @@ def schema_command(args: argparse.Namespace, console: Console) -> int:
             )
             return 0
         if folder.exists():
-            for path, why in cache.load_folder(folder).skipped:
+            # listing only reads: its schemas are compiled, not encoded under this model
+            listing = args.command == "schema"
+            for path, why in cache.load_folder(folder, encode=not listing).skipped:
                 console.print(
                     Text.assemble(("skipped ", "yellow"), f"{path.name}: {why}"), highlight=False
                 )

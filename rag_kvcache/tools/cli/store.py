@@ -148,7 +148,7 @@ def index_problem(store: TieredStore) -> str | None:
 
     from rag_kvcache.errors import RagKVCacheError
     from rag_kvcache.retrieval.embedding import Embedder
-    from rag_kvcache.retrieval.index import checksums_match, faiss_id
+    from rag_kvcache.retrieval.index import checksum_path, checksums_match, faiss_id
 
     wanted = store.catalog.documented_ids()
     index_path, ids_path = store.root / "index.faiss", store.root / "index.ids"
@@ -165,7 +165,9 @@ def index_problem(store: TieredStore) -> str | None:
         return f"lists {len(ids) - len(set(ids))} chunks twice"
     if index.ntotal != len(ids):
         return f"its two files disagree ({index.ntotal} vectors, {len(ids)} cache IDs)"
-    if not checksums_match(index_path, ids_path):
+    # an index saved before checksums were kept has none: not damage (its vectors are
+    # checked against the catalog below; `verify` reported every such store as tampered)
+    if checksum_path(index_path).exists() and not checksums_match(index_path, ids_path):
         return "its files do not match their checksums (changed since the library wrote them)"
     documented = [i for i, c in enumerate(ids) if c in wanted]
     if vectors is None or not documented:
