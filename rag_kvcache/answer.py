@@ -206,7 +206,8 @@ class AnswerStream:
 
     A loop that stops early (`break`) pauses the answer: iterating again goes on from the next
     piece, and `finish` runs it to the end; once the answer is done, iterating yields nothing.
-    (It used to end the answer, and `finish` then failed, clearing `.answer`.)"""
+    (It used to end the answer, and `finish` then failed, clearing `.answer`.) `close` (or a
+    `with` block) ends an answer that will not be read on, releasing its buffers at once."""
 
     def __init__(self, steps: Generator[str, None, Answer]):
         self._steps = steps
@@ -231,6 +232,16 @@ class AnswerStream:
                 self._failed = e
                 raise
             yield piece
+
+    def close(self) -> None:
+        """End the answer where it is (nothing more is decoded; reading on is an error)."""
+        self._steps.close()
+
+    def __enter__(self) -> AnswerStream:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def finish(self) -> Answer:
         """Run to the end (if not yet) and return the answer."""

@@ -8,6 +8,7 @@ question sit in the user turn).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ MARKER = "\x00RAG_KVCACHE_USER\x00"
 MESSAGE_MARKER = "\x00RAG_KVCACHE_MESSAGE_{}\x00"  # where message i's content goes
 
 
-def check_text(text: str, what: str = "text") -> str:
+def check_text(text: str, what: str = "input") -> str:
     """`text`, if it is a str and every character of it is one a tokenizer takes; a lone UTF-16
     surrogate (what a JSON `\\ud800` escape decodes to) is a ConfigError, not a tokenizer's
     TypeError, and so is None or bytes (an AttributeError from deep inside)."""
@@ -37,7 +38,7 @@ def check_text(text: str, what: str = "text") -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ConfigError(
-            f"the text holds {text[e.start]!r} at character {e.start}, which is not a Unicode "
+            f"the {what} holds {text[e.start]!r} at character {e.start}, which is not a Unicode "
             "character (a lone UTF-16 surrogate): send valid UTF-8"
         ) from None
     return text
@@ -47,7 +48,7 @@ def check_messages(messages: object) -> None:
     """Chat messages as the API takes them: a non-empty list of {"role": str, "content": str}
     (a missing key, None content or a bare string failed inside the template), each content
     checked by `check_text`."""
-    if isinstance(messages, str | bytes | dict) or not isinstance(messages, list | tuple):
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
         raise ConfigError(
             'messages must be a list of {"role": ..., "content": ...} dicts, got '
             + type(messages).__name__
@@ -55,7 +56,7 @@ def check_messages(messages: object) -> None:
     if not messages:
         raise ConfigError("there are no messages: give at least the user's")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+        if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys():
             raise ConfigError(f'message {i} is not a {{"role": ..., "content": ...}} dict')
         if not isinstance(message["role"], str):
             raise ConfigError(f"message {i}'s role must be text, got {message['role']!r}")
@@ -131,7 +132,7 @@ class PromptTemplate:
         text only: a document that spells a control token (`<|im_end|>`, `<|endoftext|>`: a
         page about tokenizers, or one written to end the user turn early) holds those
         characters, never the token, which would end a turn or the text inside the KV."""
-        return text_ids(tokenizer, check_text(text.strip() + "\n\n"))
+        return text_ids(tokenizer, check_text(text.strip() + "\n\n", "chunk"))
 
     def question_ids(self, tokenizer: Any, question: str) -> list[int]:
         """The question's tokens as the prompt holds them. The question is the user's text,
@@ -140,7 +141,7 @@ class PromptTemplate:
         nothing to answer: the model would only continue the documents)."""
         if not isinstance(question, str):
             raise ConfigError(f"the question must be text (str), not {type(question).__name__}")
-        asked = stripped(pieces_of(check_text(question), by_user=True))
+        asked = stripped(pieces_of(check_text(question, "question"), by_user=True))
         if not asked:
             raise ConfigError(f"the question is empty ({question!r}): ask something")
         return pieces_ids(tokenizer, [("Question: ", False), *asked, (self.suffix, False)])

@@ -197,7 +197,8 @@ def _writer_alive(name: str) -> bool:
 
 def process_alive(pid: str) -> bool:
     """Whether the process `pid` (digits; anything else counts as dead) runs on this machine."""
-    if not pid.isascii() or not pid.isdigit():
+    if not pid.isascii() or not pid.isdigit() or int(pid) > 2**22:  # (past any Linux PID:
+        return False  # os.kill's OverflowError)
         return False
     try:
         os.kill(int(pid), 0)

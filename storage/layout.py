@@ -32,7 +32,7 @@ FORMAT_VERSION = 1  # of the folder's layout; the catalog's own schema has Alemb
 CATALOG_FILE = "catalog.sqlite"
 BLOBS_FOLDER = "blobs"
 # the vector index's temporary files while it is saved (`index.faiss.<pid>-<thread>.tmp`, ...)
-INDEX_TEMPORARIES = "index.*.tmp"
+INDEX_TEMPORARIES = re.compile(r"index\.(faiss|ids|faiss\.sha256)\.([0-9]+)-[0-9]+\.tmp")
 SCHEMAS_FOLDER = "schemas"
 CACHE_ID_LENGTH = 32
 

@@ -206,13 +206,14 @@ def _remove_index_temporaries(root: Path, older_than_s: float) -> int:
     the space a retry needed, and gc kept them). A live writer's are left, as are files
     younger than `older_than_s` (a writer on another machine sharing the folder)."""
     removed = 0
-    for tmp in root.glob(INDEX_TEMPORARIES):
-        pid = tmp.name.removesuffix(".tmp").rpartition(".")[2].partition("-")[0]
+    for tmp in root.glob("index.*.tmp"):
+        if not (named := INDEX_TEMPORARIES.fullmatch(tmp.name)):  # (not the index's: kept)
+            continue
         try:
-            if time.time() - tmp.lstat().st_mtime < older_than_s or process_alive(pid):
+            if time.time() - tmp.lstat().st_mtime < older_than_s or process_alive(named[2]):
                 continue
             tmp.unlink()
-        except FileNotFoundError:  # renamed by its writer meanwhile
+        except OSError:  # renamed by its writer meanwhile; a folder of that name: kept
             continue
         removed += 1
     return removed
@@ -419,7 +420,7 @@ class TieredStore:
         reads = LayerReads(blobs, self._readers, lambda kv: self._keep_read(kv, rows))
         found.update((b.row.cache_id, replace(b.chunk, arrival=reads)) for b in blobs)
         if blobs:
-            self.catalog.count(f"hits:{self.durable.name}", len(blobs))
+            self._count(f"hits:{self.durable.name}", len(blobs))
         return Fetched([found[cid] for cid in cache_ids], reads.settle)
 
     def prefetch(self, cache_ids: list[str]) -> None:
@@ -455,7 +456,7 @@ class TieredStore:
         if isinstance(loaded, str):  # missing or corrupt: `fetch` repairs or reports it
             return
         # counted before it shows hot: a fetch that finds it hot sees the count too
-        self.catalog.count(f"prefetched:{self.durable.name}")
+        self._count(f"prefetched:{self.durable.name}")
         self._keep_hot(loaded, row.pinned)
 
     def _prefetched(self, cache_id: str, _done: Future[None]) -> None:
@@ -513,15 +514,22 @@ class TieredStore:
         return rows, found, self._await_prefetched(found, misses)
 
     def _count_use(self, cache_ids: list[str], hits: dict[str, int]) -> None:
-        """Record the chunks' use (LRU/LFU) and the hot tiers' hits: bookkeeping, which a full
-        catalog disk skips with a warning (every answer failed, and `gc` freed nothing)."""
+        """Record the chunks' use (LRU/LFU) and the hot tiers' hits (see `_count`)."""
         try:
             self.catalog.touch(cache_ids)
-            for tier_name, n in hits.items():
-                if n:
-                    self.catalog.count(f"hits:{tier_name}", n)
         except StoreFullError as err:
             log.warning("%s; this use of %d chunks is not counted", err, len(cache_ids))
+        for tier_name, n in hits.items():
+            if n:
+                self._count(f"hits:{tier_name}", n)
+
+    def _count(self, name: str, by: int = 1) -> None:
+        """Add to a usage counter: bookkeeping, which a full catalog disk skips with a warning
+        (reading chunks is no write: every answer failed, and `gc` freed nothing)."""
+        try:
+            self.catalog.count(name, by)
+        except StoreFullError as err:
+            log.warning("%s; counter %s not updated", err, name)
 
     def _read_whole(
         self, rows: dict[str, ChunkRow], found: dict[str, ChunkKV], misses: list[str]
@@ -537,7 +545,7 @@ class TieredStore:
             hot = self._hot(cid)
             found[cid] = read if hot is None else hot
         if misses:
-            self.catalog.count(f"hits:{self.durable.name}", len(misses))
+            self._count(f"hits:{self.durable.name}", len(misses))
 
     def _load(self, row: ChunkRow) -> ChunkKV | str:
         """The chunk from the durable tier, or why it cannot be used ('missing', 'corrupt')."""

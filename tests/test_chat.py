@@ -193,6 +193,15 @@ def test_a_template_that_skips_messages_by_their_text_never_reads_a_users_token(
     )
 
 
+def test_messages_may_be_any_mapping_in_any_sequence(tiny_tokenizer, template) -> None:
+    from types import MappingProxyType
+
+    frozen = tuple(MappingProxyType(m) for m in CHAT)
+    assert chat_question(template, tiny_tokenizer, SYSTEM, frozen) == chat_question(
+        template, tiny_tokenizer, SYSTEM, CHAT
+    )
+
+
 @pytest.mark.parametrize(
     ("messages", "why"),
     [

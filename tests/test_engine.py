@@ -108,6 +108,10 @@ def test_a_stream_read_in_parts_then_finished_is_the_whole_answer(tiny_engine) -
     rest = list(paused)  # goes on from the next piece
     assert [first, *rest] == pieces
     assert paused.finish().token_ids == whole.token_ids
+    with tiny_engine.generate("How many basins?", ids, stream=True) as ended:
+        next(iter(ended))  # read one piece, then leave: the answer ends with the block
+    with pytest.raises(RagKVCacheError, match="closed before its end"):
+        ended.finish()
 
 
 def test_the_system_prompts_entry_cannot_be_expired(tiny_engine) -> None:

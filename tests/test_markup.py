@@ -459,6 +459,13 @@ def test_the_python_front_end_refuses_what_the_compiler_would() -> None:
             if city == "-weird":
                 "Odd."
 
+    with pytest.raises(MarkupError, match=r"`if _private:` names module '-private'"):
+
+        @schema
+        def private():
+            if _private:  # noqa: F821
+                "Odd."
+
     with pytest.raises(MarkupError, match="cannot be named 'system', like a role"):
 
         @schema

@@ -563,9 +563,7 @@ def test_a_catalog_that_cannot_open_on_a_full_disk_says_the_disk_is_full(tmp_pat
     assert "full" not in str(proc.value)
 
 
-def test_a_vector_index_saved_on_a_full_disk_leaves_nothing_and_retrieval_goes_on(
-    tmp_path: Path, tiny32, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_vector_index_saved_on_a_full_disk_leaves_nothing(tmp_path: Path) -> None:
     """Saving the index on a full disk was faiss' RuntimeError (a traceback, from `ingest`
     and from a query that synced the index), and left its temporary file, which ate the
     space a retry needed and which gc kept. A real 64 KiB filesystem."""
@@ -581,16 +579,27 @@ def test_a_vector_index_saved_on_a_full_disk_leaves_nothing_and_retrieval_goes_o
         with pytest.raises(StoreFullError, match="disk full while saving the vector index"):
             index.save(small / "index.faiss", small / "index.ids")
         assert sorted(p.name for p in small.iterdir()) == ["filler"]
-    # the index is a cache of the catalog: a document is still ingested and retrieved
+
+
+def test_retrieval_goes_on_when_the_vector_index_cannot_be_saved(
+    tmp_path: Path, tiny32, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index is a cache of the catalog: a document is still ingested and retrieved when
+    saving it fails (faiss' own error on a full disk, as `write_index` says it), and no
+    temporary file is left."""
+    import faiss
+
+    def full(index: object, path: str) -> None:
+        Path(path).write_bytes(b"half")
+        raise RuntimeError(f"Error: write error in {path}: 4 != 76800 (No space left on device)")
+
+    monkeypatch.setattr(faiss, "write_index", full)
     engine = _engine(TieredStore(tmp_path / "kv"), tiny32)
-
-    def full(*_: object) -> None:
-        raise StoreFullError("disk full while saving the vector index in kv: free space")
-
-    engine.corpus.index.save = full  # type: ignore[method-assign]
     engine.ingest_document("a.md", DOCS)
     assert engine.retrieve("When was the lighthouse built?", 1)[0].source == "a.md"
+    assert "disk full while saving the vector index" in caplog.text
     assert "retrieval goes on from the index in memory" in caplog.text
+    assert list(engine.store.root.glob("index.*")) == []
     engine.store.close()
 
 
@@ -608,28 +617,41 @@ def test_gc_removes_the_index_temporaries_of_dead_writers(tmp_path: Path) -> Non
         (store.root / name).write_bytes(b"half")
         os.utime(store.root / name, (time.time() - 3600,) * 2)
     (store.root / f"index.faiss.{dead}-2.tmp").write_bytes(b"new")  # younger than the limit
-    assert store.gc().temporaries == 2
+    kept = ["index.notes.tmp", f"index.faiss.{dead}-3.tmp"]  # not the index's; a folder
+    (store.root / kept[0]).write_bytes(b"someone's")
+    (store.root / kept[1]).mkdir()
+    huge = "index.ids.99999999999999999999-1.tmp"  # past any PID (os.kill overflowed)
+    for name in [*kept, huge]:
+        (store.root / name).touch()
+        os.utime(store.root / name, (time.time() - 3600,) * 2)
+    assert store.gc().temporaries == 3
     left = sorted(p.name for p in store.root.glob("index.*.tmp"))
-    assert left == sorted([f"index.faiss.{os.getpid()}-1.tmp", f"index.faiss.{dead}-2.tmp"])
+    assert left == sorted([f"index.faiss.{os.getpid()}-1.tmp", f"index.faiss.{dead}-2.tmp", *kept])
     store.close()
 
 
 def test_a_store_answers_when_its_catalog_disk_is_too_full_to_count_uses(
     tmp_path: Path, tiny32, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Counting a use (LRU time, LFU count) is a catalog write: on a full disk every answer
-    failed with "the catalog's disk is full ... run gc", and gc freed nothing."""
-    store = TieredStore(tmp_path / "kv")
-    engine = _engine(store, tiny32)
-    ids = engine.generate_context_cache(DOCS)
+    """Counting a use (LRU time, LFU count, tier hits) is a catalog write: on a full disk every
+    answer failed with "the catalog's disk is full ... run gc", and gc freed nothing. Cold
+    chunks (read from disk, streamed by layer or whole) and hot ones alike."""
+    ids = _make_store(tmp_path / "kv", tiny32)
 
     def full(*_: object) -> None:
         raise StoreFullError("the catalog's disk is full (sqlite); nothing was recorded")
 
-    store.catalog.touch = full  # type: ignore[method-assign]
-    assert engine.generate("When?", ids).token_ids
+    for stream_reads in (True, False):
+        store = TieredStore(tmp_path / "kv", create=False)
+        store.stream_reads = stream_reads
+        store.catalog.touch = full  # type: ignore[method-assign]
+        store.catalog.count = full  # type: ignore[method-assign]
+        engine = _engine(store, tiny32)
+        for _ in ("cold", "hot"):
+            assert engine.generate("When?", ids).token_ids
+        store.close()
     assert "this use of 3 chunks is not counted" in caplog.text
-    store.close()
+    assert "counter hits:disk not updated" in caplog.text
 
 
 def test_a_blobs_folder_deleted_under_a_running_store_is_made_again(tmp_path: Path, tiny32) -> None:

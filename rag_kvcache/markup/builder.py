@@ -115,6 +115,11 @@ def _conditional(node: ast.If, params: dict[str, int]) -> str:
 def _module_name(test: ast.expr) -> str:
     """The module an `if` names, refused here, at its line, if the compiler would refuse it."""
     if isinstance(test, ast.Name):
+        if test.id.startswith("_"):  # (it became "-private", refused as a name of '_' first)
+            raise MarkupError(
+                f"line {test.lineno}: `if {test.id}:` names module "
+                f"{test.id.replace('_', '-')!r} ('_' is written '-'): start it with a letter"
+            )
         name = test.id.replace("_", "-")
     elif (
         isinstance(test, ast.Compare)

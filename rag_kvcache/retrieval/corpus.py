@@ -16,14 +16,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rag_kvcache.errors import FingerprintMismatchError, StoreFullError
+import numpy as np
+
+from rag_kvcache.errors import FingerprintMismatchError, StoreError
 from rag_kvcache.kv import DOCUMENTS_VERSION, DocumentCatalog, KVStore
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from rag_kvcache.storage.records import ChunkRow
 
 EMBED_CHUNKS = 512  # chunk rows read and embedded at a time
@@ -73,10 +73,15 @@ class Corpus:
 
     def set_document(self, source: str, content_hash: str, cache_ids: list[str]) -> list[str]:
         """Record a document's chunks (already in the store) and index them; drop the chunks it
-        no longer has (unless another document lists them). Returns the dropped cache IDs."""
+        no longer has (unless another document lists them). Returns the dropped cache IDs.
+        Its new chunks are embedded before the lock is taken: the slow part, which held up
+        every retrieval of the process meanwhile."""
+        with self._lock:
+            have = self.index.cache_ids()
+        ready = self._vectors([c for c in dict.fromkeys(cache_ids) if c not in have])
         with self._lock:
             _, orphans = self.catalog.set_document(source, content_hash, cache_ids)
-            self._changed(cache_ids, orphans)
+            self._changed(cache_ids, orphans, ready)
         return orphans
 
     def remove_document(self, source: str) -> list[str]:
@@ -93,38 +98,53 @@ class Corpus:
         with self._lock:
             self._changed([], cache_ids)
 
-    def _changed(self, listed: list[str], orphans: list[str]) -> None:
+    def _changed(
+        self, listed: list[str], orphans: list[str], ready: dict[str, np.ndarray] | None = None
+    ) -> None:
         for cache_id in orphans:
             self.store.remove(cache_id)
         version = self._current_version()
         if version != self._version:
             self._sync()  # another process changed the corpus since we last looked
         have = self.index.cache_ids()
-        self._embed([c for c in dict.fromkeys(listed) if c not in have])
+        self._embed([c for c in dict.fromkeys(listed) if c not in have], ready or {})
         self.index.remove(orphans)
         self._save()
         self.catalog.count(DOCUMENTS_VERSION)
         self._version = version + 1  # a later mismatch means someone else wrote meanwhile
 
     def _save(self) -> None:
-        """Save the index beside the catalog. It is a cache of the catalog, so a full disk
-        costs only the saved copy (other processes sync theirs from the catalog, or rebuild it):
-        a warning, and retrieval goes on from this one, where a query used to fail."""
+        """Save the index beside the catalog. It is a cache of the catalog, so a full disk (or
+        another failed write) costs only the saved copy (other processes sync theirs from the
+        catalog, or rebuild it): a warning, and retrieval goes on from this one, where a query
+        used to fail."""
         try:
             self.index.save(self.index_path, self.ids_path)
-        except StoreFullError as err:
+        except StoreError as err:
             log.warning("%s; retrieval goes on from the index in memory", err)
 
-    def _embed(self, cache_ids: list[str]) -> None:
-        """Add these chunks to the index, embedding the texts the catalog keeps, EMBED_CHUNKS
-        at a time (a big file's rows, token IDs included, are never all in memory at once)."""
+    def _embed(self, cache_ids: list[str], ready: dict[str, np.ndarray] | None = None) -> None:
+        """Add these chunks to the index: the vectors `ready` holds, the others embedded."""
+        ready = ready or {}
+        vectors = ready | self._vectors([c for c in cache_ids if c not in ready])
+        batch = [c for c in cache_ids if c in vectors]
+        if batch:
+            self.index.add(batch, np.stack([vectors[c] for c in batch]))
+
+    def _vectors(self, cache_ids: list[str]) -> dict[str, np.ndarray]:
+        """The embeddings of the texts the catalog keeps for these chunks, read EMBED_CHUNKS at
+        a time (a big file's rows, token IDs included, are never all in memory at once). A
+        chunk another process's replacement of its document removed meanwhile is gone from
+        the catalog: none (that process's version bump is seen next)."""
+        out: dict[str, np.ndarray] = {}
         for i in range(0, len(cache_ids), EMBED_CHUNKS):
             rows = self.catalog.chunks(cache_ids[i : i + EMBED_CHUNKS])
-            # (a chunk another process's replacement of its document removed meanwhile is
-            # gone from the catalog: not indexed; that process's version bump is seen next)
             batch = [c for c in cache_ids[i : i + EMBED_CHUNKS] if c in rows]
             if batch:
-                self.index.add(batch, self.embedder.embed([rows[c].text for c in batch]))
+                out.update(
+                    zip(batch, self.embedder.embed([rows[c].text for c in batch]), strict=True)
+                )
+        return out
 
     def _current_version(self) -> int:
         return self.catalog.counters().get(DOCUMENTS_VERSION, 0)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rag_kvcache.errors import RagKVCacheError, StoreFullError
+from rag_kvcache.errors import RagKVCacheError, StoreError, StoreFullError
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,9 @@ class VectorIndex:
                 raise StoreFullError(
                     f"disk full while saving the vector index in {path.parent}: free space"
                 ) from err
-            raise
+            raise StoreError(
+                f"cannot save the vector index in {path.parent}: {str(err).strip()}"
+            ) from err
 
     @classmethod
     def load(cls, path: Path, cache_ids_path: Path, dim: int) -> VectorIndex:
