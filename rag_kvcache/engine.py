@@ -322,7 +322,9 @@ class RagKVCache:
             documented = bool(catalog.sources([cache_id]))
         removed = self.store.remove(cache_id)
         if removed and documented:  # (a chunk no document lists needs no embedding model)
-            self.corpus.forget([cache_id])
+            # the catalog bumped the corpus version as it deleted the listed chunk: every other
+            # process syncs at its next search; this one now, so the saved index drops it too
+            self.corpus.sync()
         return removed
 
     # ------------------------------------------------------------------ answering

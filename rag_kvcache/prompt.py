@@ -139,8 +139,6 @@ class PromptTemplate:
         read as text (`<|im_end|>` in it is characters); a `ChatText` (a chat's question) keeps
         its template's control tokens. An empty or blank question is an error (there is
         nothing to answer: the model would only continue the documents)."""
-        if not isinstance(question, str):
-            raise ConfigError(f"the question must be text (str), not {type(question).__name__}")
         asked = stripped(pieces_of(check_text(question, "question"), by_user=True))
         if not asked:
             raise ConfigError(f"the question is empty ({question!r}): ask something")

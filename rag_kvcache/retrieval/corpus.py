@@ -91,13 +91,6 @@ class Corpus:
             self._changed([], orphans)
         return orphans
 
-    def forget(self, cache_ids: list[str]) -> None:
-        """Chunks the store no longer holds (expired) leave the index, here and, by the version
-        counter, in every process: the saved index listed them, which `verify` reports as
-        damage, and a search spent its top_k on them."""
-        with self._lock:
-            self._changed([], cache_ids)
-
     def _changed(
         self, listed: list[str], orphans: list[str], ready: dict[str, np.ndarray] | None = None
     ) -> None:
@@ -107,7 +100,7 @@ class Corpus:
         if version != self._version:
             self._sync()  # another process changed the corpus since we last looked
         have = self.index.cache_ids()
-        self._embed([c for c in dict.fromkeys(listed) if c not in have], ready or {})
+        self._embed([c for c in dict.fromkeys(listed) if c not in have], ready)
         self.index.remove(orphans)
         self._save()
         self.catalog.count(DOCUMENTS_VERSION)
