@@ -200,6 +200,8 @@ class RagKVCache:
         self._loop_guard = threading.Lock()
         self._closed = False
         self._calibration: tuple[bytes, Calibration] | None = None  # parsed, with its bytes
+        self._corpus: Corpus | None = None  # built by the first use of `corpus`
+        self._corpus_lock = threading.Lock()
         self.prefix_id = self.cache_token_ids([prefix], EncodeSettings(), [self.template.prefix])[
             0
         ][0]
@@ -261,16 +263,22 @@ class RagKVCache:
 
     # ------------------------------------------------------------------ documents and retrieval
 
-    @cached_property
+    @property
     def corpus(self) -> Corpus:
-        """Documents and their vector index; needs a durable store (StoreConfig.root)."""
-        catalog, folder = self.store.catalog, self.store.root
-        if catalog is None or folder is None:
-            raise ConfigError(
-                "documents and retrieval need a durable store: "
-                "EngineConfig(store=StoreConfig(root=...))"
-            )
-        return Corpus(self.store, catalog, folder, Embedder.shared())
+        """Documents and their vector index; needs a durable store (StoreConfig.root). Built
+        once, on first use, under this engine's lock (`cached_property` has none from Python
+        3.12): two threads asking at once share one corpus (two would each hold an index, and
+        the one saved last would drop the other's chunks)."""
+        with self._corpus_lock:
+            if self._corpus is None:
+                catalog, folder = self.store.catalog, self.store.root
+                if catalog is None or folder is None:
+                    raise ConfigError(
+                        "documents and retrieval need a durable store: "
+                        "EngineConfig(store=StoreConfig(root=...))"
+                    )
+                self._corpus = Corpus(self.store, catalog, folder, Embedder.shared())
+            return self._corpus
 
     def ingest_document(
         self,

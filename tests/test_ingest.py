@@ -12,11 +12,13 @@ import re
 import shutil
 import signal
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+import rag_kvcache.engine as engine_module
 import rag_kvcache.ingest as ingest_module
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
@@ -500,6 +502,34 @@ def test_threads_ingesting_one_document_at_once_leave_the_last_version(engine) -
     (listed,) = engine.corpus.catalog.document_chunks("shared.md")
     assert engine.corpus.index.cache_ids() == {listed} == engine.corpus.catalog.documented_ids()
     assert [h.cache_id for h in engine.retrieve("shared notice", 4)] == [listed]
+
+
+def test_threads_asking_for_the_corpus_at_once_share_one(engine, monkeypatch) -> None:
+    """The corpus was a cached_property, which Python 3.12 no longer locks: threads reaching it
+    first at once each built one, with its own index, and the index saved last dropped the other
+    corpus's chunks. (On 3.11 the property's own lock passed this too.)"""
+    built: list[object] = []
+    real = engine_module.Corpus
+
+    def slow_corpus(*args: object) -> object:
+        time.sleep(0.2)  # (the index load and embedder start take longer than this)
+        corpus = real(*args)
+        built.append(corpus)
+        return corpus
+
+    monkeypatch.setattr(engine_module, "Corpus", slow_corpus)
+    start, seen = threading.Barrier(4), []
+
+    def ask() -> None:
+        start.wait()
+        seen.append(engine.corpus)
+
+    workers = [threading.Thread(target=ask) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(built) == 1 and seen == built * 4
 
 
 def test_a_chunk_that_is_not_unicode_is_refused_before_anything_is_stored(engine) -> None:
