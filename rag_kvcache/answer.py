@@ -16,6 +16,7 @@ Two steps, gpt-fast style:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -213,6 +214,8 @@ class AnswerStream:
         self._steps = steps
         self.answer: Answer | None = None
         self._failed: BaseException | None = None
+        self._reading = threading.Lock()  # held while a piece is decoded
+        self._stop = threading.Event()  # set by close()
 
     def __iter__(self) -> Iterator[str]:
         while self.answer is None:
@@ -221,7 +224,14 @@ class AnswerStream:
                     f"this answer stopped with {type(self._failed).__name__}, raised when it "
                     "was read: there is no more of it"
                 ) from self._failed
+            if not self._reading.acquire(blocking=False):  # (next() would raise ValueError,
+                # and this answer, fine in the thread that reads it, would be marked failed)
+                raise RagKVCacheError(
+                    "another thread is reading this answer: read a stream from one thread"
+                )
             try:
+                if self._stop.is_set():  # (closed from another thread while a piece decoded)
+                    self._steps.close()
                 piece = next(self._steps)
             except StopIteration as done:
                 if done.value is None:  # (a closed generator's: never one that ran to its end)
@@ -231,11 +241,16 @@ class AnswerStream:
             except BaseException as e:  # (a generator that raised is over)
                 self._failed = e
                 raise
+            finally:
+                self._reading.release()
             yield piece
 
     def close(self) -> None:
-        """End the answer where it is (nothing more is decoded; reading on is an error)."""
-        self._steps.close()
+        """End the answer where it is (nothing more is decoded; reading on is an error). From
+        another thread (a stop button), it waits for the piece being decoded."""
+        self._stop.set()  # (the reader may take the lock first: it then ends the answer)
+        with self._reading:
+            self._steps.close()
 
     def __enter__(self) -> AnswerStream:
         return self

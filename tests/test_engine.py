@@ -1,6 +1,8 @@
 """The engine end to end: on the tiny model (its small tokenizer built in the tests) and on real
 SmolLM2."""
 
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -133,6 +135,60 @@ def test_a_stream_that_failed_says_so_when_read_again(tiny_engine) -> None:
         list(stream)
     with pytest.raises(RagKVCacheError, match="stopped with ContextTooLongError"):
         stream.finish()
+
+
+def test_a_stream_read_from_a_second_thread_is_refused_and_the_first_reads_on() -> None:
+    """A second thread reading a stream got the generator's ValueError, and the answer was
+    marked failed for the thread that was reading it. `close()` from another thread (a stop
+    button) raised the same ValueError; it now waits for the piece being decoded."""
+    decoding, go_on = threading.Event(), threading.Event()
+
+    def steps():
+        yield "a"
+        decoding.set()
+        go_on.wait(10)
+        yield "b"
+        yield "c"
+        return "done"
+
+    stream = AnswerStream(steps())  # type: ignore[arg-type]
+    reader = iter(stream)
+    assert next(reader) == "a"
+    pieces: list[str] = []
+    second = threading.Thread(target=lambda: pieces.append(next(reader)))
+    second.start()
+    assert decoding.wait(10)  # the first reader is decoding "b"
+    with pytest.raises(RagKVCacheError, match="another thread is reading this answer"):
+        next(iter(stream))
+    go_on.set()
+    second.join(10)
+    assert pieces == ["b"] and list(stream) == ["c"] and stream.answer == "done"
+
+    decoding.clear()
+    go_on.clear()
+    stopped, read = AnswerStream(steps()), list[str]()  # type: ignore[arg-type]
+    ended: list[BaseException] = []
+
+    def read_on() -> None:
+        try:
+            read.extend(stopped)
+        except RagKVCacheError as e:
+            ended.append(e)
+
+    reading = threading.Thread(target=read_on)
+    reading.start()
+    assert decoding.wait(10)
+    stopper = threading.Thread(target=stopped.close)
+    stopper.start()  # the piece being decoded is the last
+    while not stopped._stop.is_set():  # (the stop is asked before that piece is done)
+        time.sleep(0.001)
+    go_on.set()
+    stopper.join(10)
+    reading.join(10)
+    assert read == ["a", "b"] and not stopper.is_alive()
+    assert "closed before its end" in str(ended[0])  # the reader learns it was stopped
+    with pytest.raises(RagKVCacheError, match="closed before its end"):
+        stopped.finish()
 
 
 def test_caching_is_idempotent_and_expiry_is_final(tiny_engine) -> None:
