@@ -689,7 +689,7 @@ class RagKVCache:
 
     def _check_known(self, cache_ids: list[str]) -> None:
         """UnknownCacheIdError naming every one of `cache_ids` the store cannot serve."""
-        unknown = [repr(c) for c in cache_ids if not isinstance(c, str)]  # (a list: unhashable)
+        unknown: list[object] = [c for c in cache_ids if not isinstance(c, str)]  # (unhashable)
         for cache_id in dict.fromkeys(c for c in cache_ids if isinstance(c, str)):
             try:
                 known = self.store.contains(cache_id)

@@ -1,5 +1,7 @@
 """Exceptions raised by rag-kvcache. Each message names the bad value and what is allowed."""
 
+from collections.abc import Sequence
+
 
 class RagKVCacheError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -16,9 +18,11 @@ class UnsupportedModelError(RagKVCacheError):
 class UnknownCacheIdError(RagKVCacheError, KeyError):
     """A cache ID is not in the store (never ingested, expired or removed)."""
 
-    def __init__(self, cache_ids: list[str]):
-        self.cache_ids = cache_ids
-        shown = ", ".join(cache_ids[:5]) + (" ..." if len(cache_ids) > 5 else "")
+    def __init__(self, cache_ids: Sequence[object]):
+        self.cache_ids = list(cache_ids)  # as given (not every one need be a string)
+        # each quoted alike (an ID may be '' or hold a comma), a megabyte of one cut to 80 chars
+        quoted = [repr(c) if len(repr(c)) <= 80 else repr(c)[:77] + "..." for c in cache_ids[:5]]
+        shown = ", ".join(quoted) + (" ..." if len(cache_ids) > 5 else "")
         super().__init__(
             f"unknown cache ID(s): {shown}; ingest the text first "
             "(RagKVCache.generate_context_cache) or check it was not expired"

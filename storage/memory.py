@@ -38,7 +38,7 @@ class MemoryStore:
 
     def get(self, cache_ids: list[str]) -> list[ChunkKV]:
         """The chunks in order; all missing IDs reported at once."""
-        malformed = [repr(c) for c in cache_ids if not is_name("cache ID", c)]
+        malformed = [c for c in cache_ids if not is_name("cache ID", c)]
         missing = malformed or [c for c in cache_ids if c not in self._chunks]
         if missing:
             raise UnknownCacheIdError(missing)

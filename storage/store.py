@@ -493,7 +493,7 @@ class TieredStore:
     ) -> tuple[dict[str, ChunkRow], dict[str, ChunkKV], list[str]]:
         """The chunks' catalog rows, those found in a hot tier, and the misses (each once);
         unknown or expired IDs raise, all at once. Counts the hot tiers' hits."""
-        malformed = [shown_name(c) for c in cache_ids if not is_name("cache ID", c)]
+        malformed = [c for c in cache_ids if not is_name("cache ID", c)]
         if malformed:  # names no chunk: unknown, before any lookup
             raise UnknownCacheIdError(malformed)
         rows = self.catalog.chunks(cache_ids)

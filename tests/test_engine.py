@@ -203,6 +203,18 @@ def test_caching_is_idempotent_and_expiry_is_final(tiny_engine) -> None:
         tiny_engine.generate("q", ["deadbeef"])
 
 
+def test_unknown_cache_ids_are_quoted_alike_whatever_they_are(tiny_engine) -> None:
+    """A well-formed unknown ID was shown bare and a malformed one quoted, so `''` or an ID
+    holding ", " could not be told apart in the message."""
+    long = "f" * 500
+    for ids in (["deadbeef", "", None, "a, b", long], ["", None, "a, b", long, "deadbeef"]):
+        with pytest.raises(UnknownCacheIdError) as raised:
+            tiny_engine.generate("q", ids, strategy="legolink:2")  # (no placement: in order)
+        shown = ", ".join(repr(c) if c != long else repr(c)[:77] + "..." for c in ids)
+        assert str(raised.value).startswith(f"unknown cache ID(s): {shown}; ingest")
+        assert raised.value.cache_ids == ids
+
+
 def test_bad_input(tiny_engine, tiny32) -> None:
     with pytest.raises(EmptyChunkError, match="text 1 is empty"):
         tiny_engine.generate_context_cache(["fine", "  \n"])
