@@ -150,12 +150,6 @@ def listed(items: object, what: str, *, strings: bool = True) -> list[str]:
     return items
 
 
-def cache_id_list(cache_ids: object) -> list[str]:
-    """A request's cache IDs as a list (`listed`; an ID that is not a string is the store's
-    to name as unknown)."""
-    return listed(cache_ids, "cache_ids", strings=False)
-
-
 class RagKVCache:
     """The engine. `generate_context_cache(texts) -> cache_ids`, `generate(query, cache_ids)`."""
 
@@ -339,7 +333,7 @@ class RagKVCache:
 
     def prompt_ids(self, query: str, cache_ids: list[str]) -> list[int]:
         """The full prompt, token for token, that linking reproduces (for the baseline)."""
-        chunks = self.store.get([self.prefix_id, *cache_id_list(cache_ids)])
+        chunks = self.store.get([self.prefix_id, *self._chunk_ids(cache_ids)])
         return prompt_in_position_order(chunks, self._question_ids(query))
 
     def generate(
@@ -368,7 +362,7 @@ class RagKVCache:
         gen = self.generation_config(
             max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
-        ids = [self.prefix_id, *strategy.arrange(cache_id_list(cache_ids))]
+        ids = [self.prefix_id, *strategy.arrange(self._chunk_ids(cache_ids))]
 
         def context() -> Prepared:
             with stage(STAGE_FETCH):
@@ -431,7 +425,7 @@ class RagKVCache:
         distributions stay to another's."""
         strategy = Strategy.parse(strategy)
         question = self._question_ids(query)
-        chunks = self.store.get([self.prefix_id, *strategy.arrange(cache_id_list(cache_ids))])
+        chunks = self.store.get([self.prefix_id, *strategy.arrange(self._chunk_ids(cache_ids))])
         calibration = self.calibration() if strategy.calibrated else None
         prepared = prepare(
             self.lm, chunks, question, strategy, reserve=len(tokens), calibration=calibration
@@ -547,7 +541,7 @@ class RagKVCache:
                 raise ConfigError(
                     f"each request is a BatchRequest(query, cache_ids), got {type(r).__name__}"
                 )
-        ids = [cache_id_list(r.cache_ids) for r in requests]  # read once
+        ids = [self._chunk_ids(r.cache_ids) for r in requests]  # read once
         self._check_known([c for chunks in ids for c in chunks])
         work = [
             self._loop_request(
@@ -687,6 +681,18 @@ class RagKVCache:
         with self._tree_lock:
             return self.prefix_tree.clear()
 
+    def _chunk_ids(self, cache_ids: object) -> list[str]:
+        """A request's cache IDs as a list (`listed`; an ID that is not a string is the
+        store's to name as unknown). The system prompt's entry is refused: every answer
+        starts with it already (given as a chunk, it was linked a second time)."""
+        ids = listed(cache_ids, "cache_ids", strings=False)
+        if self.prefix_id in ids:
+            raise ConfigError(
+                f"cache_ids[{ids.index(self.prefix_id)}] is {self.prefix_id}, the system "
+                "prompt's KV, which every answer starts with: give only document chunks"
+            )
+        return ids
+
     def _check_known(self, cache_ids: list[str]) -> None:
         """UnknownCacheIdError naming every one of `cache_ids` the store cannot serve."""
         unknown: list[object] = [c for c in cache_ids if not isinstance(c, str)]  # (unhashable)
@@ -705,7 +711,7 @@ class RagKVCache:
     ) -> LoopRequest:
         check_batchable(strategy)
         question = self._question_ids(query)
-        path = (self.prefix_id, *strategy.arrange(cache_id_list(cache_ids)))
+        path = (self.prefix_id, *strategy.arrange(self._chunk_ids(cache_ids)))
         return LoopRequest(path, tuple(question), generation, strategy)
 
     def _answer(self, done: Finished) -> Answer:

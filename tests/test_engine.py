@@ -125,6 +125,18 @@ def test_the_system_prompts_entry_cannot_be_expired(tiny_engine) -> None:
     assert tiny_engine.generate("How many basins?", ids, max_new_tokens=2).token_ids
 
 
+def test_the_system_prompts_entry_is_not_a_chunk(tiny_engine) -> None:
+    """`prefix_id` among the cache IDs was linked a second time after the system prompt."""
+    ids = tiny_engine.generate_context_cache(DOCS)
+    asked = [ids[0], tiny_engine.prefix_id]
+    with pytest.raises(ConfigError, match=r"cache_ids\[1\] is .*the system prompt's KV"):
+        tiny_engine.generate("How many basins?", asked)
+    with pytest.raises(ConfigError, match="system prompt's KV"):
+        tiny_engine.generate_batch([BatchRequest("How many basins?", asked)])
+    with pytest.raises(ConfigError, match="system prompt's KV"):
+        tiny_engine.prompt_ids("How many basins?", asked)
+
+
 def test_a_stream_that_failed_says_so_when_read_again(tiny_engine) -> None:
     def steps():
         yield "a"
