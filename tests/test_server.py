@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from rag_kvcache.config import StoreConfig
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.server import create_app
+from rag_kvcache.tools.server.draining import Draining, ServerStopping, until_stopped
 
 DOCS = [
     "The Hallam Point lighthouse was designed by Mara Quell.",
@@ -558,7 +559,7 @@ def test_a_non_streaming_request_whose_client_left_is_aborted(engine, monkeypatc
     async def scenario() -> None:
         stream = alone.astream("Who?", ids(engine), max_new_tokens=400)
         with pytest.raises(app.ClientGone):
-            await app._unless_gone(Gone(), stream.finish(), stream)  # type: ignore[arg-type]
+            await app._unless_gone(Gone(), stream.finish(), stream, Draining())  # type: ignore[arg-type]
         assert stream.result is None  # it never finished
         decoder = alone.serving_loop().decoder
         deadline = time.monotonic() + 10
@@ -598,7 +599,7 @@ def test_a_client_gone_while_its_request_waits_is_dropped_too(monkeypatch) -> No
 
     async def scenario() -> None:
         with pytest.raises(app.ClientGone):
-            await app._unless_gone(Gone(), waiting(), Stream())  # type: ignore[arg-type]
+            await app._unless_gone(Gone(), waiting(), Stream(), Draining())  # type: ignore[arg-type]
 
     asyncio.run(scenario())
     assert cancelled == [True] and closed == [True]
@@ -919,14 +920,63 @@ def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path:
             except httpx.HTTPError:  # cut when the server stops
                 pass
 
-        threading.Thread(target=stream_long, daemon=True).start()
+        reader = threading.Thread(target=stream_long, daemon=True)
+        reader.start()
         while len(lines) < 4:
             assert server.poll() is None
             time.sleep(0.05)
         server.terminate()
         began = time.monotonic()
         server.wait(60)
+        reader.join(30)
         assert time.monotonic() - began < 30 and "data: [DONE]" not in lines
+        # ended half a second before the cut, with an event that says why (it was cut bare)
+        events = [json.loads(line.removeprefix("data: ")) for line in lines if line]
+        assert events[-1]["error"]["code"] == "server_shutting_down"
+        assert "the server is shutting down" in events[-1]["error"]["message"]
+        assert all("choices" in event for event in events[:-1])
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_a_stopping_server_ends_its_answers_with_a_503_before_it_cuts_them(engine) -> None:
+    """Past the stopping server's deadline a request gets a 503 saying why, streamed or not
+    (the `serve` test above sees a stream ended mid-answer by a real SIGTERM)."""
+    with served(engine) as client:
+        client.app.state.draining.begin(0.0)  # type: ignore[attr-defined]
+        body = {"messages": [{"role": "user", "content": "Who?"}], "rag": {"top_k": 2}}
+        for stream in (False, True):
+            reply = post_json(client, "/v1/chat/completions", {**body, "stream": stream})
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+
+
+def test_until_stopped_ends_a_stream_waiting_for_its_next_piece_at_the_deadline() -> None:
+    """A stream whose next piece does not come (a request queued behind others) is ended at
+    the deadline too, its pending read cancelled; the pieces before it pass through."""
+    draining = Draining()
+    cancelled: list[bool] = []
+
+    async def pieces() -> AsyncIterator[str]:
+        yield "a"
+        try:
+            await asyncio.sleep(60)  # the next piece never comes
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        yield "b"
+
+    async def read() -> list[str]:
+        got = []
+        with pytest.raises(ServerStopping, match="ended after 1 pieces"):
+            async for piece in until_stopped(pieces(), draining):
+                got.append(piece)
+                draining.begin(0.4)  # asked to stop: the deadline is 0.2 s away
+        return got
+
+    began = time.monotonic()
+    assert asyncio.run(read()) == ["a"] and cancelled == [True]
+    assert 0.15 < time.monotonic() - began < 5
+    assert Draining().left_s() is None  # a server running on has no deadline

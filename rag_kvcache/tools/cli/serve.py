@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from types import FrameType
 
 from rich.console import Console
 
@@ -43,8 +44,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--shutdown-timeout",
         type=whole(0),
         default=SHUTDOWN_TIMEOUT_S,
-        help="on SIGTERM or Ctrl-C, seconds the answers in flight may take to finish before "
-        "they are aborted (default %(default)s)",
+        help="on SIGTERM or Ctrl-C, seconds the answers in flight may take to finish; one "
+        "still running a second before is ended with a 503 (a stream: an error event) "
+        "(default %(default)s)",
     )
     serve.add_argument("--strategy", default=None, help="link strategy of RAG requests")
     serve.add_argument("--max-new-tokens", type=int, default=256, help="when a request says none")
@@ -115,11 +117,17 @@ def serve_command(args: argparse.Namespace, console: Console) -> int:
         max_body_bytes=int(args.max_body_mib * (1 << 20)),
     )
     console.print(f"serving on http://{args.host}:{args.port} (the model loads in the background)")
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        timeout_graceful_shutdown=args.shutdown_timeout,
+    grace_s = args.shutdown_timeout
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            """As the stop signal comes: the answers still running are ended, with an
+            error event, before uvicorn cuts them at the end of the grace period."""
+            app.state.draining.begin(grace_s)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=grace_s
     )
+    Server(config).run()
     return 0

@@ -42,6 +42,7 @@ from rag_kvcache.serving.batch import BatchLoad
 from rag_kvcache.serving.loop import AsyncTokenStream
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools.server.api_key import check_api_key
+from rag_kvcache.tools.server.draining import Draining, ServerStopping, until_stopped
 from rag_kvcache.tools.server.gate import Gate
 from rag_kvcache.tools.server.limits import DEFAULT_MAX_BODY_BYTES
 from rag_kvcache.tools.server.metrics import ServerMetrics
@@ -144,10 +145,13 @@ def create_app(
 ) -> FastAPI:
     """The app; `load` builds the engine (called once, in a thread, at start-up).
     `model_name`: what clients call the model (default: the loaded model's own name).
-    `api_key` and `max_body_bytes` are checked before a body is read (`gate.Gate`)."""
+    `api_key` and `max_body_bytes` are checked before a body is read (`gate.Gate`).
+    `app.state.draining.begin(grace_s)`, as the server is asked to stop, ends the answers
+    still running shortly before the server cuts them, with a 503 (`draining`)."""
     if api_key is not None:
         check_api_key(api_key)  # now, not when the first request starts the middleware
     loading = Loading()
+    draining = Draining()
 
     def served_name(engine: RagKVCache) -> str:
         return model_name or engine.lm.name
@@ -172,6 +176,7 @@ def create_app(
     app = FastAPI(
         title="rag-kvcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    app.state.draining = draining
     metrics = ServerMetrics(
         batch=lambda: _batch_state(loading.engine), hits=lambda: _store_hits(loading.engine)
     )
@@ -268,7 +273,9 @@ def create_app(
             job = await _rag_job(engine, body, body.messages[-1].text, max_tokens)
             job = replace(job, text=asked, alone=alone, earlier=earlier)
         name = served_name(engine)
-        return await _respond(engine, name, body, job, "chat.completion", metrics, request)
+        return await _respond(
+            engine, name, body, job, "chat.completion", metrics, request, draining
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -282,7 +289,9 @@ def create_app(
         else:
             job = await _rag_job(engine, body, prompts[0], body.max_tokens)
         name = served_name(engine)
-        return await _respond(engine, name, body, job, "text_completion", metrics, request)
+        return await _respond(
+            engine, name, body, job, "text_completion", metrics, request, draining
+        )
 
     return app
 
@@ -316,6 +325,7 @@ async def _respond(
     kind: str,
     metrics: ServerMetrics,
     request: Request,
+    draining: Draining,
 ) -> Response:
     stream = await asyncio.to_thread(_stream, engine, body, job)  # tokenizing: off the loop
     pieces = aiter(stream)
@@ -330,7 +340,7 @@ async def _respond(
     # before any byte is sent, so errors keep their status code; a request waiting for room
     # in the KV budget waits here, and is dropped if its client leaves meanwhile
     try:
-        first = await _unless_gone(request, first_piece(), stream)
+        first = await _unless_gone(request, first_piece(), stream, draining)
     except ClientGone:
         metrics.aborted()
         return Response(status_code=499)
@@ -348,7 +358,7 @@ async def _respond(
 
     if not body.stream:
         try:  # its text is the pieces joined, trimmed
-            answer = await _unless_gone(request, stream.finish(), stream)
+            answer = await _unless_gone(request, stream.finish(), stream, draining)
         except ClientGone:  # its request was aborted: nobody to answer
             metrics.aborted()
             return Response(status_code=499)
@@ -392,7 +402,7 @@ async def _respond(
                 yield chunk("", role=True)  # the first chunk names the role
             if first:
                 yield chunk(first)
-            async for piece in pieces:
+            async for piece in until_stopped(pieces, draining):  # (ServerStopping: below)
                 yield chunk(piece)
             answer = stream.result
             assert answer is not None
@@ -464,14 +474,20 @@ async def _unless_gone(
     request: Request,
     work: Coroutine[Any, Any, T],
     stream: AsyncTokenStream[Answer] | FollowUpStream,
+    draining: Draining,
 ) -> T:
     """`work`'s result, unless the client disconnects first: then ClientGone, and the stream's
     request is aborted (a client that gave up, waiting for room or for a whole answer, must
-    not leave its request waiting or decoding for nobody)."""
+    not leave its request waiting or decoding for nobody); or unless the server is stopping
+    and its deadline comes (`draining`): then ServerStopping, a 503, and aborted too."""
     task = asyncio.ensure_future(work)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            left = draining.left_s()
+            if left is not None and left <= 0:
+                raise ServerStopping("the server is shutting down: ask again")
+            wait_s = DISCONNECT_POLL_S if left is None else min(left, DISCONNECT_POLL_S)
+            done, _ = await asyncio.wait({task}, timeout=wait_s)
             if done:
                 return task.result()
             if await request.is_disconnected():
@@ -524,6 +540,8 @@ def _status_of(e: RagKVCacheError) -> tuple[int, str | None]:
         return 409, "model_mismatch"
     if isinstance(e, EngineClosedError):
         return 503, "engine_closed"
+    if isinstance(e, ServerStopping):
+        return 503, "server_shutting_down"
     if isinstance(e, StoreError):
         return 503, "store_unavailable"
     return 400, "invalid_request"
