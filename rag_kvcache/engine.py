@@ -298,14 +298,18 @@ class RagKVCache:
         checked_name("document source", source)  # (None was "no such document": 0)
         return len(self.corpus.remove_document(source))
 
-    def retrieve(self, query: str, top_k: int = 4) -> list[Retrieved]:
+    def retrieve(
+        self, query: str, top_k: int = 4, *, embedding: Sequence[float] | None = None
+    ) -> list[Retrieved]:
         """The ingested chunks most similar to `query` (cosine, best first), with cache IDs.
-        Their KV starts moving from the durable tier into the hot tiers at once (`prefetch`),
-        so the answer that follows finds it there or already on its way."""
+        `embedding`: a vector of the engine's embedding model (`MiniLMEmbedding`) to search
+        with instead of `query`'s own, e.g. the mean of a question and a hypothetical answer
+        (LlamaIndex's HyDE). Their KV starts moving from the durable tier into the hot tiers
+        at once (`prefetch`), so the answer that follows finds it there or on its way."""
         top_k = whole_number("top_k", top_k)  # (a float or bool failed inside FAISS)
         if not check_text(query, "query").strip():  # (as `generate` refuses to answer it)
             raise ConfigError(f"the query is empty ({query!r}): ask something")
-        hits = self.corpus.search(query, top_k, self.lm.fingerprint)
+        hits = self.corpus.search(query, top_k, self.lm.fingerprint, embedding)
         self.store.prefetch([h.cache_id for h in hits])
         return hits
 

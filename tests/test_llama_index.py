@@ -5,6 +5,7 @@ SmolLM2-135M. Answers are greedy, so exact equalities hold."""
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import threading
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
-from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
@@ -881,6 +882,27 @@ def test_retriever_returns_cached_chunks_and_feeds_the_query_engine(
     theirs = index.as_retriever(similarity_top_k=3).retrieve(question)
     assert [h.node.get_content() for h in hits] == [h.node.get_content() for h in theirs]
     assert [h.score for h in hits] == pytest.approx([h.score for h in theirs], abs=1e-5)
+
+    # a bundle's embedding strings (HyDE: a hypothetical answer beside the question) or its
+    # own embedding are searched with, as LlamaIndex's retriever does (they were ignored)
+    def bundles() -> list[QueryBundle]:  # (LlamaIndex's retriever writes its embedding in)
+        hyde = QueryBundle(question, custom_embedding_strs=[DOCS["festival"], question])
+        lighthouse = embed_model.get_query_embedding(DOCS["lighthouse"])
+        return [hyde, QueryBundle(question, embedding=lighthouse)]
+
+    retriever, plain = KVCacheRetriever(durable, similarity_top_k=3), [h.score for h in hits]
+    for ours, theirs_ in zip(bundles(), bundles(), strict=True):
+        found = retriever.retrieve(ours)
+        expected = index.as_retriever(similarity_top_k=3).retrieve(theirs_)
+        assert [h.node.get_content() for h in found] == [h.node.get_content() for h in expected]
+        assert [h.score for h in found] == pytest.approx([h.score for h in expected], abs=1e-5)
+        assert [h.score for h in found] != pytest.approx(plain, abs=1e-3)  # not the question's
+    assert found[0].node.metadata["source"] == "lighthouse"  # the given embedding's own
+    for bad in ([0.1] * 5, [math.nan] * embed_model.dim, [0.0] * embed_model.dim, "vector"):
+        with pytest.raises(ConfigError, match=f"must be {embed_model.dim} finite numbers"):
+            durable.retrieve(question, embedding=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="from the engine's embedding model"):
+        retriever.retrieve(QueryBundle(question, embedding=[0.5] * 768))  # another model's
 
     response = as_query_engine(durable, similarity_top_k=2, strategy="full").query(question)
     assert [n.node.node_id for n in response.source_nodes] == [h.node.node_id for h in hits[:2]]

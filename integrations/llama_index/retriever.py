@@ -11,6 +11,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from rag_kvcache.config import whole_number
 from rag_kvcache.engine import RagKVCache
+from rag_kvcache.integrations.llama_index.embedding import MiniLMEmbedding
 from rag_kvcache.integrations.llama_index.transform import attach_cache_id
 
 SOURCE_KEY = "source"  # the document's name in the engine's corpus (a file's path, as ingested)
@@ -20,7 +21,9 @@ FILE_NAME_KEY = "file_name"  # its last part, as LlamaIndex's readers name a fil
 class KVCacheRetriever(BaseRetriever):
     """Top-k chunks for a query from `engine.retrieve`, best first, as TextNodes whose id is the
     cache ID (metadata: cache_id, source document and its file name, all hidden from embedding
-    and LLM text: the chunk's text is what was embedded and cached)."""
+    and LLM text: the chunk's text is what was embedded and cached). A QueryBundle's
+    `embedding` (of the engine's model: `MiniLMEmbedding`) or `custom_embedding_strs` (HyDE)
+    are searched with, as LlamaIndex's own vector retrievers do."""
 
     def __init__(self, engine: RagKVCache, similarity_top_k: int = 4, **kwargs: Any):
         similarity_top_k = whole_number("similarity_top_k", similarity_top_k)  # a ValueError
@@ -29,7 +32,16 @@ class KVCacheRetriever(BaseRetriever):
         self.similarity_top_k = similarity_top_k
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        hits = self._engine.retrieve(query_bundle.query_str, top_k=self.similarity_top_k)
+        # as LlamaIndex's vector retrievers: the bundle's embedding where it has one, else the
+        # mean of its embedding strings where they are not the query's own (HyDE's
+        # hypothetical answer with the question); they were ignored, and HyDE did nothing
+        embedding = query_bundle.embedding
+        if embedding is None and query_bundle.custom_embedding_strs:
+            embed_model = MiniLMEmbedding(self._engine.corpus.embedder)
+            embedding = embed_model.get_agg_embedding_from_queries(query_bundle.embedding_strs)
+        hits = self._engine.retrieve(
+            query_bundle.query_str, top_k=self.similarity_top_k, embedding=embedding
+        )
         nodes = []
         for hit in hits:
             metadata = {SOURCE_KEY: hit.source}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rag_kvcache.errors import FingerprintMismatchError, StoreError
+from rag_kvcache.errors import ConfigError, FingerprintMismatchError, StoreError
 from rag_kvcache.kv import DOCUMENTS_VERSION, DocumentCatalog, KVStore
 from rag_kvcache.retrieval.embedding import Embedder
 from rag_kvcache.retrieval.index import Retrieved, VectorIndex
@@ -142,12 +143,22 @@ class Corpus:
     def _current_version(self) -> int:
         return self.catalog.counters().get(DOCUMENTS_VERSION, 0)
 
-    def search(self, query: str, top_k: int = 4, fingerprint: str | None = None) -> list[Retrieved]:
-        """The top_k chunks most similar to `query`, best first. With `fingerprint` (the model
-        asking), a hit encoded by another model is a FingerprintMismatchError naming its
-        documents: a document's chunks are one model's (the last that ingested it), and the
-        error says what to do, where linking would only name a chunk."""
-        vector = self.embedder.embed([query])[0]
+    def search(
+        self,
+        query: str,
+        top_k: int = 4,
+        fingerprint: str | None = None,
+        embedding: Sequence[float] | None = None,
+    ) -> list[Retrieved]:
+        """The top_k chunks most similar to `query` (or to `embedding`, a vector of the
+        embedder's, where given), best first. With `fingerprint` (the model asking), a hit
+        encoded by another model is a FingerprintMismatchError naming its documents: a
+        document's chunks are one model's (the last that ingested it), and the error says
+        what to do, where linking would only name a chunk."""
+        if embedding is None:
+            vector = self.embedder.embed([query])[0]
+        else:
+            vector = self.query_vector(embedding)
         with self._lock:
             if self._current_version() != self._version:
                 self._sync()
@@ -165,6 +176,24 @@ class Corpus:
                 "(which replaces the other's copies), or give each model its own store"
             )
         return [Retrieved(c, score, rows[c].text, sources.get(c)) for c, score in hits]
+
+    def query_vector(self, embedding: object) -> np.ndarray:
+        """A caller's query embedding as the unit vector the index compares (cosine), or a
+        ConfigError: another length is another embedding model's (FAISS would crash, or read
+        it wrongly), and a zero or non-finite vector ranks nothing."""
+        dim = self.embedder.dim
+        try:
+            vector = np.asarray(embedding, dtype=np.float32)
+        except (TypeError, ValueError):  # not numbers
+            vector = np.zeros(0, dtype=np.float32)
+        norm = float(np.linalg.norm(vector)) if vector.shape == (dim,) else 0.0
+        if not (np.isfinite(norm) and norm > 0):
+            raise ConfigError(
+                f"a query embedding must be {dim} finite numbers, not all zero, from the "
+                f"engine's embedding model ({self.embedder.name}); got {vector.size} numbers"
+                + (" that are zero or not finite" if vector.shape == (dim,) else "")
+            )
+        return vector / norm
 
     def _servable_hits(
         self, vector: np.ndarray, top_k: int
