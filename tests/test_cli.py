@@ -3,6 +3,7 @@ asserted: only that reports are complete and consistent)."""
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -628,6 +629,25 @@ def test_bench_memory_measures_the_ingest_command_and_gathers_runs(tmp_path: Pat
     assert all(200 < r["peak_rss_mb"] < 4000 and r["store_mb"] > 0 for r in report["rows"])
     assert (tmp_path / "r" / "memory.png").stat().st_size > 10_000
     assert not [p for p in (tmp_path / "r").iterdir() if p.is_dir()]  # files and stores gone
+
+
+def test_bench_memory_refuses_a_size_whose_store_would_not_fit(tmp_path: Path, capsys) -> None:
+    """Past the disk's room (by the store MB per text MB of the rows measured before) a size
+    is refused before its file is written; it ran for hours to a full disk."""
+    out = tmp_path / "r"
+    out.mkdir()
+    row = {"model": "random:tiny", "dtype": "float32", "file_mb": 1.0, "chunks": 900}
+    row |= {"seconds": 60.0, "peak_rss_mb": 600.0, "store_mb": 190.0}
+    (out / "memory.json").write_text(json.dumps({"rows": [row]}))
+    free_mb = shutil.disk_usage(tmp_path).free / (1 << 20)
+    too_big = round(free_mb / 190 * 2, 1)  # twice the room its store would need
+    args = ["bench", "memory", "--model", "random:tiny", "--out", str(out)]
+    assert main([*args, "--sizes-mb", str(too_big)]) == 1
+    said = " ".join((capsys.readouterr().out).split())  # (rich wraps the line)
+    assert f"error: a {too_big} MB file makes about" in said and "free: give smaller" in said
+    assert [p.name for p in out.iterdir()] == ["memory.json"]  # nothing written, row kept
+    assert json.loads((out / "memory.json").read_text())["rows"] == [row]
+    assert main([*args, "--sizes-mb", "0.01", "--dtype", "bfloat16"]) == 0  # no bf16 rows yet
 
 
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer

@@ -119,6 +119,25 @@ def folder_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / MB
 
 
+def check_room(folder: Path, size_mb: float, rows: list[MemoryRow], model: str, dtype: str) -> None:
+    """A ConfigError, before the file is written, where this size's store would not fit on the
+    disk: rows already measured with this model and dtype say how many MB of store a MB of text
+    makes (~8,400 for SmolLM2 in float32). Without one, nothing is known: the ingest's own
+    full-disk error says it, after its run."""
+    ratios = [r.store_mb / r.file_mb for r in rows if (r.model, r.dtype) == (model, dtype)]
+    ratios = [ratio for ratio in ratios if ratio > 0]
+    if not ratios:
+        return
+    needed_mb = max(ratios) * size_mb + size_mb  # its store, and the text file beside it
+    free_mb = shutil.disk_usage(folder).free / MB
+    if needed_mb > free_mb:
+        raise ConfigError(
+            f"a {size_mb} MB file makes about {needed_mb / 1024:.1f} GB of KV with {model} in "
+            f"{dtype} (as measured at smaller sizes), and {folder} has {free_mb / 1024:.1f} GB "
+            "free: give smaller --sizes-mb, or an --out on a bigger disk"
+        )
+
+
 def run_memory_bench(
     out_dir: Path, sizes_mb: list[float], model: str = "default", dtype: str = "float32"
 ) -> dict[str, object]:
@@ -129,6 +148,7 @@ def run_memory_bench(
         task = progress.add_task(f"ingest memory ({model})", total=len(sizes_mb))
         for done, size in enumerate(sizes_mb, 1):
             file, store = Path(tmp) / f"{size}mb.md", Path(tmp) / "store"
+            check_room(out_dir, size, rows, model, dtype)  # (rows: this run's too)
             write_text(file, int(size * MB))
             seconds, peak = measure(file, store, model, dtype)
             row = MemoryRow(
