@@ -464,6 +464,22 @@ def test_the_llm_pickles_as_its_engine_configuration(smol, tiny32, tmp_path: Pat
         pickle.loads(pickle.dumps(KVCacheLLM(RagKVCache(lm=tiny32))))
 
 
+def test_the_retriever_pickles_as_its_engine_configuration(smol, tiny32, tmp_path) -> None:
+    """It failed on the engine's thread lock (a retriever sent to a worker process)."""
+    import pickle
+
+    durable = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=smol)
+    durable.ingest_document("notes.md", list(DOCS.values()))
+    retriever = KVCacheRetriever(durable, similarity_top_k=2)
+    copy = pickle.loads(pickle.dumps(retriever))
+    assert copy._engine is not durable and copy._engine.config == durable.config
+    assert copy.similarity_top_k == 2
+    hits, again = retriever.retrieve(QUESTION), copy.retrieve(QUESTION)
+    assert [h.node.node_id for h in again] == [h.node.node_id for h in hits] and len(hits) == 2
+    with pytest.raises(RagKVCacheError, match="KVCacheRetriever's engine ran model"):
+        pickle.loads(pickle.dumps(KVCacheRetriever(RagKVCache(lm=tiny32))))
+
+
 def test_one_embedding_model_per_process(engine, tmp_path: Path) -> None:
     from rag_kvcache.retrieval.embedding import Embedder
 

@@ -49,8 +49,8 @@ from llama_index.core.llms.custom import CustomLLM
 
 from rag_kvcache.answer import Answer, AnswerStream
 from rag_kvcache.engine import RagKVCache
-from rag_kvcache.errors import ConfigError
 from rag_kvcache.integrations.llama_index.events import FirstTokenEvent, KVLinkEvent
+from rag_kvcache.integrations.llama_index.pickling import reopened_engine
 from rag_kvcache.integrations.llama_index.recognition import RetrievedNodes, watch, without
 from rag_kvcache.integrations.llama_index.transform import cache_ids_of
 from rag_kvcache.serving.batch import batchable
@@ -266,14 +266,7 @@ class KVCacheLLM(CustomLLM):
     def __setstate__(self, state: dict[Any, Any]) -> None:
         private = dict(state["__pydantic_private__"])
         config, fingerprint = private.pop("_engine_config")
-        engine = RagKVCache(config)
-        if engine.lm.fingerprint != fingerprint:
-            raise ConfigError(
-                f"the pickled KVCacheLLM's engine ran model {fingerprint}, but its configuration "
-                f"loads {engine.lm.fingerprint}: an engine built around a loaded model "
-                "(RagKVCache(lm=...)) pickles only if EngineConfig.model names that model"
-            )
-        private["_engine"] = engine
+        private["_engine"] = reopened_engine(config, fingerprint, "KVCacheLLM")
         BaseModel.__setstate__(self, {**state, "__pydantic_private__": private})
         if self.messages_to_prompt is None:
             self.messages_to_prompt = self._render_chat

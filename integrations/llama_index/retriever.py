@@ -9,9 +9,10 @@ from typing import Any
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from rag_kvcache.config import whole_number
+from rag_kvcache.config import EngineConfig, whole_number
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.embedding import MiniLMEmbedding
+from rag_kvcache.integrations.llama_index.pickling import reopened_engine
 from rag_kvcache.integrations.llama_index.transform import attach_cache_id
 
 SOURCE_KEY = "source"  # the document's name in the engine's corpus (a file's path, as ingested)
@@ -30,6 +31,12 @@ class KVCacheRetriever(BaseRetriever):
         super().__init__(**kwargs)
         self._engine = engine
         self.similarity_top_k = similarity_top_k
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its engine's configuration and its top-k, as KVCacheLLM is: unpickling
+        opens an engine on it (`pickling`). Callbacks and verbosity are not carried."""
+        engine = self._engine
+        return (_unpickled, (engine.config, engine.lm.fingerprint, self.similarity_top_k))
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         # as LlamaIndex's vector retrievers: the bundle's embedding where it has one, else the
@@ -57,3 +64,8 @@ class KVCacheRetriever(BaseRetriever):
             )
             nodes.append(NodeWithScore(node=attach_cache_id(node, hit.cache_id), score=hit.score))
         return nodes
+
+
+def _unpickled(config: EngineConfig, fingerprint: str, similarity_top_k: int) -> KVCacheRetriever:
+    engine = reopened_engine(config, fingerprint, "KVCacheRetriever")
+    return KVCacheRetriever(engine, similarity_top_k=similarity_top_k)
