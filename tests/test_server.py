@@ -930,6 +930,7 @@ def test_the_serve_command_binds_localhost_and_refuses_a_missing_store(tmp_path:
         server.wait(60)
         reader.join(30)
         assert time.monotonic() - began < 30 and "data: [DONE]" not in lines
+        assert server.returncode == 0  # a clean stop
         # ended half a second before the cut, with an event that says why (it was cut bare)
         events = [json.loads(line.removeprefix("data: ")) for line in lines if line]
         assert events[-1]["error"]["code"] == "server_shutting_down"

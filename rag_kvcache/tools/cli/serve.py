@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from types import FrameType
 
 from rich.console import Console
@@ -129,5 +130,8 @@ def serve_command(args: argparse.Namespace, console: Console) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=grace_s
     )
-    Server(config).run()
+    # the stop signal, raised again once uvicorn has stopped, is a clean stop (exit 0), as
+    # `uvicorn.run` takes it
+    with contextlib.suppress(KeyboardInterrupt):
+        Server(config).run()
     return 0
