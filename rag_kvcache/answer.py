@@ -208,17 +208,19 @@ class AnswerStream:
     A loop that stops early (`break`) pauses the answer: iterating again goes on from the next
     piece, and `finish` runs it to the end; once the answer is done, iterating yields nothing.
     (It used to end the answer, and `finish` then failed, clearing `.answer`.) `close` (or a
-    `with` block) ends an answer that will not be read on, releasing its buffers at once."""
+    `with` block) ends an answer that will not be read on, releasing its buffers at once:
+    the pieces end there, as a closed generator's do (in a loop over them, in this thread or
+    another: a stop button), `.answer` stays None and `finish` is an error."""
 
     def __init__(self, steps: Generator[str, None, Answer]):
         self._steps = steps
         self.answer: Answer | None = None
         self._failed: BaseException | None = None
         self._reading = threading.Lock()  # held while a piece is decoded
-        self._stop = threading.Event()  # set by close()
+        self._closed = threading.Event()  # set by close()
 
     def __iter__(self) -> Iterator[str]:
-        while self.answer is None:
+        while self.answer is None and not self._closed.is_set():
             if self._failed is not None:
                 raise RagKVCacheError(
                     f"this answer stopped with {type(self._failed).__name__}, raised when it "
@@ -226,16 +228,16 @@ class AnswerStream:
                 ) from self._failed
             if not self._reading.acquire(blocking=False):  # (next() would raise ValueError,
                 # and this answer, fine in the thread that reads it, would be marked failed)
+                if self._closed.is_set():  # (it is being closed: the pieces end)
+                    return
                 raise RagKVCacheError(
                     "another thread is reading this answer: read a stream from one thread"
                 )
             try:
-                if self._stop.is_set():  # (closed from another thread while a piece decoded)
-                    self._steps.close()
+                if self._closed.is_set():  # (closed while this thread waited for the lock)
+                    return
                 piece = next(self._steps)
             except StopIteration as done:
-                if done.value is None:  # (a closed generator's: never one that ran to its end)
-                    raise RagKVCacheError("this answer was closed before its end") from None
                 self.answer = done.value
                 return
             except BaseException as e:  # (a generator that raised is over)
@@ -246,9 +248,9 @@ class AnswerStream:
             yield piece
 
     def close(self) -> None:
-        """End the answer where it is (nothing more is decoded; reading on is an error). From
-        another thread (a stop button), it waits for the piece being decoded."""
-        self._stop.set()  # (the reader may take the lock first: it then ends the answer)
+        """End the answer where it is: nothing more is decoded, the pieces end. From another
+        thread (a stop button), it waits for the piece being decoded."""
+        self._closed.set()
         with self._reading:
             self._steps.close()
 
@@ -259,10 +261,11 @@ class AnswerStream:
         self.close()
 
     def finish(self) -> Answer:
-        """Run to the end (if not yet) and return the answer."""
+        """Run to the end (if not yet) and return the answer; an error for a closed one."""
         for _ in self:
             pass
-        assert self.answer is not None  # (the loop ends only with it set, or raises)
+        if self.answer is None:  # (the loop ends only with it set, closed, or raises)
+            raise RagKVCacheError("this answer was closed before its end: there is no Answer")
         return self.answer
 
 
