@@ -304,10 +304,12 @@ class RagKVCache:
         """The ingested chunks most similar to `query` (cosine, best first), with cache IDs.
         `embedding`: a vector of the engine's embedding model (`MiniLMEmbedding`) to search
         with instead of `query`'s own, e.g. the mean of a question and a hypothetical answer
-        (LlamaIndex's HyDE). Their KV starts moving from the durable tier into the hot tiers
-        at once (`prefetch`), so the answer that follows finds it there or on its way."""
+        (LlamaIndex's HyDE); `query` may then be empty. Their KV starts moving from the
+        durable tier into the hot tiers at once (`prefetch`), so the answer that follows finds
+        it there or on its way."""
         top_k = whole_number("top_k", top_k)  # (a float or bool failed inside FAISS)
-        if not check_text(query, "query").strip():  # (as `generate` refuses to answer it)
+        blank = not check_text(query, "query").strip()
+        if blank and embedding is None:  # (as `generate` refuses to answer it)
             raise ConfigError(f"the query is empty ({query!r}): ask something")
         hits = self.corpus.search(query, top_k, self.lm.fingerprint, embedding)
         self.store.prefetch([h.cache_id for h in hits])

@@ -914,8 +914,23 @@ def test_retriever_returns_cached_chunks_and_feeds_the_query_engine(
         assert [h.score for h in found] == pytest.approx([h.score for h in expected], abs=1e-5)
         assert [h.score for h in found] != pytest.approx(plain, abs=1e-3)  # not the question's
     assert found[0].node.metadata["source"] == "lighthouse"  # the given embedding's own
-    for bad in ([0.1] * 5, [math.nan] * embed_model.dim, [0.0] * embed_model.dim, "vector"):
-        with pytest.raises(ConfigError, match=f"must be {embed_model.dim} finite numbers"):
+    dim, vector = embed_model.dim, embed_model.get_query_embedding(DOCS["lighthouse"])
+    for scale in (1e20, 1e-30):  # (a float32 norm overflowed, and underflowed: "zero")
+        scaled = durable.retrieve(question, 3, embedding=[x * scale for x in vector])
+        assert [h.cache_id for h in scaled] == [h.node.node_id for h in found]
+    blank = durable.retrieve("", 3, embedding=vector)  # the text is not read: it may be empty
+    assert [h.cache_id for h in blank] == [h.node.node_id for h in found]
+    bad_ones = [  # (what the message says of it, at its end)
+        ("of shape (5,)", [0.1] * 5),
+        ("of shape (1, 384)", [vector]),
+        (f"of shape ({dim},) that is zero or not finite", [math.nan] * dim),
+        ("that is zero or not finite", [0.0] * dim),
+        ("got str", "vector"),
+        ("got list", [str(x) for x in vector]),  # (numeric strings were read as numbers)
+        ("got list", [True] * dim),
+    ]
+    for said, bad in bad_ones:
+        with pytest.raises(ConfigError, match=f"must be {dim} finite numbers.*{re.escape(said)}$"):
             durable.retrieve(question, embedding=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="from the engine's embedding model"):
         retriever.retrieve(QueryBundle(question, embedding=[0.5] * 768))  # another model's

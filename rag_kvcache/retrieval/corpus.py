@@ -180,20 +180,27 @@ class Corpus:
     def query_vector(self, embedding: object) -> np.ndarray:
         """A caller's query embedding as the unit vector the index compares (cosine), or a
         ConfigError: another length is another embedding model's (FAISS would crash, or read
-        it wrongly), and a zero or non-finite vector ranks nothing."""
+        it wrongly), text or booleans are no vector, and a zero or non-finite one ranks
+        nothing. Its norm is taken in float64 (1e20 or 1e-30 times a vector is that vector)."""
         dim = self.embedder.dim
         try:
-            vector = np.asarray(embedding, dtype=np.float32)
-        except (TypeError, ValueError):  # not numbers
-            vector = np.zeros(0, dtype=np.float32)
-        norm = float(np.linalg.norm(vector)) if vector.shape == (dim,) else 0.0
+            vector = np.asarray(embedding)
+        except (TypeError, ValueError, RuntimeError):  # ragged, a tensor numpy cannot read
+            vector = np.asarray(None)
+        given = f"got {type(embedding).__name__}"
+        if vector.dtype.kind in "iuf":
+            given += f" of shape {vector.shape}"
+        norm = 0.0
+        if vector.dtype.kind in "iuf" and vector.shape == (dim,):
+            vector = vector.astype(np.float64)
+            norm = float(np.linalg.norm(vector))
+            given += " that is zero or not finite"
         if not (np.isfinite(norm) and norm > 0):
             raise ConfigError(
                 f"a query embedding must be {dim} finite numbers, not all zero, from the "
-                f"engine's embedding model ({self.embedder.name}); got {vector.size} numbers"
-                + (" that are zero or not finite" if vector.shape == (dim,) else "")
+                f"engine's embedding model ({self.embedder.name}); {given}"
             )
-        return vector / norm
+        return (vector / norm).astype(np.float32)
 
     def _servable_hits(
         self, vector: np.ndarray, top_k: int
