@@ -654,6 +654,10 @@ def test_ingest_query_and_chat_commands(tmp_path: Path, capsys, caplog, monkeypa
     out = capsys.readouterr().out
     assert "full prefill" in out and "answers agree" in out  # full == prefill, token for token
     assert "01_harbor_town_of_velmora.md" in out and "TTFT" in out
+    prefill = ["--max-new-tokens", "4", "--compare", "--strategy", "prefill", *store]
+    assert main(["query", question, *prefill]) == 0  # compared with itself: said, not timed
+    out = " ".join(capsys.readouterr().out.split())
+    assert "prefill is the baseline itself" in out and "full prefill" not in out
 
     # a chat: follow-ups answered afresh (SmolLM2 used to give its first answer every turn)
     turns = [

@@ -150,6 +150,12 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
         console.print(empty, style="red", markup=False)
         return 1
 
+    # a prefill compared with itself showed its warm-up as a speedup ("1.6x")
+    compare = args.compare and engine.config.strategy.uses_cache
+    if args.compare and not compare:
+        note = f"--compare: {engine.config.strategy} is the baseline itself; nothing to compare"
+        console.print(note, style="yellow", markup=False)
+
     def ask(question: str, history: list[dict[str, str]]) -> str:
         """Answer `question` (after the chat's `history`) streamed to the console; an answer
         that is an earlier one again is held back and the question answered alone."""
@@ -172,13 +178,13 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
             assert answer is not None
             return answer
 
-        if args.compare:
+        if compare:
             console.print(f"[bold]{strategy}:[/bold]")
         asked = engine.chat_question([*history, {"role": "user", "content": question}])
         again = partial(run, question, strategy)  # the question alone
         first = show(unless_repeated(run(asked, strategy), earlier_answers(history), again))
         base = None
-        if args.compare:
+        if compare:
             console.print(f"[bold]{strategy.baseline}:[/bold]")
             base = show(run(runs[-1][0], strategy.baseline))  # the prompt the answer shown had
         table = Table("score", "source", "chunk", title="sources", title_justify="left")
@@ -206,7 +212,8 @@ def answer_command(args: argparse.Namespace, console: Console) -> int:
     while True:
         try:
             question = console.input("[bold]> [/bold]").strip()
-        except EOFError:
+        except EOFError:  # Ctrl-D: the shell's prompt on a line of its own
+            console.print()
             break
         # a command is its first word, in any case: "/Quit now" is /quit, not a question
         command = question.split(maxsplit=1)[0].lower() if question else ""
