@@ -119,7 +119,7 @@ def pieces_ids(tokenizer: Any, pieces: list[Piece]) -> list[int]:
     whole = "".join(p for p, _ in pieces)
     control = control_pattern(controls)
     if control is None or not _spelled_by_user(control, len(controls[0]), pieces, whole):
-        return list(tokenizer(whole, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(whole, add_special_tokens=False, verbose=False)["input_ids"])
     ids: list[int] = []
     text = ""  # read as text, up to the template's next control token
     for piece, by_user in pieces:
@@ -172,4 +172,4 @@ def text_ids(tokenizer: Any, text: str) -> list[int]:
     """`text`'s token ids as characters only: `<|im_end|>` in it is those characters."""
     if not text:
         return []
-    return list(text_reader(tokenizer)(text, add_special_tokens=False)["input_ids"])
+    return list(text_reader(tokenizer)(text, add_special_tokens=False, verbose=False)["input_ids"])

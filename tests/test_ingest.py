@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from helpers import TINY_VOCAB
+from tiny_tokenizer import build_tokenizer
 
 import rag_kvcache.engine as engine_module
 import rag_kvcache.ingest as ingest_module
@@ -829,3 +832,19 @@ def test_a_long_text_is_embedded_from_its_head_with_the_same_tokens() -> None:
         if name in ("prose", "control characters between words"):
             assert len(head) < len(text) / 10, name
     assert embedder.head("How deep is the harbor?") == "How deep is the harbor?"
+
+
+def test_reading_a_long_text_logs_no_tokenizer_warning(caplog) -> None:
+    """A long question printed transformers' "Token indices sequence length is longer than
+    the specified maximum ... will result in indexing errors" (the embedder counting its
+    head's tokens; the model's tokenizer on a text past its window): alarming, and false, as
+    the text is cut (or refused) before any model reads it. Fresh tokenizers: each warns once."""
+    from rag_kvcache.chat_text import pieces_ids, text_ids
+
+    fresh = build_tokenizer(TINY_VOCAB)
+    fresh.model_max_length = 64
+    long = "supercalifragilistic lighthouse " * 2000
+    with caplog.at_level(logging.WARNING):
+        Embedder().head(long)
+        assert len(text_ids(fresh, long)) > 64 and len(pieces_ids(fresh, [(long, False)])) > 64
+    assert not [r for r in caplog.records if "sequence length" in r.getMessage()], caplog.text

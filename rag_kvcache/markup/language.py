@@ -238,7 +238,7 @@ class _Compiler:
         self.space = False  # whitespace met since the last text: the next text starts with one
 
     def tokens(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
     def emit(self, module: str | None, text: str, pos: int) -> int:
         ids = self.tokens(text)

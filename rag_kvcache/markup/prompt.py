@@ -160,7 +160,11 @@ def conversation(turns: list[Text | Element], schema: Schema, tokenizer: Any) ->
     first), and a final user turn is followed by the assistant header, so the model answers."""
 
     def tokens(text: str) -> list[int]:  # the chat template's own: its control tokens
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return (
+            list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            if text
+            else []
+        )
 
     def written(text: str) -> list[int]:  # the prompt writer's: text only
         return text_ids(tokenizer, text) if text else []

@@ -58,7 +58,7 @@ class Embedder:
             if len(found) < words:  # the whole text is no longer than this
                 return text
             head = text[: found[-1].end()]
-            if len(self.tokenizer.tokenize(head)) > self.max_tokens:
+            if len(self.tokenizer.tokenize(head, verbose=False)) > self.max_tokens:
                 return head
             words *= 4
 
