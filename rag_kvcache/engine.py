@@ -195,6 +195,8 @@ class RagKVCache:
         self._closed = False
         self._calibration: tuple[bytes, Calibration] | None = None  # parsed, with its bytes
         self._corpus: Corpus | None = None  # built by the first use of `corpus`
+        self._encoding: dict[str, threading.Event] = {}  # chunks being encoded: set when stored
+        self._encoding_lock = threading.Lock()
         self._corpus_lock = threading.Lock()
         self.prefix_id = self.cache_token_ids([prefix], EncodeSettings(), [self.template.prefix])[
             0
@@ -247,13 +249,37 @@ class RagKVCache:
         todo = {
             cid: (c, t) for cid, c, t in zip(ids, chunks, texts) if not self.store.contains(cid)
         }
-        batch = self.config.encode.batch_size
+        # a chunk another thread of this engine is encoding (the same document uploaded twice
+        # at once) is waited for, not encoded again
+        with self._encoding_lock:
+            theirs = {cid: self._encoding[cid] for cid in todo if cid in self._encoding}
+            mine = {cid: job for cid, job in todo.items() if cid not in theirs}
+            self._encoding.update((cid, threading.Event()) for cid in mine)
         if on_encoded and len(todo) < len(ids):
             on_encoded(len(ids) - len(todo))  # already cached: done at once
-        encoded = encode_chunks(self.lm, [c for c, _ in todo.values()], settings, batch, on_encoded)
-        for kv, (_, text) in zip(encoded, todo.values()):
-            self.store.put(kv, text)
-        return ids, len(todo)
+        try:
+            if mine:
+                batch = self.config.encode.batch_size
+                chunk_ids = [c for c, _ in mine.values()]
+                encoded = encode_chunks(self.lm, chunk_ids, settings, batch, on_encoded)
+                for kv, (_, text) in zip(encoded, mine.values()):
+                    self.store.put(kv, text)
+        finally:
+            with self._encoding_lock:
+                for cid in mine:
+                    self._encoding.pop(cid).set()
+        for done in theirs.values():
+            done.wait()
+        if on_encoded and theirs:
+            on_encoded(len(theirs))
+        lost = [cid for cid in theirs if not self.store.contains(cid)]  # (their encode failed)
+        if not lost:
+            return ids, len(mine)
+        at = {cid: i for i, cid in enumerate(ids)}
+        _, again = self.cache_token_ids(
+            [chunks[at[c]] for c in lost], settings, [texts[at[c]] for c in lost]
+        )
+        return ids, len(mine) + again
 
     # ------------------------------------------------------------------ documents and retrieval
 

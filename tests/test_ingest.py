@@ -507,6 +507,66 @@ def test_threads_ingesting_one_document_at_once_leave_the_last_version(engine) -
     assert [h.cache_id for h in engine.retrieve("shared notice", 4)] == [listed]
 
 
+def test_threads_caching_the_same_texts_at_once_encode_them_once(engine, monkeypatch) -> None:
+    """Threads of one engine caching the same chunks at once (a document uploaded twice) each
+    encoded all of them; now a chunk being encoded is waited for. A thread whose encode fails
+    leaves its chunks to the one waiting, which encodes them itself."""
+    texts = [f"Notice {i}: the ferry leaves at {i} o'clock." for i in range(6)]
+    encoded: list[int] = []
+    real = engine_module.encode_chunks
+
+    def slow_encode(lm, chunks, *args):
+        encoded.append(len(chunks))
+        time.sleep(0.3)  # (the window in which the others ask)
+        return real(lm, chunks, *args)
+
+    monkeypatch.setattr(engine_module, "encode_chunks", slow_encode)
+    start, results = threading.Barrier(4), []
+
+    def cache(part: list[str]) -> None:
+        start.wait()
+        results.append(engine._cache_texts(part, None))
+
+    parts = [texts, texts, texts[:3], texts[3:]]
+    workers = [threading.Thread(target=cache, args=(part,)) for part in parts]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert sum(encoded) == len(texts) and sum(n for _, n in results) == len(texts)
+    whole = [ids for ids, _ in results if len(ids) == len(texts)]
+    assert whole[0] == whole[1] and all(engine.store.contains(c) for c in whole[0])
+
+    more = [f"Tide table {i}." for i in range(3)]
+    encoded.clear()
+    first_in = threading.Event()
+
+    def broken_encode(lm, chunks, *args):
+        encoded.append(len(chunks))
+        if len(encoded) == 1:  # the first thread's: fails once the other waits on it
+            first_in.set()
+            time.sleep(0.3)
+            raise RuntimeError("out of memory")
+        return real(lm, chunks, *args)
+
+    monkeypatch.setattr(engine_module, "encode_chunks", broken_encode)
+    errors, second = [], []
+
+    def first() -> None:
+        try:
+            engine._cache_texts(more, None)
+        except RuntimeError as e:
+            errors.append(e)
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert first_in.wait(10)
+    second.append(engine._cache_texts(more, None))  # waits, then encodes them itself
+    a.join()
+    assert len(errors) == 1 and second[0][1] == len(more) and encoded == [3, 3]
+    assert all(engine.store.contains(c) for c in second[0][0])
+
+
 def test_threads_asking_for_the_corpus_at_once_share_one(engine, monkeypatch) -> None:
     """The corpus was a cached_property, which Python 3.12 no longer locks: threads reaching it
     first at once each built one, with its own index, and the index saved last dropped the other
