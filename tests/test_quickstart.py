@@ -52,3 +52,10 @@ def test_the_demo_answers_from_the_cache_wherever_prefill_does(smol, tmp_path) -
             assert GOLD[question] in cached.text, (question, cached.text, full.text)
     assert prefill_right == len(GOLD)  # the prefill answers all three: a real comparison
     engine.close()
+
+
+def test_the_demo_says_slower_where_the_cache_was_slower() -> None:
+    """A busy machine once timed the cache slower, and the demo printed "0.3x faster"."""
+    sooner = quickstart().sooner
+    assert sooner(4.0, 0.5) == "8.0x faster" and sooner(1.0, 1.0) == "1.0x faster"
+    assert sooner(3.43, 10.94) == "3.2x slower (a busy machine?)"

@@ -5,6 +5,7 @@ Selenium against `streamlit run` on a free port (skipped, with the reason, witho
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -119,7 +120,7 @@ def test_asking_streams_an_answer_with_sources_and_ttft(sample_store) -> None:
     ttft = float(caption.split("TTFT ")[1].split(" s")[0])
     assert 0 < ttft < 30
     sources = [e.label for e in assistant.expander]
-    assert len(sources) == 4  # the default top-k
+    assert len(sources) == 8  # the default top-k, as `make demo` retrieves
     assert "01_harbor_town_of_velmora.md" in " ".join(sources)
     assert all(e.text[0].value.strip() for e in assistant.expander)  # the chunk texts
 
@@ -127,6 +128,8 @@ def test_asking_streams_an_answer_with_sources_and_ttft(sample_store) -> None:
     check(at.chat_input[0].set_value("In what year was Hallam Point Light built?").run())
     assert len(at.chat_message) == 4
     assert values(at.chat_message[1].markdown)[0].strip() == answer.strip()
+    check(at.chat_input[0].set_value("  \n ").run())  # a blank question: ignored, as an
+    assert len(at.chat_message) == 4  # empty one is (it left an empty bubble and an error)
 
 
 def test_compare_mode_shows_both_answers_side_by_side(sample_store) -> None:
@@ -149,7 +152,8 @@ def test_compare_mode_shows_both_answers_side_by_side(sample_store) -> None:
     assert "strategy naive+reversed+top:1" in captions[0]
     assert "strategy prefill+reversed" in captions[1]
     assert all("TTFT" in c for c in captions)
-    summary = [m for m in values(assistant.markdown) if "sooner from the cache" in m]
+    # (on a busy machine the cache may be timed slower: then it says so)
+    summary = [m for m in values(assistant.markdown) if re.search(r"x (sooner|later) from", m)]
     assert len(summary) == 1
     assert len(charts(assistant)) == 1  # the TTFT bar chart
 
@@ -383,7 +387,11 @@ def test_in_a_real_browser_ingest_ask_and_screenshot() -> None:
         wait_until(lambda: find(compare), 60, "the Ask page", log)[0].click()
         box = "//textarea[@data-testid='stChatInputTextArea']"
         wait_until(lambda: find(box), 60, "the chat input", log)[0].send_keys(QUESTION, Keys.ENTER)
-        wait_until(lambda: text_shown("sooner from the cache"), 180, "both answers", log)
+
+        def both_answers():  # (a busy machine may time the cache slower: it then says so)
+            return text_shown("sooner from the cache") or text_shown("later from the cache")
+
+        wait_until(both_answers, 180, "both answers", log)
         sources = wait_until(
             lambda: find("//details//p[contains(text(), '01_harbor_town_of_velmora.md')]"),
             60,
