@@ -71,18 +71,19 @@ def main() -> None:
     for question in QUESTIONS:
         hits, cached, full = ask(engine, question)
         table = Table(title=f"{question}  ({cached.prompt_tokens} prompt tokens)")
-        table.add_column("prompt from")
+        table.add_column("prompt from", overflow="fold")  # (the default's long name whole)
         table.add_column("TTFT", justify="right")
         table.add_column("answer")
         table.add_row(f"cached chunks, {strategy}", f"{cached.ttft_s:.2f} s", cached.text)
         table.add_row(f"full prefill, {strategy.baseline}", f"{full.ttft_s:.2f} s", full.text)
         console.print(table)
         sources = sorted({Path(h.source or "?").name for h in hits})
+        same = cached.text == full.text
+        answers = "the same answer word for word" if same else "answers worded apart: see above"
         console.print(
             f"time to first token: {sooner(full.ttft_s, cached.ttft_s)} "
             f"({cached.recomputed_tokens} of {cached.context_tokens} context tokens "
-            f"recomputed); answers {'agree' if cached.text == full.text else 'differ'}; "
-            f"{TOP_K} chunks from {', '.join(sources)}\n"
+            f"recomputed); {answers}; {TOP_K} chunks from {', '.join(sources)}\n"
         )
     console.print(
         f"{strategy.baseline}: a plain prefill of the very same prompt (the same chunks in the "
