@@ -189,6 +189,8 @@ def _decoded(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
             return
         if path.suffix.lower() == ".pdf":  # (a download's error page saved as one, say)
             raise SkipFile("named .pdf but not a PDF (it does not start with %PDF)")
+        if block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # (its NULs said
+            raise SkipFile("UTF-16 text, not UTF-8: save it as UTF-8")  # "binary file")
         if b"\x00" in block[:8192]:
             raise SkipFile("binary file")
         decoder = codecs.getincrementaldecoder("utf-8")()

@@ -143,6 +143,7 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(
     (docs / "blanks.txt").write_text("  \n\n \n")
     (docs / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(64))
     (docs / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (docs / "notes16.txt").write_bytes("Tide at noon.".encode("utf-16"))  # (a BOM first)
     (docs / "huge.txt").write_text("word " * 2000)
     (docs / "scan.pdf").write_bytes(minimal_pdf("The Quell Island lighthouse is painted red."))
     (docs / "broken.pdf").write_bytes(b"%PDF-1.4\nnot really a pdf")
@@ -160,6 +161,7 @@ def test_bad_files_are_reported_and_the_good_ones_ingested(
     assert reasons.pop("blanks.txt") == "no text in it"
     assert reasons.pop("image.png") == "binary file"
     assert reasons.pop("latin1.txt") == "not UTF-8 text (invalid byte at offset 3)"
+    assert reasons.pop("notes16.txt") == "UTF-16 text, not UTF-8: save it as UTF-8"  # "binary"
     assert reasons.pop("huge.txt") == "9.8 KiB is over the 4.0 KiB limit"  # was "0.0 MiB"
     assert reasons.pop("broken.pdf").startswith("unreadable PDF")
     assert reasons.pop("page.pdf") == "named .pdf but not a PDF (it does not start with %PDF)"
