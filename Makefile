@@ -57,7 +57,7 @@ demo: install
 	$(PY) demos/quickstart.py
 
 app: install
-	$(VENV)/bin/streamlit run demos/streamlit_app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
+	$(VENV)/bin/streamlit run demos/streamlit_app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false --server.maxUploadSize 16
 
 lint: install
 	$(VENV)/bin/ruff check .

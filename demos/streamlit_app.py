@@ -209,11 +209,18 @@ def save_uploads(
 def ingest_uploads(
     engine: RagKVCache, files: Iterable[tuple[str, bytes]], on_progress: Progress | None = None
 ) -> IngestReport:
-    """Ingest uploaded (name, bytes) pairs; they are kept under the store's uploads/ folder."""
+    """Ingest uploaded (name, bytes) pairs; they are kept under the store's uploads/ folder,
+    but for those skipped (empty, binary, too big...): their files are removed, unless an
+    earlier upload of that name is a document."""
     root = engine.config.store.root
     assert root is not None, "the app always opens a durable store"
     paths, failed = save_uploads(root / "uploads", files)
     report = ingest_paths(engine, paths, on_progress)
+    documents = {d.source for d in engine.corpus.catalog.documents()}
+    written = {path.resolve() for path in paths}
+    for skipped in report.skipped:
+        if Path(skipped.path).resolve() in written and skipped.path not in documents:
+            Path(skipped.path).unlink(missing_ok=True)
     return replace(report, skipped=[*failed, *report.skipped])
 
 
