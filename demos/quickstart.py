@@ -93,7 +93,7 @@ def main() -> None:
 
 def sooner(prefill_s: float, cached_s: float) -> str:
     """The cache's speedup over the prefill, in words that stay true when it is slower."""
-    ratio = prefill_s / cached_s
+    ratio = prefill_s / max(cached_s, 1e-9)
     return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower (a busy machine?)"
 
 

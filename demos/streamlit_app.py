@@ -210,17 +210,36 @@ def ingest_uploads(
     engine: RagKVCache, files: Iterable[tuple[str, bytes]], on_progress: Progress | None = None
 ) -> IngestReport:
     """Ingest uploaded (name, bytes) pairs; they are kept under the store's uploads/ folder,
-    but for those skipped (empty, binary, too big...): their files are removed, unless an
-    earlier upload of that name is a document."""
+    but for those skipped (empty, binary, too big...): their file is removed, or, where it
+    replaced an earlier upload of its name, that one's file is put back (its document is still
+    the one ingested from it)."""
     root = engine.config.store.root
     assert root is not None, "the app always opens a durable store"
-    paths, failed = save_uploads(root / "uploads", files)
-    report = ingest_paths(engine, paths, on_progress)
-    documents = {d.source for d in engine.corpus.catalog.documents()}
-    written = {path.resolve() for path in paths}
-    for skipped in report.skipped:
-        if Path(skipped.path).resolve() in written and skipped.path not in documents:
-            Path(skipped.path).unlink(missing_ok=True)
+    uploads, files = root / "uploads", list(files)
+    aside: dict[Path, Path] = {}  # an earlier upload's file -> where it waits meanwhile
+    for name, _ in files:
+        path = upload_path(uploads, name)
+        if path.is_file() and path not in aside:
+            aside[path] = path.with_name(f".{path.name}.previous")  # (no upload's name)
+            os.replace(path, aside[path])
+    paths: list[Path] = []
+    report: IngestReport | None = None
+    try:
+        paths, failed = save_uploads(uploads, files)
+        report = ingest_paths(engine, paths, on_progress)
+    finally:  # (skipped, not saved, or the ingest failed: the earlier file is put back)
+        kept = (
+            set() if report is None else {*report.unchanged, *(d.source for d in report.documents)}
+        )
+        kept_paths = {Path(k).resolve() for k in kept}
+        for path in paths:
+            if path.resolve() not in kept_paths:
+                path.unlink(missing_ok=True)
+        for path, earlier in aside.items():
+            if path.exists():
+                earlier.unlink()
+            else:
+                os.replace(earlier, path)
     return replace(report, skipped=[*failed, *report.skipped])
 
 
@@ -512,7 +531,7 @@ def ask_page(engine: RagKVCache | Server) -> None:
     for turn in turns:
         show_turn(turn)
     question = st.chat_input("Ask about your documents…")
-    if not (question or "").strip():  # (a blank one left an empty bubble and an error)
+    if question is None or not question.strip():  # (blank: an empty bubble and an error)
         if not turns:
             st.markdown(
                 "For the sample corpus, try: " + " · ".join(f"*{q}*" for q in SAMPLE_QUESTIONS)

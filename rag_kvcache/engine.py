@@ -255,9 +255,14 @@ class RagKVCache:
             theirs = {cid: self._encoding[cid] for cid in todo if cid in self._encoding}
             mine = {cid: job for cid, job in todo.items() if cid not in theirs}
             self._encoding.update((cid, threading.Event()) for cid in mine)
-        if on_encoded and len(todo) < len(ids):
-            on_encoded(len(ids) - len(todo))  # already cached: done at once
-        try:
+        try:  # (whatever happens, the events of `mine` are set: no waiter is left waiting)
+            stored = [cid for cid in mine if self.store.contains(cid)]  # (by a thread that
+            with self._encoding_lock:  # ended between the first look and the lock)
+                for cid in stored:
+                    self._encoding.pop(cid).set()
+                    del mine[cid]
+            if on_encoded and len(mine) + len(theirs) < len(ids):
+                on_encoded(len(ids) - len(mine) - len(theirs))  # already cached: done at once
             if mine:
                 batch = self.config.encode.batch_size
                 chunk_ids = [c for c, _ in mine.values()]
@@ -718,11 +723,12 @@ class RagKVCache:
         store's to name as unknown). The system prompt's entry is refused: every answer
         starts with it already (given as a chunk, it was linked a second time)."""
         ids = listed(cache_ids, "cache_ids", strings=False)
-        if self.prefix_id in ids:
-            raise ConfigError(
-                f"cache_ids[{ids.index(self.prefix_id)}] is {self.prefix_id}, the system "
-                "prompt's KV, which every answer starts with: give only document chunks"
-            )
+        for i, cache_id in enumerate(ids):  # (`in` would compare arrays and such with ==)
+            if isinstance(cache_id, str) and cache_id == self.prefix_id:
+                raise ConfigError(
+                    f"cache_ids[{i}] is {cache_id!r}, the system prompt's KV, which every "
+                    "answer starts with: give only document chunks"
+                )
         return ids
 
     def _check_known(self, cache_ids: list[str]) -> None:

@@ -21,7 +21,9 @@ class UnknownCacheIdError(RagKVCacheError, KeyError):
     def __init__(self, cache_ids: Sequence[object]):
         self.cache_ids = list(cache_ids)  # as given (not every one need be a string)
         # each quoted alike (an ID may be '' or hold a comma), a megabyte of one cut to 80 chars
-        quoted = [repr(c) if len(repr(c)) <= 80 else repr(c)[:77] + "..." for c in cache_ids[:5]]
+        quoted = [
+            repr(c) if len(repr(c)) <= 80 else repr(c)[:77] + "..." for c in self.cache_ids[:5]
+        ]
         shown = ", ".join(quoted) + (" ..." if len(cache_ids) > 5 else "")
         super().__init__(
             f"unknown cache ID(s): {shown}; ingest the text first "

@@ -1,6 +1,7 @@
 """The engine end to end: on the tiny model (its small tokenizer built in the tests) and on real
 SmolLM2."""
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -135,6 +136,8 @@ def test_the_system_prompts_entry_is_not_a_chunk(tiny_engine) -> None:
         tiny_engine.generate_batch([BatchRequest("How many basins?", asked)])
     with pytest.raises(ConfigError, match="system prompt's KV"):
         tiny_engine.prompt_ids("How many basins?", asked)
+    with pytest.raises(ConfigError, match="system prompt's KV"):  # the engine loop's path
+        asyncio.run(tiny_engine.agenerate("How many basins?", asked))
 
 
 def test_a_stream_that_failed_says_so_when_read_again(tiny_engine) -> None:
@@ -216,7 +219,8 @@ def test_a_stream_closed_while_read_ends_its_loop_quietly(tiny_engine) -> None:
         time.sleep(delay)
         stream.close()
         reader.join(30)
-        assert errors == [] and whole.startswith("".join(pieces).strip())
+        assert not reader.is_alive() and errors == []
+        assert whole.startswith("".join(pieces).strip())
     inside = tiny_engine.generate("How many basins?", ids, stream=True, max_new_tokens=40)
     got = []
     for piece in inside:

@@ -220,6 +220,12 @@ def test_ingest_uploads_keeps_files_under_the_store_and_reports_bad_ones(
 
     again = app.ingest_uploads(engine, files[:1])  # same bytes: unchanged, nothing encoded
     assert again.documents == [] and again.unchanged == [str(uploads / "ferry.md")]
+    # a bad upload of a document's name is skipped, and the document's file is put back (it
+    # was left holding the bad bytes)
+    bad = app.ingest_uploads(engine, [("ferry.md", b""), ("notes.md", b"\x00\x01")])
+    assert [Path(s.path).name for s in bad.skipped] == ["ferry.md", "notes.md"]
+    assert (uploads / "ferry.md").read_bytes() == FERRY.encode()
+    assert sorted(p.name for p in uploads.iterdir()) == sorted(["ferry.md", hidden])
     engine.store.close()
 
 

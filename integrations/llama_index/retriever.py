@@ -23,8 +23,8 @@ class KVCacheRetriever(BaseRetriever):
     """Top-k chunks for a query from `engine.retrieve`, best first, as TextNodes whose id is the
     cache ID (metadata: cache_id, source document and its file name, all hidden from embedding
     and LLM text: the chunk's text is what was embedded and cached). A QueryBundle's
-    `embedding` (of the engine's model: `MiniLMEmbedding`) or `custom_embedding_strs` (HyDE)
-    are searched with, as LlamaIndex's own vector retrievers do."""
+    `custom_embedding_strs` (HyDE) are searched with, as LlamaIndex's own vector retrievers
+    do; its `embedding` is not (it may be another retriever's, of another model)."""
 
     def __init__(self, engine: RagKVCache, similarity_top_k: int = 4, **kwargs: Any):
         similarity_top_k = whole_number("similarity_top_k", similarity_top_k)  # a ValueError
@@ -39,11 +39,12 @@ class KVCacheRetriever(BaseRetriever):
         return (_unpickled, (engine.config, engine.lm.fingerprint, self.similarity_top_k))
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        # as LlamaIndex's vector retrievers: the bundle's embedding where it has one, else the
-        # mean of its embedding strings where they are not the query's own (HyDE's
-        # hypothetical answer with the question); they were ignored, and HyDE did nothing
-        embedding = query_bundle.embedding
-        if embedding is None and query_bundle.custom_embedding_strs:
+        # the bundle's embedding strings where they are not the query's own (HyDE's
+        # hypothetical answer with the question), averaged as LlamaIndex's retrievers do; they
+        # were ignored, and HyDE did nothing. Its `embedding` is not read: other retrievers
+        # write theirs into a bundle they share (QueryFusionRetriever), of another model
+        embedding = None
+        if query_bundle.custom_embedding_strs:
             embed_model = MiniLMEmbedding(self._engine.corpus.embedder)
             embedding = embed_model.get_agg_embedding_from_queries(query_bundle.embedding_strs)
         hits = self._engine.retrieve(

@@ -181,7 +181,7 @@ class Corpus:
         """A caller's query embedding as the unit vector the index compares (cosine), or a
         ConfigError: another length is another embedding model's (FAISS would crash, or read
         it wrongly), text or booleans are no vector, and a zero or non-finite one ranks
-        nothing. Its norm is taken in float64 (1e20 or 1e-30 times a vector is that vector)."""
+        nothing. Any scale of a vector is that vector."""
         dim = self.embedder.dim
         try:
             vector = np.asarray(embedding)
@@ -193,6 +193,9 @@ class Corpus:
         norm = 0.0
         if vector.dtype.kind in "iuf" and vector.shape == (dim,):
             vector = vector.astype(np.float64)
+            largest = float(np.max(np.abs(vector)))  # (scaled by it first: 1e200 or 1e-320
+            if np.isfinite(largest) and largest > 0:  # times a vector is that vector)
+                vector = vector / largest
             norm = float(np.linalg.norm(vector))
             given += " that is zero or not finite"
         if not (np.isfinite(norm) and norm > 0):

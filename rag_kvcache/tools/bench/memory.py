@@ -124,8 +124,8 @@ def check_room(folder: Path, size_mb: float, rows: list[MemoryRow], model: str, 
     disk: rows already measured with this model and dtype say how many MB of store a MB of text
     makes (~8,400 for SmolLM2 in float32). Without one, nothing is known: the ingest's own
     full-disk error says it, after its run."""
-    ratios = [r.store_mb / r.file_mb for r in rows if (r.model, r.dtype) == (model, dtype)]
-    ratios = [ratio for ratio in ratios if ratio > 0]
+    same = [r for r in rows if (r.model, r.dtype) == (model, dtype) and r.file_mb > 0]
+    ratios = [r.store_mb / r.file_mb for r in same if r.store_mb > 0]
     if not ratios:
         return
     needed_mb = max(ratios) * size_mb + size_mb  # its store, and the text file beside it

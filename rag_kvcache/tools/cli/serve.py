@@ -132,6 +132,7 @@ def serve_command(args: argparse.Namespace, console: Console) -> int:
     )
     # the stop signal, raised again once uvicorn has stopped, is a clean stop (exit 0), as
     # `uvicorn.run` takes it
+    server = Server(config)
     with contextlib.suppress(KeyboardInterrupt):
-        Server(config).run()
-    return 0
+        server.run()
+    return 0 if server.started else 3  # (3: never served, as `uvicorn.run` exits)

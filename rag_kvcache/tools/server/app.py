@@ -484,7 +484,7 @@ async def _unless_gone(
     try:
         while True:
             left = draining.left_s()
-            if left is not None and left <= 0:
+            if left is not None and left <= 0 and not task.done():  # (a done one is sent)
                 raise ServerStopping("the server is shutting down: ask again")
             wait_s = DISCONNECT_POLL_S if left is None else min(left, DISCONNECT_POLL_S)
             done, _ = await asyncio.wait({task}, timeout=wait_s)

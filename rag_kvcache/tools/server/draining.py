@@ -12,7 +12,6 @@ client knows the answer is incomplete and why, and can ask again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -46,7 +45,6 @@ class Draining:
 async def until_stopped(pieces: AsyncIterator[str], draining: Draining) -> AsyncIterator[str]:
     """`pieces` as they come, until `draining`'s deadline: then ServerStopping (the piece
     being decoded is abandoned; the caller's stream is aborted by its own clean-up)."""
-    sent = 0
     while True:
         piece = asyncio.ensure_future(anext(pieces))
         try:
@@ -54,19 +52,17 @@ async def until_stopped(pieces: AsyncIterator[str], draining: Draining) -> Async
                 left = draining.left_s()
                 if left is not None and left <= 0:
                     raise ServerStopping(
-                        f"the server is shutting down: this answer was ended after {sent} "
-                        "pieces; ask again"
+                        "the server is shutting down: this answer was ended before its end; "
+                        "ask again"
                     )
                 wait_s = POLL_S if left is None else min(left, POLL_S)
                 await asyncio.wait({piece}, timeout=wait_s)
         finally:
             if not piece.done():
                 piece.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await piece
+                await asyncio.wait({piece})  # (never raises: a cancel of this task stays one)
         try:
             text = piece.result()
         except StopAsyncIteration:
             return
-        sent += 1
         yield text
