@@ -51,7 +51,8 @@ def main() -> None:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console) as progress:
+    # (nothing to encode on a second run: no "0/0" bar)
+    with Progress(*columns, console=console, disable=not plan.total_chunks) as progress:
         task = progress.add_task("encode", total=plan.total_chunks)
         done = run_ingest(engine, plan, on_encoded=lambda n: progress.advance(task, n))
     encoded = sum(d.encoded for d in done)

@@ -46,6 +46,17 @@ def cache(tiny64) -> PromptCache:
 # ----------------------------------------------------------------------------- the language
 
 
+def test_the_readmes_travel_schema_is_a_file_the_docs_show(tiny_tokenizer) -> None:
+    """The README's `schema add travel.xml` named a file that did not exist (a user copied it
+    out of docs/prompt-markup.md): it is demos/travel.xml, the docs' own example."""
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "demos" / "travel.xml").read_text()
+    assert source.strip() in (root / "docs" / "prompt-markup.md").read_text()
+    assert "schema add demos/travel.xml" in (root / "README.md").read_text()
+    travel = compile_schema(source, tiny_tokenizer)
+    assert travel.name == "travel" and {"trip-plan", "coast/coast-winter"} <= set(travel.modules)
+
+
 def test_the_papers_three_schemas_compile(smol_tokenizer) -> None:
     code = compile_schema(schema_source("code_generation.xml"), smol_tokenizer)
     travel = compile_schema(schema_source("travel_planning.xml"), smol_tokenizer)
