@@ -246,18 +246,17 @@ class RagKVCache:
         generate_context_cache; this is for callers that own the tokenization (Prompt Cache
         units, benchmarks)."""
         ids = [make_cache_id(self.lm.fingerprint, settings, c) for c in chunks]
-        todo = {
-            cid: (c, t) for cid, c, t in zip(ids, chunks, texts) if not self.store.contains(cid)
-        }
+        wanted = dict(zip(ids, zip(chunks, texts, strict=True), strict=True))  # (each once)
         # a chunk another thread of this engine is encoding (the same document uploaded twice
-        # at once) is waited for, not encoded again
+        # at once) is waited for, not encoded again; the store is asked after the claim, so a
+        # thread that stored a chunk meanwhile is seen
         with self._encoding_lock:
-            theirs = {cid: self._encoding[cid] for cid in todo if cid in self._encoding}
-            mine = {cid: job for cid, job in todo.items() if cid not in theirs}
+            theirs = {cid: self._encoding[cid] for cid in wanted if cid in self._encoding}
+            mine = {cid: job for cid, job in wanted.items() if cid not in theirs}
             self._encoding.update((cid, threading.Event()) for cid in mine)
         try:  # (whatever happens, the events of `mine` are set: no waiter is left waiting)
-            stored = [cid for cid in mine if self.store.contains(cid)]  # (by a thread that
-            with self._encoding_lock:  # ended between the first look and the lock)
+            stored = [cid for cid in mine if self.store.contains(cid)]
+            with self._encoding_lock:
                 for cid in stored:
                     self._encoding.pop(cid).set()
                     del mine[cid]
