@@ -3,6 +3,12 @@
 from collections.abc import Sequence
 
 
+def shown_name(value: object) -> str:
+    """A caller's value as an error quotes it: a megabyte of it says no more than 80 chars."""
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 class RagKVCacheError(Exception):
     """Base class of every error this library raises on purpose."""
 
@@ -20,11 +26,9 @@ class UnknownCacheIdError(RagKVCacheError, KeyError):
 
     def __init__(self, cache_ids: Sequence[object]):
         self.cache_ids = list(cache_ids)  # as given (not every one need be a string)
-        # each quoted alike (an ID may be '' or hold a comma), a megabyte of one cut to 80 chars
-        quoted = [
-            repr(c) if len(repr(c)) <= 80 else repr(c)[:77] + "..." for c in self.cache_ids[:5]
-        ]
-        shown = ", ".join(quoted) + (" ..." if len(cache_ids) > 5 else "")
+        # each quoted alike (an ID may be '' or hold a comma), a megabyte of one cut short
+        shown = ", ".join(map(shown_name, self.cache_ids[:5]))
+        shown += " ..." if len(self.cache_ids) > 5 else ""
         super().__init__(
             f"unknown cache ID(s): {shown}; ingest the text first "
             "(RagKVCache.generate_context_cache) or check it was not expired"

@@ -189,9 +189,8 @@ def _decoded(path: Path, max_bytes: int, digest: Any) -> Iterator[str]:
             return
         if path.suffix.lower() == ".pdf":  # (a download's error page saved as one, say)
             raise SkipFile("named .pdf but not a PDF (it does not start with %PDF)")
-        for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32")):
-            if block.startswith(bom):  # (before UTF-16's: UTF-32-LE's starts with it)
-                raise SkipFile(f"{name} text, not UTF-8: save it as UTF-8")
+        if block.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # (before UTF-16's:
+            raise SkipFile("UTF-32 text, not UTF-8: save it as UTF-8")  # UTF-32-LE's starts so)
         if block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # (its NULs said
             raise SkipFile("UTF-16 text, not UTF-8: save it as UTF-8")  # "binary file")
         if b"\x00" in block[:8192]:

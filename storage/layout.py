@@ -25,7 +25,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rag_kvcache.errors import InvalidNameError, StoreDamagedError, StoreError, StoreNotFoundError
+from rag_kvcache.errors import (
+    InvalidNameError,
+    StoreDamagedError,
+    StoreError,
+    StoreNotFoundError,
+    shown_name,
+)
 
 MARKER_FILE = "store.json"
 FORMAT_VERSION = 1  # of the folder's layout; the catalog's own schema has Alembic revisions
@@ -74,12 +80,6 @@ def checked_name(kind: str, value: object) -> str:
         return value  # type: ignore[return-value]  # is_name checked it is a str
     rule = RULES[kind]
     raise InvalidNameError(f"not a {kind}: {shown_name(value)} (expected {rule.allowed})")
-
-
-def shown_name(value: object) -> str:
-    """A caller's name as an error quotes it: a megabyte of it says no more than 80 chars."""
-    shown = repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def is_name(kind: str, value: object) -> bool:

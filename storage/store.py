@@ -33,6 +33,7 @@ from rag_kvcache.errors import (
     StoreFullError,
     StoreNotFoundError,
     UnknownCacheIdError,
+    shown_name,
 )
 from rag_kvcache.kv import ChunkKV, EncodeSettings, Fetched
 from rag_kvcache.storage.blob import (
@@ -58,7 +59,6 @@ from rag_kvcache.storage.layout import (
     open_folder,
     read_marker,
     redis_prefix,
-    shown_name,
     write_marker,
 )
 from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport

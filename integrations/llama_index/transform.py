@@ -14,8 +14,8 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 from tqdm.auto import tqdm
 
 from rag_kvcache.engine import RagKVCache
-from rag_kvcache.errors import InvalidNameError
-from rag_kvcache.storage.layout import RULES, is_name, shown_name
+from rag_kvcache.errors import InvalidNameError, shown_name
+from rag_kvcache.storage.layout import RULES, is_name
 
 CACHE_ID_KEY = "cache_id"
 TAGGED_TEXT_KEY = "cache_id_text"  # a hash of the cache ID with the text it was given for
