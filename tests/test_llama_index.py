@@ -476,8 +476,29 @@ def test_the_retriever_pickles_as_its_engine_configuration(smol, tiny32, tmp_pat
     assert copy.similarity_top_k == 2
     hits, again = retriever.retrieve(QUESTION), copy.retrieve(QUESTION)
     assert [h.node.node_id for h in again] == [h.node.node_id for h in hits] and len(hits) == 2
-    with pytest.raises(RagKVCacheError, match="KVCacheRetriever's engine ran model"):
+    with pytest.raises(RagKVCacheError, match="component's engine ran model"):
         pickle.loads(pickle.dumps(KVCacheRetriever(RagKVCache(lm=tiny32))))
+
+
+def test_components_pickled_together_come_back_over_one_engine(smol, tmp_path) -> None:
+    """A query engine's LLM and retriever, sent to a worker in one pickle, opened an engine
+    (a model) each there."""
+    import pickle
+
+    durable = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=smol)
+    [cache_id] = durable.generate_context_cache([DOCS["lighthouse"]])
+    llm, retriever = KVCacheLLM(durable), KVCacheRetriever(durable, similarity_top_k=1)
+    elsewhere = EngineConfig(store=StoreConfig(root=tmp_path / "b"))
+    other = KVCacheRetriever(RagKVCache(elsewhere, lm=smol))
+    llm_copy, retriever_copy, other_copy = pickle.loads(pickle.dumps((llm, retriever, other)))
+    assert llm_copy.engine is retriever_copy._engine is not durable
+    assert other_copy._engine is not llm_copy.engine  # another engine stays another
+    assert llm_copy.engine.config == durable.config
+    assert llm_copy.complete(QUESTION, cache_ids=[cache_id]).text == (
+        llm.complete(QUESTION, cache_ids=[cache_id]).text
+    )
+    # pickled apart, each comes back with its own engine, as before
+    assert pickle.loads(pickle.dumps(llm)).engine is not pickle.loads(pickle.dumps(llm)).engine
 
 
 def test_one_embedding_model_per_process(engine, tmp_path: Path) -> None:

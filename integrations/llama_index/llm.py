@@ -50,7 +50,7 @@ from llama_index.core.llms.custom import CustomLLM
 from rag_kvcache.answer import Answer, AnswerStream
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.events import FirstTokenEvent, KVLinkEvent
-from rag_kvcache.integrations.llama_index.pickling import reopened_engine
+from rag_kvcache.integrations.llama_index.pickling import pickled
 from rag_kvcache.integrations.llama_index.recognition import RetrievedNodes, watch, without
 from rag_kvcache.integrations.llama_index.transform import cache_ids_of
 from rag_kvcache.serving.batch import batchable
@@ -258,16 +258,12 @@ class KVCacheLLM(CustomLLM):
             if getattr(fields[name], "__self__", None) is self:  # our defaults: set again
                 fields[name] = None
         private = dict(state["__pydantic_private__"])
-        engine = private.pop("_engine")
-        private["_engine_config"] = (engine.config, engine.lm.fingerprint)
+        private["_engine"] = pickled(private["_engine"])  # unpickled: the reopened engine
         private["_retrieved"] = None
         return {**state, "__dict__": fields, "__pydantic_private__": private}
 
     def __setstate__(self, state: dict[Any, Any]) -> None:
-        private = dict(state["__pydantic_private__"])
-        config, fingerprint = private.pop("_engine_config")
-        private["_engine"] = reopened_engine(config, fingerprint, "KVCacheLLM")
-        BaseModel.__setstate__(self, {**state, "__pydantic_private__": private})
+        BaseModel.__setstate__(self, state)
         if self.messages_to_prompt is None:
             self.messages_to_prompt = self._render_chat
         if self.completion_to_prompt is None:

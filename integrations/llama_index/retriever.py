@@ -9,10 +9,10 @@ from typing import Any
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from rag_kvcache.config import EngineConfig, whole_number
+from rag_kvcache.config import whole_number
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.integrations.llama_index.embedding import MiniLMEmbedding
-from rag_kvcache.integrations.llama_index.pickling import reopened_engine
+from rag_kvcache.integrations.llama_index.pickling import PickledEngine, pickled
 from rag_kvcache.integrations.llama_index.transform import attach_cache_id
 
 SOURCE_KEY = "source"  # the document's name in the engine's corpus (a file's path, as ingested)
@@ -35,8 +35,7 @@ class KVCacheRetriever(BaseRetriever):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its engine's configuration and its top-k, as KVCacheLLM is: unpickling
         opens an engine on it (`pickling`). Callbacks and verbosity are not carried."""
-        engine = self._engine
-        return (_unpickled, (engine.config, engine.lm.fingerprint, self.similarity_top_k))
+        return (_unpickled, (pickled(self._engine), self.similarity_top_k))
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         # the bundle's embedding strings where they are not the query's own (HyDE's
@@ -67,6 +66,6 @@ class KVCacheRetriever(BaseRetriever):
         return nodes
 
 
-def _unpickled(config: EngineConfig, fingerprint: str, similarity_top_k: int) -> KVCacheRetriever:
-    engine = reopened_engine(config, fingerprint, "KVCacheRetriever")
+def _unpickled(engine: RagKVCache | PickledEngine, similarity_top_k: int) -> KVCacheRetriever:
+    assert isinstance(engine, RagKVCache)  # a PickledEngine unpickles as the engine it names
     return KVCacheRetriever(engine, similarity_top_k=similarity_top_k)
