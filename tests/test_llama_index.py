@@ -464,14 +464,20 @@ def test_the_llm_pickles_as_its_engine_configuration(smol, tiny32, tmp_path: Pat
         pickle.loads(pickle.dumps(KVCacheLLM(RagKVCache(lm=tiny32))))
 
 
+class NamedRetriever(KVCacheRetriever):
+    """A user's subclass (pickled by reference: it lives at module level)."""
+
+
 def test_the_retriever_pickles_as_its_engine_configuration(smol, tiny32, tmp_path) -> None:
-    """It failed on the engine's thread lock (a retriever sent to a worker process)."""
+    """It failed on the engine's thread lock (a retriever sent to a worker process); a
+    subclass came back as the base class."""
     import pickle
 
     durable = RagKVCache(EngineConfig(store=StoreConfig(root=tmp_path)), lm=smol)
     durable.ingest_document("notes.md", list(DOCS.values()))
-    retriever = KVCacheRetriever(durable, similarity_top_k=2)
+    retriever = NamedRetriever(durable, similarity_top_k=2)
     copy = pickle.loads(pickle.dumps(retriever))
+    assert type(copy) is NamedRetriever
     assert copy._engine is not durable and copy._engine.config == durable.config
     assert copy.similarity_top_k == 2
     hits, again = retriever.retrieve(QUESTION), copy.retrieve(QUESTION)

@@ -34,8 +34,9 @@ class KVCacheRetriever(BaseRetriever):
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its engine's configuration and its top-k, as KVCacheLLM is: unpickling
-        opens an engine on it (`pickling`). Callbacks and verbosity are not carried."""
-        return (_unpickled, (pickled(self._engine), self.similarity_top_k))
+        opens an engine on it (`pickling`), as this class (a subclass stays one). Callbacks,
+        verbosity and a subclass's own attributes are not carried."""
+        return (_unpickled, (type(self), pickled(self._engine), self.similarity_top_k))
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         # the bundle's embedding strings where they are not the query's own (HyDE's
@@ -66,6 +67,8 @@ class KVCacheRetriever(BaseRetriever):
         return nodes
 
 
-def _unpickled(engine: RagKVCache | PickledEngine, similarity_top_k: int) -> KVCacheRetriever:
+def _unpickled(
+    cls: type[KVCacheRetriever], engine: RagKVCache | PickledEngine, similarity_top_k: int
+) -> KVCacheRetriever:
     assert isinstance(engine, RagKVCache)  # a PickledEngine unpickles as the engine it names
-    return KVCacheRetriever(engine, similarity_top_k=similarity_top_k)
+    return cls(engine, similarity_top_k=similarity_top_k)
