@@ -173,6 +173,15 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
             calibrate(tiny32, config, tmp_path / "cut", resume=True, items=other)
     with pytest.raises(CalibrationError, match="at step 6, past --steps 4"):  # said 4, took 6
         calibrate(tiny32, replace(config, steps=4), tmp_path / "cut", resume=True, items=ITEMS)
+    # --resume forgotten: the run went on afresh over its own checkpoint, losing its steps
+    with pytest.raises(CalibrationError, match="holds this run at step 6: go on from it with"):
+        calibrate(tiny32, config, tmp_path / "cut", items=ITEMS)
+    assert calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", items=ITEMS).losses
+    # (another run's checkpoint, here of another --lr: trained afresh, as documented)
+    # --resume where no run was: it trained from step 0 (for a mistyped --out)
+    with pytest.raises(CalibrationError, match="no checkpoint to resume in"):
+        calibrate(tiny32, config, tmp_path / "typo", resume=True, items=ITEMS)
+    assert not (tmp_path / "typo" / "teachers").exists()  # refused before the teacher pass
 
 
 @pytest.mark.parametrize("field", ["link_tokens", "items", "held_out", "steps", "answer_tokens"])
@@ -233,6 +242,7 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
     once = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     for kept in (tmp_path / "t" / "teachers").glob("*.safetensors"):  # truncated: made again
         kept.write_bytes(kept.read_bytes()[:50])
+    (tmp_path / "t" / CHECKPOINT).unlink()  # (else: "go on from it with --resume")
     again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     assert again.losses == pytest.approx(once.losses)
     kept_files = sorted((tmp_path / "t" / "teachers").glob("*.safetensors"))
@@ -242,6 +252,7 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
     save_file({**saved, "teacher": saved["teacher"][:, :7].contiguous()}, narrow)  # a RuntimeError
     saved = load_file(str(short))
     save_file({**saved, "new_ids": saved["new_ids"][:1].contiguous()}, short)
+    (tmp_path / "t" / CHECKPOINT).unlink()
     again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     assert again.losses == pytest.approx(once.losses)
     assert load_file(str(narrow))["teacher"].shape == shape  # written anew

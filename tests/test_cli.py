@@ -447,7 +447,7 @@ def test_bench_prefix_reports_both_methods_and_their_kv_bytes(tmp_path: Path) ->
     assert tree["peak_kv_bytes"] <= copies["peak_kv_bytes"] * (1 + 1 / 4)
 
 
-def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path) -> None:
+def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path, capsys) -> None:
     from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
     from rag_kvcache.engine import RagKVCache
     from rag_kvcache.link.calibration import Calibration
@@ -459,6 +459,23 @@ def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path)
     assert main(args) == 0
     report = json.loads((out / "calibration.json").read_text())
     assert report["config"]["steps"] == 2 and len(report["losses"]) == 2
+    assert report["config"]["lr"] == 0.005  # the rate it trained with (was null: the default)
+    kl = report["kl_held_out"]
+    # a calibration that buys nothing is said to (it was installed with no word)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert ("`+calibrated` will not help" in printed) == (
+        not kl["trained link tokens"] < kl["strategy alone"]
+    )
+    # the CLI says where a resumed run goes on from
+    more = [*args[:-1], str(tmp_path / "more"), "--no-install"]
+    assert main(more) == 0
+    capsys.readouterr()
+    more[more.index("--steps") + 1] = "3"
+    assert main([*more, "--resume"]) == 0
+    assert f"resuming from step 2 of {tmp_path / 'more' / 'checkpoint.safetensors'}" in (
+        capsys.readouterr().out.replace("\n", "")
+    )
+    assert json.loads((tmp_path / "more" / "calibration.json").read_text())["config"]["steps"] == 3
     assert set(report["kl_held_out"]) == {
         "strategy alone", "initial link tokens", "trained link tokens"
     }  # fmt: skip
@@ -502,7 +519,6 @@ def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: P
     model it adapts and records which adapter; an adapter is not trained on top of another."""
     from rag_kvcache.config import EngineConfig, ModelConfig, StoreConfig
     from rag_kvcache.engine import RagKVCache
-    from rag_kvcache.errors import CalibrationError
     from rag_kvcache.model.loading import load_model
     from rag_kvcache.model.lora import LinkLoRA
 
@@ -529,9 +545,10 @@ def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: P
     stored = ModelConfig(path=str(folder), lora="store")
     engine = RagKVCache(EngineConfig(model=stored, store=StoreConfig(tmp_path / "store")))
     assert (engine.lm.name, engine.lm.fingerprint) == (from_file.name, from_file.fingerprint)
+    args[args.index(str(out))] = str(tmp_path / "lora2")  # (OUT holds this run: --resume)
     assert main([*args, "--store", str(tmp_path / "file-only"), "--no-install"]) == 0
-    with pytest.raises(CalibrationError, match="calibrate --kind lora"):
-        RagKVCache(EngineConfig(model=stored, store=StoreConfig(tmp_path / "file-only")))
+    assert not (tmp_path / "file-only").exists()  # --no-install: no store made either
+    assert (tmp_path / "lora2" / "lora.safetensors").is_file()
     again = [*args, "--store", str(tmp_path / "s2"), "--lora", str(out / "lora.safetensors")]
     assert main(again) == 2
 

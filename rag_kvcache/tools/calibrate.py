@@ -148,7 +148,7 @@ class CalibrationReport:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "config": asdict(self.config),
+            "config": {**asdict(self.config), "lr": self.config.learning_rate},
             "train_minutes": self.train_minutes,
             "kl_held_out": {
                 "strategy alone": self.kl_without,
@@ -378,8 +378,23 @@ def calibrate(
     chosen = items[:needed]
     trained_on = items_digest(chosen)
     checkpoint = out / CHECKPOINT
-    if resume and checkpoint.exists():
-        _check_checkpoint(checkpoint, config, lm, trained_on)
+    if resume:  # refused at once, before the teacher pass
+        at = _check_checkpoint(checkpoint, config, lm, trained_on)
+        if at > config.steps:  # its result would say fewer steps than it took
+            raise CalibrationError(
+                f"{checkpoint} is at step {at}, past --steps {config.steps}: resume with "
+                f"--steps {at} or more"
+            )
+    elif checkpoint.exists():  # this run's, forgotten --resume: it trained afresh over it
+        try:
+            at = _check_checkpoint(checkpoint, config, lm, trained_on)
+        except CalibrationError:  # another run's (other settings): trained afresh, teachers
+            pass  # reused, as the docs say of further runs in the same OUT
+        else:
+            raise CalibrationError(
+                f"{checkpoint} holds this run at step {at}: go on from it with --resume, or "
+                "delete it to train afresh"
+            )
     done = 0
 
     def ticked() -> None:
@@ -411,13 +426,8 @@ def calibrate(
         kl_without = mean_kl(scratch, held, plain)
         kl_before = kl_without if config.kind == "lora" else mean_kl(scratch, held, initial)
         start_step, losses, earlier_s = 0, list[float](), 0.0
-        if resume and checkpoint.exists():
+        if resume:
             start_step, losses, earlier_s = _load_checkpoint(checkpoint, params, optimizer)
-            if start_step > config.steps:  # its result would say fewer steps than it took
-                raise CalibrationError(
-                    f"{checkpoint} is at step {start_step}, past --steps {config.steps}: resume "
-                    f"with --steps {start_step} or more"
-                )
         began, trained_s = time.perf_counter(), earlier_s
         for step in range(start_step, config.steps):
             example = train[step_order(config.seed, step, len(train))]
@@ -537,21 +547,39 @@ def items_digest(items: list[dict[str, object]]) -> str:
     return hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _check_checkpoint(path: Path, config: CalibrateConfig, lm: LoadedModel, items: str) -> None:
-    """A checkpoint a run may resume from: the same settings, model and items. Read before the
-    teacher pass, so a refusal comes at once."""
+def checkpoint_step(path: Path) -> int:
+    """The step the checkpoint at `path` holds (what an interrupted run can resume from)."""
+    return _check_checkpoint(path)
+
+
+def _check_checkpoint(
+    path: Path,
+    config: CalibrateConfig | None = None,
+    lm: LoadedModel | None = None,
+    items: str | None = None,
+) -> int:
+    """The step of a checkpoint a run may resume from: the same settings, model and items
+    (those given). Read before the teacher pass, so a refusal comes at once."""
     from safetensors import safe_open
 
+    if not path.is_file():
+        raise CalibrationError(
+            f"no checkpoint to resume in {path.parent} (it has no {path.name}): train there "
+            "without --resume, or name the folder the interrupted run wrote (--out)"
+        )
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         settings = json.loads(meta.get("config", "{}"))
         if not isinstance(settings, dict):  # valid JSON, but not the settings a run writes
             raise ValueError(f"its settings are {type(settings).__name__}, not an object")
-    except (OSError, SafetensorError, ValueError, RecursionError) as e:  # (JSON errors too)
+        step = int(meta["step"])
+    except (OSError, SafetensorError, ValueError, KeyError, RecursionError) as e:  # (JSON too)
         raise CalibrationError(
             f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
         ) from None
+    if config is None or lm is None or items is None:
+        return step
     ours, theirs = _resumable(asdict(config)), _resumable(settings)
     if ours != theirs:
         differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
@@ -571,6 +599,7 @@ def _check_checkpoint(path: Path, config: CalibrateConfig, lm: LoadedModel, item
             + ("; or by a version that recorded none" if meta.get("items") is None else "")
             + "); resume with the same ones, or train afresh in another folder"
         )
+    return step
 
 
 def _save_checkpoint(

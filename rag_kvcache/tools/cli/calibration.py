@@ -60,7 +60,13 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
 
     from rag_kvcache.model.loading import RANDOM_PREFIX
     from rag_kvcache.model.lora import LinkLoRA
-    from rag_kvcache.tools.calibrate import LORA_RESULT, CalibrateConfig, calibrate
+    from rag_kvcache.tools.calibrate import (
+        CHECKPOINT,
+        LORA_RESULT,
+        CalibrateConfig,
+        calibrate,
+        checkpoint_step,
+    )
     from rag_kvcache.tools.cli.common import open_engine
     from rag_kvcache.tools.eval.dataset import load_dataset
 
@@ -79,7 +85,10 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
         # (it trained, and kept in the store an adapter no answer could then load)
         console.print("[red]random-weight models take no LoRA adapter: train link tokens")
         return 2
-    engine = open_engine(args, console)
+    engine = open_engine(args, console, in_memory=args.no_install)
+    if args.resume:  # (a missing or damaged checkpoint: refused here, before any work)
+        step = checkpoint_step(args.out / CHECKPOINT)
+        console.print(f"resuming from step {step} of {args.out / CHECKPOINT}", highlight=False)
     with Progress(console=console) as progress:
         tasks: dict[str, TaskID] = {}
 
@@ -91,7 +100,16 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
             if not console.is_terminal and (done % 10 == 0 or done == total):  # a log: lines
                 console.print(f"calibrate: {phase} {done}/{total}", highlight=False)
 
-        result = calibrate(engine.lm, config, args.out, args.resume, report, items)
+        try:
+            result = calibrate(engine.lm, config, args.out, args.resume, report, items)
+        except KeyboardInterrupt:  # what a --resume will go on from (steps after it are lost)
+            checkpoint = args.out / CHECKPOINT
+            if checkpoint.is_file():
+                console.print(
+                    f"{checkpoint} holds step {checkpoint_step(checkpoint)}: go on with --resume",
+                    highlight=False,
+                )
+            raise
     console.print(
         f"KL to prefill on {config.held_out} held-out items: {result.kl_without:.4f} with "
         f"{config.strategy} alone, {result.kl_before:.4f} with the untrained "
@@ -99,6 +117,14 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
         f"({result.train_minutes:.1f} min of training)",
         highlight=False,
     )
+    if not result.kl_after < result.kl_without:  # (NaN too: nothing bought)
+        console.print(
+            f"[yellow]the trained {result.trained} leave the answers farther from prefill's "
+            f"than {config.strategy} alone ({result.kl_after:.4f} against "
+            f"{result.kl_without:.4f}): `+calibrated` will not help; train longer "
+            "(--steps, --items) or with another --lr",
+            highlight=False,
+        )
     if isinstance(result.calibration, LinkLoRA):
         console.print(
             f"wrote {args.out}/{LORA_RESULT} and calibration.json", markup=False, highlight=False

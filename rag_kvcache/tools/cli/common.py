@@ -151,19 +151,25 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def open_engine(
-    args: argparse.Namespace, console: Console, existing: bool = False, keep_hot: bool = True
+    args: argparse.Namespace,
+    console: Console,
+    existing: bool = False,
+    keep_hot: bool = True,
+    in_memory: bool = False,
 ) -> RagKVCache:
     """The engine on --store; `existing`: the command only reads the store, so a store that is
     not there is a StoreNotFoundError (checked before the model loads), never a new one.
     `keep_hot=False`: no hot copies in memory (ingesting reads nothing back; its memory then
-    stays bounded whatever it writes)."""
+    stays bounded whatever it writes). `in_memory`: the command needs the model, not the
+    store: the engine's store is a scratch one in memory, and --store is left untouched."""
     from rag_kvcache.engine import RagKVCache
+    from rag_kvcache.storage.memory import MemoryStore
 
     if existing:
         open_store(args).close()
     config = engine_config(args, keep_hot)
     with console.status("loading the model"):
-        engine = RagKVCache(config)
+        engine = RagKVCache(config, store=MemoryStore() if in_memory else None)
     vars(args).setdefault("opened_engines", []).append(engine)  # for `close_opened`
     return engine
 
