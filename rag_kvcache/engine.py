@@ -63,7 +63,7 @@ from rag_kvcache.serving.loop import AsyncTokenStream, EngineLoop, LoopRequest
 from rag_kvcache.serving.prefix_tree import PrefixTree
 from rag_kvcache.storage.layout import checked_name
 from rag_kvcache.storage.memory import MemoryStore
-from rag_kvcache.storage.records import ChunkRow
+from rag_kvcache.storage.records import ChunkRow, ChunksGoneError
 from rag_kvcache.storage.store import Reencode, TieredStore
 from rag_kvcache.strategy import PREFILL, Strategy
 from rag_kvcache.timing import STAGE_FETCH, stage
@@ -148,6 +148,11 @@ def listed(items: object, what: str, *, strings: bool = True) -> list[str]:
         if strings and not isinstance(item, str):
             raise ConfigError(f"{what}[{i}] must be a string, got {type(item).__name__}")
     return items
+
+
+# a document is recorded this many times at most: each try caches its chunks again, since
+# another process may drop chunks this one found stored before it records them (ChunksGoneError)
+RECORD_TRIES = 3
 
 
 class RagKVCache:
@@ -315,13 +320,21 @@ class RagKVCache:
         had: stale chunks are removed) and index them for retrieval. Re-ingesting is cheap:
         chunks already cached are not encoded again."""
         checked_name("document source", source)  # before anything is encoded
-        start = time.perf_counter()
-        ids, encoded = self._cache_texts(chunks, on_encoded, source)  # checks every text first
-        encode_s = time.perf_counter() - start
-        if content_hash is None:  # (hashed after: a bad character is named, not a codec error)
-            content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
-        removed = self.corpus.set_document(source, content_hash, ids)
-        return DocumentIngest(source, tuple(ids), encoded, len(removed), encode_s)
+        start, encoded = time.perf_counter(), 0
+        for attempt in range(RECORD_TRIES):
+            ids, now = self._cache_texts(chunks, on_encoded, source)  # checks every text first
+            encoded += now
+            encode_s = time.perf_counter() - start
+            if content_hash is None:  # (hashed after: a bad character is named, not a codec one)
+                content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
+            try:
+                removed = self.corpus.set_document(source, content_hash, ids)
+            except ChunksGoneError:  # another process dropped chunks found stored: again
+                if attempt + 1 == RECORD_TRIES:
+                    raise
+                continue
+            return DocumentIngest(source, tuple(ids), encoded, len(removed), encode_s)
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def remove_document(self, source: str) -> int:
         """Forget a document; returns how many chunks (listed by no other document) went."""

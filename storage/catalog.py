@@ -29,11 +29,17 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from rag_kvcache.errors import UnknownCacheIdError
+from rag_kvcache.errors import UnknownCacheIdError, shown_name
 from rag_kvcache.kv import DOCUMENTS_VERSION
 from rag_kvcache.storage.database import CatalogDatabase
 from rag_kvcache.storage.layout import checked_name
-from rag_kvcache.storage.records import CatalogError, CatalogStats, ChunkRow, DocumentRow
+from rag_kvcache.storage.records import (
+    CatalogError,
+    CatalogStats,
+    ChunkRow,
+    ChunksGoneError,
+    DocumentRow,
+)
 from rag_kvcache.storage.tables import (
     STATES,
     Chunk,
@@ -208,10 +214,14 @@ class Catalog(CatalogDatabase):
                     )
                 return row, self._drop_orphans(conn, [c for c in old if c not in new])
         except IntegrityError as e:
-            raise CatalogError(
-                f"cannot record document {source!r}: a chunk it lists is not in the catalog "
-                f"(begin_chunk first) ({e.orig})"
-            ) from e
+            if gone := sorted(new - set(self.chunks(new))):
+                raise ChunksGoneError(
+                    f"cannot record document {source!r}: {len(gone)} of its chunks are not in "
+                    f"the catalog (another process removed them meanwhile, or they were never "
+                    f"begun), e.g. {shown_name(gone[0])}",
+                    gone,
+                ) from e
+            raise CatalogError(f"cannot record document {source!r}: {e.orig}") from e
 
     def remove_document(self, source: str) -> list[str]:
         """Delete a document and, in the same transaction, the rows of its chunks that now

@@ -18,6 +18,16 @@ class CatalogError(RagKVCacheError):
     """The catalog was opened or called with a value it cannot use."""
 
 
+class ChunksGoneError(CatalogError):
+    """A document was to be recorded with chunks that are no longer in the catalog: another
+    process removed them after this one found them stored (it dropped them as no document's,
+    or gc or an expiry did). Caching the texts again, then recording again, mends it."""
+
+    def __init__(self, message: str, cache_ids: list[str]):
+        super().__init__(message)
+        self.cache_ids = cache_ids
+
+
 class CatalogUnavailableError(CatalogError, StoreUnavailableError):
     """An open catalog's database did not answer as asked (gone, cut off, a lock not granted
     in time, a file it cannot write): the store's fault, not the caller's."""

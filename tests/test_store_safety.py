@@ -1326,3 +1326,73 @@ def test_writers_saving_the_vector_index_into_one_folder_at_once_never_collide(
     # the last complete save wins, or a mix the checksums catch (then empty: rebuilt)
     assert len(loaded.cache_ids()) in {0, 3, 5}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------- workers racing
+
+
+def _two_workers(target: Target, root: Path, lm) -> tuple[RagKVCache, RagKVCache]:
+    """Two engines on one store, each with its own catalog connection: two processes."""
+    a = _engine(TieredStore(root, catalog=target.open()), lm)
+    b = _engine(TieredStore(root, catalog=target.open()), lm)
+    return a, b
+
+
+def test_a_shared_chunk_another_worker_drops_meanwhile_is_cached_again(
+    target: Target, tmp_path: Path, tiny32, monkeypatch
+) -> None:
+    """Worker B found a chunk stored (worker A's document lists it), A then removed its
+    document, dropping the chunk as no document's, and B's ingest failed ("a chunk it lists is
+    not in the catalog (begin_chunk first)"): the document was not recorded. B now caches the
+    chunk again and records its document."""
+    shared, ours = "The tide bell rings at noon.", "Only worker B has this."
+    a, b = _two_workers(target, tmp_path / "s", tiny32)
+    a.ingest_document("a.md", [shared, "Only worker A has this."])
+    real = b.corpus.set_document
+    calls = []
+
+    def a_removes_first(*args, **kwargs):  # A's removal lands between B's two steps
+        calls.append(args[0])
+        if len(calls) == 1:
+            assert a.remove_document("a.md") == 2
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(b.corpus, "set_document", a_removes_first)
+    done = b.ingest_document("b.md", [shared, ours])
+    assert calls == ["b.md", "b.md"] and done.encoded == 2  # ours, then the shared one again
+    assert b.store.catalog.document_chunks("b.md") == list(done.cache_ids)
+    assert all(a.store.contains(cid) for cid in done.cache_ids)
+    assert b.generate("When does the bell ring?", list(done.cache_ids)).text is not None
+    with pytest.raises(CatalogError, match="never begun"):  # a chunk no one began: no retry
+        b.store.catalog.set_document("c.md", "0" * 64, ["f" * 32])
+    for engine in (a, b):
+        engine.store.close()
+
+
+def test_an_ingested_file_whose_shared_chunk_another_worker_drops_is_read_again(
+    tmp_path: Path, tiny32, monkeypatch
+) -> None:
+    """The same race for `rag-kvcache ingest`'s files (`run_ingest`): the file is read again."""
+    from rag_kvcache.ingest import plan_ingest, run_ingest
+
+    shared = "The tide bell rings at noon."
+    a, b = _two_workers(Target("sqlite", None, tmp_path / "c.db", None), tmp_path / "s", tiny32)
+    a.ingest_document("a.md", [shared])
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "b.md").write_text(f"{shared}\n\nOnly worker B has this.\n")
+    real, calls = b.corpus.set_document, []
+
+    def a_removes_first(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 1:
+            a.remove_document("a.md")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(b.corpus, "set_document", a_removes_first)
+    plan = plan_ingest(b, [docs], lambda text: [p for p in text.split("\n\n") if p.strip()])
+    [done] = run_ingest(b, plan)
+    assert len(calls) == 2 and b.store.catalog.document_chunks(done.source) == list(done.cache_ids)
+    assert all(b.store.contains(cid) for cid in done.cache_ids)
+    for engine in (a, b):
+        engine.store.close()
