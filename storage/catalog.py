@@ -474,7 +474,7 @@ class Catalog(CatalogDatabase):
 
     def expired(self, now: datetime | None = None) -> list[str]:
         """Chunks whose expiry is at or before `now` (default: the current time), pinned or not."""
-        cutoff = utc_now() if now is None else utc(now)
+        cutoff = utc_now() if now is None else utc(now)  # (remove_chunk's expired_by)
         stmt = (
             select(Chunk.cache_id)
             .where(Chunk.expires_at.is_not(None), Chunk.expires_at <= cutoff)
@@ -496,13 +496,28 @@ class Catalog(CatalogDatabase):
         with self._read() as conn:
             return list(conn.scalars(stmt))
 
-    def remove_chunk(self, cache_id: str) -> bool:
+    def remove_chunk(
+        self,
+        cache_id: str,
+        *,
+        expired_by: datetime | None = None,
+        pending_since: datetime | None = None,
+    ) -> bool:
         """Delete a chunk and (by cascade) its placements and document listings; False if it
         was unknown. A chunk some document listed bumps DOCUMENTS_VERSION, so every process's
-        vector index drops it (gc's expired chunks, not only `expire_cache`'s)."""
+        vector index drops it (gc's expired chunks, not only `expire_cache`'s).
+
+        `expired_by` / `pending_since`: only if it is still expired by then, or still pending
+        since then (gc's lists are read before it deletes: a row another process committed, or
+        whose expiry a re-ingest moved, in between is kept)."""
+        still = Chunk.cache_id == cache_id
+        if expired_by is not None:
+            still &= Chunk.expires_at.is_not(None) & (Chunk.expires_at <= utc(expired_by))
+        if pending_since is not None:
+            still &= (Chunk.state == "pending") & (Chunk.created_at <= utc(pending_since))
         with self._write() as conn:
             listed = conn.scalar(select(func.count()).where(DocumentChunk.cache_id == cache_id))
-            removed = conn.execute(delete(Chunk).where(Chunk.cache_id == cache_id)).rowcount > 0
+            removed = conn.execute(delete(Chunk).where(still)).rowcount > 0
             if removed and listed:
                 conn.execute(_count(self._insert, DOCUMENTS_VERSION, 1))
             return removed

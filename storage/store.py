@@ -613,6 +613,15 @@ class TieredStore:
         self.durable.remove(cache_id)
         return removed
 
+    def _remove_if(self, cache_id: str, **still: datetime) -> bool:
+        """Forget a chunk everywhere if its row still matches `still` (Catalog.remove_chunk)."""
+        if not self.catalog.remove_chunk(cache_id, **still):
+            return False
+        for tier in self.hot:
+            tier.remove(cache_id)
+        self.durable.remove(cache_id)
+        return True
+
     def gc(self, pending_after_s: float = 600.0, force: bool = False) -> GcReport:
         """Remove expired chunks, dead writers' pending rows, orphan blobs and temporaries
         (a writer is taken for dead after `pending_after_s`; a live writer's temporary file is
@@ -621,12 +630,13 @@ class TieredStore:
         Orphan blobs are few (a writer killed at the wrong moment); when they outnumber the
         chunks the catalog lists, the catalog is more likely lost or another store's than the
         blobs garbage, so gc refuses (StoreDamagedError) unless `force`."""
-        expired = self.catalog.expired()
-        for cid in expired:
-            self.remove(cid)
-        pending = self.catalog.pending_older_than(pending_after_s)
-        for cid in pending:
-            self.remove(cid)
+        # each row deleted only if it still is what it was listed as: another process may
+        # commit a pending row, or re-ingest an expired chunk, between the list and the delete
+        now = datetime.now(UTC)
+        expired = [c for c in self.catalog.expired(now) if self._remove_if(c, expired_by=now)]
+        listed_pending = self.catalog.pending_older_than(pending_after_s)
+        since = datetime.now(UTC) - timedelta(seconds=pending_after_s)  # (after: all listed)
+        pending = [c for c in listed_pending if self._remove_if(c, pending_since=since)]
         # blobs first, then the catalog: a writer claims its row before writing its blob, so
         # every blob seen here whose writer is alive has a row in the catalog read after
         blobs = list(self.durable.ids())

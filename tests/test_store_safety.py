@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -1396,3 +1397,27 @@ def test_an_ingested_file_whose_shared_chunk_another_worker_drops_is_read_again(
     assert all(b.store.contains(cid) for cid in done.cache_ids)
     for engine in (a, b):
         engine.store.close()
+
+
+def test_gc_keeps_a_row_that_changed_between_its_list_and_its_delete(
+    target: Target, tmp_path: Path, tiny32, monkeypatch
+) -> None:
+    """gc lists the pending and the expired rows, then deletes them: a writer that committed
+    its row in between (with `--pending-after 0`), or a chunk whose expiry another process's
+    re-ingest moved, lost its row and blob, and that writer's ingest then failed. A row is
+    now deleted only if it still is what it was listed as."""
+    store = TieredStore(tmp_path / "s", catalog=target.open())
+    engine = _engine(store, tiny32)
+    committed, lasting = engine.generate_context_cache(DOCS)
+    # listed as a live writer's pending row, then committed by it before the delete
+    monkeypatch.setattr(store.catalog, "pending_older_than", lambda seconds: [committed])
+    # listed as expired, then its expiry moved on by a re-ingest before the delete
+    monkeypatch.setattr(store.catalog, "expired", lambda now=None: [lasting])
+    report = store.gc(pending_after_s=0)
+    assert (report.expired, report.pending, report.orphan_blobs) == (0, 0, 0)
+    assert store.contains(committed) and store.contains(lasting)
+    assert engine.generate("When?", [committed, lasting]).text is not None
+    monkeypatch.undo()
+    store.catalog.set_expiry(lasting, datetime.now(UTC) - timedelta(seconds=1))  # truly expired
+    assert store.gc(pending_after_s=0).expired == 1 and not store.contains(lasting)
+    store.close()
