@@ -678,9 +678,14 @@ class TieredStore:
         full: str | None = None  # why repairing stopped: each repair after would fail too
         for row in rows:
             data = self.durable.get(row.cache_id, row.nbytes)
+            bad = data is None or row.checksum is None or isinstance(_parsed(row, data), str)
+            if bad and self._changed_since(row):  # removed or rewritten since the rows were
+                if on_checked:  # listed (another process's document removal, gc, a re-encode,
+                    on_checked()  # the chunk ingested again): not damage, nothing to repair
+                continue
             if data is None:
                 missing.append(row.cache_id)
-            elif row.checksum is None or isinstance(_parsed(row, data), str):
+            elif bad:
                 corrupt.append(row.cache_id)  # its bytes, or the KV they hold (any encoding)
             else:
                 if not row.checksum.startswith(XXH3):
@@ -697,6 +702,8 @@ class TieredStore:
                 try:
                     self._repair(row, "missing" if data is None else "corrupt")
                     repaired += 1
+                except UnknownCacheIdError:  # its row removed while it was re-encoded: the
+                    self.durable.remove(row.cache_id)  # blob just written is no one's
                 except FingerprintMismatchError:  # the rest are still checked and repaired
                     other_model.append(row.cache_id)
                 except StoreFullError as err:  # the rest are still checked, and reported
@@ -706,6 +713,23 @@ class TieredStore:
         checked = len(rows) + len(unreadable)
         return VerifyReport(
             checked, corrupt, missing, repaired, upgraded, unreadable, orphans, other_model, full
+        )
+
+    def _changed_since(self, row: ChunkRow) -> bool:
+        """Has the chunk's row gone, or its blob changed, since `row` was read, or does its blob
+        read well now (deleted and written again meanwhile)?"""
+        now = self.catalog.chunk(row.cache_id)
+        if now is None or (now.state, now.checksum, now.nbytes) != (
+            row.state,
+            row.checksum,
+            row.nbytes,
+        ):
+            return True
+        data = self.durable.get(row.cache_id, row.nbytes)
+        return (
+            data is not None
+            and row.checksum is not None
+            and not isinstance(_parsed(row, data), str)
         )
 
     def _readable_rows(self, cache_ids: set[str]) -> tuple[list[ChunkRow], list[str]]:

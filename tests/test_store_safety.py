@@ -1421,3 +1421,42 @@ def test_gc_keeps_a_row_that_changed_between_its_list_and_its_delete(
     store.catalog.set_expiry(lasting, datetime.now(UTC) - timedelta(seconds=1))  # truly expired
     assert store.gc(pending_after_s=0).expired == 1 and not store.contains(lasting)
     store.close()
+
+
+def test_verify_beside_a_worker_that_removes_chunks_finds_no_false_damage(
+    tmp_path: Path, tiny32
+) -> None:
+    """verify lists the stored rows, then reads their blobs: chunks another worker removed
+    in between (a document removed or replaced, gc) were reported missing, exit 1 (a health
+    check alarmed), and `--repair` crashed with UnknownCacheIdError where a row went while
+    its blob was re-encoded, leaving that blob as an orphan."""
+    store, engine = _documented_store(tmp_path / "s", tiny32)
+    other = _engine(TieredStore(tmp_path / "s"), tiny32)  # the other worker
+    calls: list[int] = []
+
+    def removes_everything_after_the_first() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            other.remove_document("harbor.md")
+            other.remove_document("ferry.md")
+
+    report = store.verify(repair=False, on_checked=removes_everything_after_the_first)
+    assert (report.missing, report.corrupt, report.orphans) == ([], [], [])
+    assert report.checked == len(calls) > 1
+    # a real loss is still found, and a row removed while it is re-encoded is skipped
+    lost, kept = engine.generate_context_cache(["The gate shuts at dusk.", "Gulls nest here."])
+    store.durable.remove(lost)
+    assert store.verify(repair=False).missing == [lost]
+    real = reencoder(tiny32)
+
+    def removed_meanwhile(row):
+        store.catalog.remove_chunk(row.cache_id)  # another worker's, during the re-encode
+        return real(row)
+
+    store.reencode = removed_meanwhile
+    report = store.verify(repair=True)
+    assert report.missing == [lost] and report.repaired == 0
+    assert store.verify(repair=False).orphans == []  # the blob written for no one: gone
+    assert store.contains(kept) and not store.contains(lost)
+    for s in (store, other.store):
+        s.close()
