@@ -13,6 +13,7 @@ import torch
 from helpers import random_chunks
 
 from rag_kvcache import EngineConfig, GenerationConfig, RagKVCache
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.model import loading
 from rag_kvcache.model.adapter import (
     buffered_cache,
@@ -220,6 +221,14 @@ def test_diagnose_selects_and_writes(tiny64, tmp_path: Path, monkeypatch) -> Non
     for name in ("heatmaps", "by_layer", "by_chunk"):
         assert (out / f"attention_{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "kv_deviation.png").read_bytes()[:4] == b"\x89PNG"
+    # a run in the same folder that diagnoses nothing leaves no earlier run's plots there
+    assert main([*args, "--max-new-tokens", "6", "--max-items", "1", "--controls", "0",
+                 "--limit", "1", "--strategy", "full"]) == 0  # fmt: skip
+    assert json.loads((out / "diagnosis.json").read_text())["items"] == []
+    assert not list(out.glob("*.png"))
+    # a calibrated strategy is refused at once: diagnose's scratch store holds no calibration
+    with pytest.raises(ConfigError, match="scratch store, with no link calibration"):
+        diagnosis.diagnose(tiny64, [], "naive+calibrated", out)
 
 
 def test_diagnose_command_loads_a_model_folder(tiny32, tmp_path: Path, capsys) -> None:

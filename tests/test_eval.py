@@ -861,6 +861,15 @@ def test_eval_needle_mode_tries_several_needles_per_length_and_depth(tmp_path: P
     assert tried == sorted((i, s) for i in ids for s in ("prefill", "naive"))
     assert (out / "needle_heatmap.png").read_bytes()[:4] == b"\x89PNG"
     assert main([*args, "--needles", str(len(NEEDLES) + 1), "--out", str(out)]) == 2
+    # --limit counts here too (it was ignored: every needle ran)
+    assert main([*args, "--needles", "2", "--limit", "3", "--out", str(tmp_path / "l")]) == 0
+    report = json.loads((tmp_path / "l" / "needle.json").read_text())
+    assert sorted({r["item"] for r in report["items"]}) == sorted(ids[:3])
+    # depths that name one item (six digits) are refused: its rows were counted twice
+    close = [*args, "--depths", "0.1,0.1000001", "--out", str(tmp_path / "c")]
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage error
+        main(close)
+    assert not (tmp_path / "c").exists()
 
 
 def _report(

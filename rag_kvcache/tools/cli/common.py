@@ -60,8 +60,12 @@ def dtype_list(text: str) -> list[str]:
 
 
 def fractions(text: str) -> list[float]:
-    """Comma-separated numbers from 0 to 1 (needle depths), each once."""
-    return _distinct(text, [_number(t, 0.0, 1.0) for t in csv_list(text)])
+    """Comma-separated numbers from 0 to 1 (needle depths), each once, and apart in the six
+    significant digits that name a needle's item (`needle-LENGTH-DEPTH`)."""
+    values = _distinct(text, [_number(t, 0.0, 1.0) for t in csv_list(text)])
+    if len({f"{v:g}" for v in values}) < len(values):  # two items of one name: a bad report
+        raise argparse.ArgumentTypeError(f"two values of {text!r} agree to six digits")
+    return values
 
 
 def sizes(text: str) -> list[float]:

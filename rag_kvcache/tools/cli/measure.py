@@ -306,7 +306,7 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
             for n in args.lengths
             for d in args.depths
             for k in range(args.needles)
-        ]
+        ][: args.limit]  # (it was ignored here)
         name = "needle"
     else:
         strategies = args.strategies or list(DEFAULT_STRATEGIES)

@@ -60,6 +60,12 @@ def diagnose(
     strategy = Strategy.parse(strategy)
     if not strategy.uses_cache:
         raise ConfigError(f"{strategy} is not a link strategy; diagnose compares one to prefill")
+    if strategy.calibrated:  # (its store is a scratch one: no calibration is ever found there)
+        raise ConfigError(
+            f"diagnose answers from a scratch store, with no link calibration: diagnose "
+            f"{str(strategy).replace('+calibrated', '')}, or measure {strategy} with "
+            "`rag-kvcache eval --calibration`"
+        )
     baseline = strategy.baseline
     config = EngineConfig(generation=GenerationConfig(max_new_tokens=max_new_tokens))
     engine = RagKVCache(config, lm=lm, store=MemoryStore())
@@ -149,6 +155,14 @@ def load_gold(path: Path) -> dict[str, Gold]:
     return gold
 
 
+PLOTS = (
+    "attention_heatmaps.png",
+    "attention_by_layer.png",
+    "kv_deviation.png",
+    "attention_by_chunk.png",
+)
+
+
 def write(diagnosis: Diagnosis, out_dir: Path) -> None:
     """diagnosis.json (every record, compact), summary.json and the plots (the heatmaps and
     the KV deviation over the failed items, or the kept ones where none failed)."""
@@ -156,15 +170,13 @@ def write(diagnosis: Diagnosis, out_dir: Path) -> None:
     records = json_ready(asdict(diagnosis)) | {"position_bins": [list(b) for b in POSITION_BINS]}
     (out_dir / "diagnosis.json").write_text(json.dumps(records, separators=(",", ":")))
     (out_dir / "summary.json").write_text(readable_json(summary(diagnosis)) + "\n")
+    for stale in PLOTS:  # an earlier run's, which this one may not draw (no item)
+        (out_dir / stale).unlink(missing_ok=True)
     items = [d for d in diagnosis.items if d.group == FAILED] or diagnosis.items
     if items:
         title = f"{diagnosis.strategy} - {diagnosis.baseline}, {len(items)} {items[0].group} items"
-        plot_heatmaps(items, out_dir / "attention_heatmaps.png", title)
-        plot_by_layer(
-            diagnosis.items,
-            out_dir / "attention_by_layer.png",
-            diagnosis.strategy,
-            diagnosis.sink_tokens,
-        )
-        plot_kv(items, out_dir / "kv_deviation.png", diagnosis.strategy)
-        plot_by_chunk(diagnosis.items, out_dir / "attention_by_chunk.png", diagnosis.strategy)
+        heatmaps, by_layer, kv, by_chunk = (out_dir / name for name in PLOTS)
+        plot_heatmaps(items, heatmaps, title)
+        plot_by_layer(diagnosis.items, by_layer, diagnosis.strategy, diagnosis.sink_tokens)
+        plot_kv(items, kv, diagnosis.strategy)
+        plot_by_chunk(diagnosis.items, by_chunk, diagnosis.strategy)
