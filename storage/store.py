@@ -685,7 +685,7 @@ class TieredStore:
                 continue
             if data is None:
                 missing.append(row.cache_id)
-            elif bad:
+            elif bad or row.checksum is None:  # (None is bad: said again for the type)
                 corrupt.append(row.cache_id)  # its bytes, or the KV they hold (any encoding)
             else:
                 if not row.checksum.startswith(XXH3):
