@@ -502,6 +502,20 @@ def test_calibrate_trains_keeps_it_in_the_store_and_eval_uses_it(tmp_path: Path,
     assert main(calibrated) == 0
     rows = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert "naive+calibrated" in rows["strategies"]
+    # refused before the first item (no journal left): another model's calibration, a
+    # checkpoint given for the calibration, `positions` (they failed once the run was on)
+    from dataclasses import replace
+
+    replace(trained, fingerprint="0" * 16).save(tmp_path / "other.safetensors")
+    capsys.readouterr()
+    for given, said in (
+        (["--calibration", str(tmp_path / "other.safetensors")], "trained on model 0000"),
+        (["--calibration", str(out / "checkpoint.safetensors")], "a `rag-kvcache calibrate` ch"),
+        (["--strategies", "positions"], "`positions` serves markup prompts"),
+    ):
+        assert main([*evaluate, *given, "--out", str(tmp_path / "refused")]) != 0
+        assert said in " ".join(capsys.readouterr().out.split())
+        assert not (tmp_path / "refused").exists()
 
 
 def test_calibrate_refuses_a_lora_adapter_for_random_weights(tmp_path: Path, capsys) -> None:

@@ -78,6 +78,7 @@ class Calibration:
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "calibration") -> Calibration:
         """Inverse of to_bytes; a clear CalibrationError for anything else."""
+        meta: dict[str, str] = {}
         try:
             tensors = load_safetensors(data)
             meta = metadata(data)
@@ -91,7 +92,13 @@ class Calibration:
                 float(meta["loss"]),
             )
         except (SafetensorError, KeyError, ValueError, TypeError, AttributeError) as e:
-            raise CalibrationError(f"{where} is not a calibration file: {e}") from None
+            if isinstance(e, KeyError) and {"config", "step"} <= set(meta):
+                raise CalibrationError(
+                    f"{where} is a `rag-kvcache calibrate` checkpoint, not a calibration: "
+                    "give the calibration.safetensors beside it"
+                ) from None
+            why = f"it holds no {e}" if isinstance(e, KeyError) else str(e)
+            raise CalibrationError(f"{where} is not a calibration file ({why})") from None
 
     def save(self, path: Path) -> str:
         """Write atomically to `path`; returns the sha256 of the bytes written."""

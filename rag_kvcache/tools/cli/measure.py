@@ -320,11 +320,15 @@ def eval_command(args: argparse.Namespace, console: Console) -> int:
 
         items = in_retrieval_order(items, Embedder.shared())
     strategies = check_strategies(strategies, with_full=args.teacher_tokens > 0)
+    if any(s.kind == "positions" for s in strategies):  # (it failed at the first item)
+        console.print("[red]`positions` serves markup prompts' schema positions: not an eval")
+        return 2
     calibration = None
     if args.calibration is not None:
         from rag_kvcache.link.calibration import Calibration
 
         calibration = Calibration.load(args.calibration).to(lm)
+        calibration.check_compatible(lm, [])  # another model's: now, not at the first answer
     elif any(s.calibrated for s in strategies):
         console.print("[red]+calibrated strategies need --calibration calibration.safetensors")
         return 2
