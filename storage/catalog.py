@@ -39,6 +39,7 @@ from rag_kvcache.storage.records import (
     ChunkRow,
     ChunksGoneError,
     DocumentRow,
+    ModelFile,
 )
 from rag_kvcache.storage.tables import (
     STATES,
@@ -159,6 +160,31 @@ class Catalog(CatalogDatabase):
     def adapter(self, fingerprint: str) -> tuple[bytes, str] | None:
         """(bytes, sha256 recorded when kept) of the base model's LoRA adapter, or None."""
         return self._model_file(LinkAdapter, dict(fingerprint=fingerprint))
+
+    def model_files(self) -> list[ModelFile]:
+        """Every link calibration and LoRA adapter kept here, each checked against its sha256."""
+        found = []
+        with self._read() as conn:
+            for kind, table in (("calibration", LinkCalibration), ("adapter", LinkAdapter)):
+                settings = table.encode_settings if table is LinkCalibration else sa.null()
+                stmt = select(table.fingerprint, settings, table.data, table.checksum)
+                for fingerprint, encode, data, recorded in conn.execute(stmt):
+                    intact = hashlib.sha256(bytes(data)).hexdigest() == recorded
+                    found.append(ModelFile(kind, fingerprint, encode, len(data), intact))
+        return found
+
+    def drop_model_file(self, file: ModelFile) -> None:
+        """Delete a calibration or adapter row (a damaged one: verify --repair)."""
+        with self._write() as conn:
+            if file.kind == "calibration":
+                conn.execute(
+                    delete(LinkCalibration).where(
+                        LinkCalibration.fingerprint == file.fingerprint,
+                        LinkCalibration.encode_settings == file.encode_settings,
+                    )
+                )
+            else:
+                conn.execute(delete(LinkAdapter).where(LinkAdapter.fingerprint == file.fingerprint))
 
     def _model_file(
         self, table: type[LinkCalibration] | type[LinkAdapter], key: dict[str, str]

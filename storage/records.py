@@ -90,6 +90,21 @@ class GcReport:
 
 
 @dataclass(frozen=True)
+class ModelFile:
+    """A model's file kept in the catalog: a link calibration or a LoRA adapter."""
+
+    kind: str  # "calibration" or "adapter"
+    fingerprint: str
+    encode_settings: str | None  # a calibration's chunk encoding; None for an adapter
+    nbytes: int
+    intact: bool  # its bytes match the sha256 recorded when it was kept
+
+    def __str__(self) -> str:
+        what = "link calibration" if self.kind == "calibration" else "LoRA adapter"
+        return f"the {what} of model {self.fingerprint}"
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     checked: int
     corrupt: list[str]
@@ -101,3 +116,5 @@ class VerifyReport:
     orphans: list[str] = field(default_factory=list)  # blobs no row names (dropped by repair)
     other_model: list[str] = field(default_factory=list)  # bad, but not this model's to repair
     full: str | None = None  # the store filled up while repairing: why the rest were not
+    damaged_files: list[ModelFile] = field(default_factory=list)  # calibrations, adapters
+    # whose bytes fail their sha256 (dropped when repairing: only training makes them again)

@@ -711,8 +711,21 @@ class TieredStore:
             if on_checked:
                 on_checked()
         checked = len(rows) + len(unreadable)
+        damaged = [f for f in self.catalog.model_files() if not f.intact]
+        if repair:  # nothing but training makes them again: every use of them failed
+            for file in damaged:
+                self.catalog.drop_model_file(file)
         return VerifyReport(
-            checked, corrupt, missing, repaired, upgraded, unreadable, orphans, other_model, full
+            checked,
+            corrupt,
+            missing,
+            repaired,
+            upgraded,
+            unreadable,
+            orphans,
+            other_model,
+            full,
+            damaged,
         )
 
     def _changed_since(self, row: ChunkRow) -> bool:

@@ -306,3 +306,13 @@ def test_a_calibration_kept_in_the_catalog_reaches_every_engine_on_it(
         conn.execute(update(LinkCalibration).values(data=data[:-1] + b"\x00"))
     with pytest.raises(StoreDamagedError, match="calibrate"):
         second.generate("Who is the mayor?", ids, strategy="naive+calibrated")
+    # verify finds it (it called the store clean) and --repair drops it, naming the retraining
+    report = second.store.verify(repair=False)
+    assert [(f.kind, f.fingerprint, f.intact) for f in report.damaged_files] == [
+        ("calibration", tiny32.fingerprint, False)
+    ]
+    assert [f.intact for f in catalog.model_files()] == [False]
+    assert second.store.verify(repair=True).damaged_files == report.damaged_files
+    assert catalog.model_files() == [] and second.store.verify(repair=False).damaged_files == []
+    with pytest.raises(CalibrationError, match="rag-kvcache calibrate"):  # none: train one
+        second.generate("Who is the mayor?", ids, strategy="naive+calibrated")

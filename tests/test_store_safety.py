@@ -1460,3 +1460,31 @@ def test_verify_beside_a_worker_that_removes_chunks_finds_no_false_damage(
     assert store.contains(kept) and not store.contains(lost)
     for s in (store, other.store):
         s.close()
+
+
+def test_verify_and_stats_name_a_damaged_calibration(tmp_path: Path, tiny32, capsys) -> None:
+    """`verify` called a store clean whose link calibration was damaged (every `+calibrated`
+    answer failed on it), and `stats` did not show that a store holds one."""
+    import torch
+    from sqlalchemy import update
+
+    from rag_kvcache.link.calibration import Calibration
+    from rag_kvcache.storage.tables import LinkCalibration
+
+    root = tmp_path / "s"
+    store, engine = _documented_store(root, tiny32)
+    vectors = torch.zeros(2, 64)
+    engine.set_calibration(Calibration(vectors, tiny32.fingerprint, engine.doc_settings.key(), ""))
+    with store.catalog._write() as conn:  # damaged behind the catalog's back
+        conn.execute(update(LinkCalibration).values(data=b"\x00" * 40))
+    store.close()
+    capsys.readouterr()
+    assert main(["stats", "--store", str(root)]) == 0
+    rows = [
+        " ".join(line.replace("│", " ").split()) for line in capsys.readouterr().out.splitlines()
+    ]
+    assert "link calibrations 1 (1 damaged)" in rows
+    assert main(["verify", "--store", str(root)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"the link calibration of model {tiny32.fingerprint} is damaged" in out
+    assert "`verify --repair` drops it, then train it again" in out

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from rag_kvcache.tools.cli.common import engine_options, open_store, store_options
 
@@ -55,11 +55,17 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
     store = open_store(args, with_model=getattr(args, "repair", False))
     if args.command == "stats":
         stats = store.catalog.stats()
-        table = Table("what", "value", title=f"store {args.store}")
-        table.add_row("catalog", store.catalog.url)
+        table = Table("what", Column("value", overflow="fold"), title=f"store {args.store}")
+        table.add_row("catalog", store.catalog.url)  # (folded, not cut: which store it is)
         table.add_row(
             "models / documents / chunks", f"{stats.models} / {stats.documents} / {stats.chunks}"
         )
+        files = store.catalog.model_files()
+        for kind, what in (("calibration", "link calibrations"), ("adapter", "LoRA adapters")):
+            mine = [f for f in files if f.kind == kind]
+            if mine:
+                damaged = sum(not f.intact for f in mine)
+                table.add_row(what, f"{len(mine)}" + (f" ({damaged} damaged)" if damaged else ""))
         for state, n in sorted(stats.chunks_per_state.items()):
             table.add_row(f"chunks {state}", str(n))
         for name, nbytes in sorted(stats.bytes_per_tier.items()):
@@ -100,8 +106,20 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
                 "there is room",
                 highlight=False,
             )
+        for file in report.damaged_files:
+            console.print(
+                f"{file} is damaged (its sha256 does not match)"
+                + (
+                    ": dropped; train it again with `rag-kvcache calibrate`"
+                    if args.repair
+                    else ": `verify --repair` drops it, then train it again"
+                ),
+                highlight=False,
+                markup=False,
+            )
         bad = (len(report.corrupt) + len(report.missing)) - report.repaired
         bad += len(kept) + (0 if args.repair else len(report.unreadable))
+        bad += 0 if args.repair else len(report.damaged_files)
         if args.repair and kept:
             console.print(
                 f"{len(kept)} orphan blobs kept: most blobs are not in the catalog; is it the "
