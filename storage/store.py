@@ -66,6 +66,7 @@ from rag_kvcache.storage.redis_tier import RedisTier
 from rag_kvcache.storage.streaming import LayerReads, open_blob
 
 log = logging.getLogger(__name__)
+WAIT_SAID_S = 3.0  # a wait for another writer's chunk is logged once it lasts this long
 
 if TYPE_CHECKING:
     from rag_kvcache.kv import KVStore
@@ -367,11 +368,22 @@ class TieredStore:
         """Another writer claimed this chunk: wait for its commit rather than write the blob
         too (two writers' bytes may differ in the last bit, and the catalog must describe the
         file on disk). False if it does not commit in `takeover_s`."""
-        deadline = time.monotonic() + self.takeover_s
-        while time.monotonic() < deadline:
+        began = time.monotonic()
+        said = False
+        while (waited := time.monotonic() - began) < self.takeover_s:
             row = self.catalog.chunk(cache_id)
             if row is None or row.state == "stored":
                 return row is not None
+            if waited > WAIT_SAID_S and not said:  # (a killed writer's claim: a silent stall)
+                log.warning(
+                    "chunk %s is claimed by another writer that has not stored it for %.0f s "
+                    "(its blob being written, or that writer killed): waiting up to %.0f s "
+                    "before writing it here",
+                    cache_id,
+                    waited,
+                    self.takeover_s,
+                )
+                said = True
             time.sleep(0.05)
         return False
 

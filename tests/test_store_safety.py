@@ -1488,3 +1488,31 @@ def test_verify_and_stats_name_a_damaged_calibration(tmp_path: Path, tiny32, cap
     out = " ".join(capsys.readouterr().out.split())
     assert f"the link calibration of model {tiny32.fingerprint} is damaged" in out
     assert "`verify --repair` drops it, then train it again" in out
+
+
+def test_a_killed_writers_claim_is_waited_for_aloud_then_taken_over(
+    tmp_path: Path, tiny32, monkeypatch, caplog
+) -> None:
+    """A writer killed between claiming a chunk and storing it left the next writer of that
+    chunk waiting 30 s in silence (an ingest after a restart looked hung); it now says so."""
+    import logging
+
+    from rag_kvcache.storage import store as store_module
+
+    [kv] = encode_chunks(tiny32, [tiny32.tokenizer.encode("The quay floods at spring tide.")])
+    dead = _engine(TieredStore(tmp_path / "s"), tiny32).store  # (the model registered)
+    # its writer claims the chunk, then is killed
+    assert dead.catalog.begin_chunk(
+        kv.cache_id, fingerprint=kv.fingerprint, text="t", token_ids=kv.token_ids,
+        encode_settings=kv.settings.key(), start=kv.start, pinned=False, expires_at=None,
+    )  # fmt: skip
+    live = TieredStore(tmp_path / "s")
+    live.takeover_s = 0.5
+    monkeypatch.setattr(store_module, "WAIT_SAID_S", 0.1)
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        live.put(kv, "t")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "claimed by another writer that has not stored it" in said[0]
+    assert live.contains(kv.cache_id) and live.get([kv.cache_id])[0].num_tokens == kv.num_tokens
+    for s in (dead, live):
+        s.close()
