@@ -191,6 +191,13 @@ def test_a_count_of_zero_is_refused_before_anything_runs(field: str) -> None:
         CalibrateConfig(strategy="naive", **{field: 0})
 
 
+def test_more_items_than_the_train_split_holds_are_refused_at_once(tiny32, tmp_path) -> None:
+    """`--items 100000` made the split for minutes, then would have trained for days."""
+    config = CalibrateConfig(strategy="naive", items=100_000)
+    with pytest.raises(CalibrationError, match="holds at most 1800 items of a context size"):
+        calibrate(tiny32, config, tmp_path / "out")
+
+
 def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
     tiny32, tmp_path, monkeypatch
 ) -> None:

@@ -68,6 +68,7 @@ LORA_RESULT = "lora.safetensors"
 KINDS = ("tokens", "lora")
 TEACHERS = "teachers"  # the teacher's answers, kept for later runs in the same OUT
 CELLS = 18  # items of one context size per repeat of the QA design
+MAX_REPEATS = 100  # of the design in a train split (as `dataset --repeats` allows)
 
 
 def default_lr(kind: str) -> float:
@@ -367,6 +368,11 @@ def calibrate(
     # the training chunks live in a scratch store of their own, never in the user's
     scratch = RagKVCache(EngineConfig(), lm=lm, store=MemoryStore())
     needed = config.items + config.held_out
+    if items is None and needed > CELLS * MAX_REPEATS:  # (made for minutes, then days of work)
+        raise CalibrationError(
+            f"the train split holds at most {CELLS * MAX_REPEATS} items of a context size, "
+            f"not {config.items} + {config.held_out} held out: ask fewer, or give --items-file"
+        )
     if items is None:
         repeats = math.ceil(needed / CELLS)
         items = [i for i in make_split("train", repeats) if _context(i) == config.context]
