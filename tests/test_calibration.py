@@ -174,8 +174,13 @@ def test_training_lowers_the_kl_to_prefill_and_resumes_exactly(tiny32, tmp_path)
     with pytest.raises(CalibrationError, match="at step 6, past --steps 4"):  # said 4, took 6
         calibrate(tiny32, replace(config, steps=4), tmp_path / "cut", resume=True, items=ITEMS)
     # --resume forgotten: the run went on afresh over its own checkpoint, losing its steps
-    with pytest.raises(CalibrationError, match="holds this run at step 6: go on from it with"):
-        calibrate(tiny32, config, tmp_path / "cut", items=ITEMS)
+    more = replace(config, steps=8)
+    with pytest.raises(CalibrationError, match="stopped at step 6 of 8: go on from it with"):
+        calibrate(tiny32, more, tmp_path / "cut", items=ITEMS)
+    # (a run as long as the checkpoint's, or shorter, trains afresh: there is nothing to resume)
+    assert (
+        len(calibrate(tiny32, replace(config, steps=2), tmp_path / "cut", items=ITEMS).losses) == 2
+    )
     assert calibrate(tiny32, replace(config, lr=0.1), tmp_path / "cut", items=ITEMS).losses
     # (another run's checkpoint, here of another --lr: trained afresh, as documented)
     # --resume where no run was: it trained from step 0 (for a mistyped --out)
@@ -249,7 +254,6 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
     once = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     for kept in (tmp_path / "t" / "teachers").glob("*.safetensors"):  # truncated: made again
         kept.write_bytes(kept.read_bytes()[:50])
-    (tmp_path / "t" / CHECKPOINT).unlink()  # (else: "go on from it with --resume")
     again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     assert again.losses == pytest.approx(once.losses)
     kept_files = sorted((tmp_path / "t" / "teachers").glob("*.safetensors"))
@@ -259,7 +263,6 @@ def test_a_diverging_or_damaged_calibration_is_refused_never_kept(
     save_file({**saved, "teacher": saved["teacher"][:, :7].contiguous()}, narrow)  # a RuntimeError
     saved = load_file(str(short))
     save_file({**saved, "new_ids": saved["new_ids"][:1].contiguous()}, short)
-    (tmp_path / "t" / CHECKPOINT).unlink()
     again = calibrate(tiny32, replace(config, steps=1), tmp_path / "t", items=ITEMS)
     assert again.losses == pytest.approx(once.losses)
     assert load_file(str(narrow))["teacher"].shape == shape  # written anew

@@ -559,10 +559,14 @@ def test_calibrate_a_lora_adapter_and_eval_the_adapted_model(tiny32, tmp_path: P
     stored = ModelConfig(path=str(folder), lora="store")
     engine = RagKVCache(EngineConfig(model=stored, store=StoreConfig(tmp_path / "store")))
     assert (engine.lm.name, engine.lm.fingerprint) == (from_file.name, from_file.fingerprint)
-    args[args.index(str(out))] = str(tmp_path / "lora2")  # (OUT holds this run: --resume)
     assert main([*args, "--store", str(tmp_path / "file-only"), "--no-install"]) == 0
     assert not (tmp_path / "file-only").exists()  # --no-install: no store made either
-    assert (tmp_path / "lora2" / "lora.safetensors").is_file()
+    # link tokens for the adapted model, --no-install: the store's adapter is read there
+    tokens = ["calibrate", "--model", str(folder), "--lora", "store", "--items", "2"]
+    tokens += ["--held-out", "1", "--steps", "1", "--answer-tokens", "2", "--no-install"]
+    tokens += ["--items-file", str(qa), "--store", str(tmp_path / "store")]
+    assert main([*tokens, "--out", str(tmp_path / "tokens")]) == 0
+    assert (tmp_path / "tokens" / "calibration.safetensors").is_file()
     again = [*args, "--store", str(tmp_path / "s2"), "--lora", str(out / "lora.safetensors")]
     assert main(again) == 2
 

@@ -60,7 +60,7 @@ from rag_kvcache.model.lora import TARGETS, LinkLoRA, add_lora, lora_tensors, re
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.strategy import Strategy
 from rag_kvcache.tools import report_json
-from rag_kvcache.tools.qa_set import make_split
+from rag_kvcache.tools.qa_set import MAX_REPEATS, make_split
 
 CHECKPOINT = "checkpoint.safetensors"
 RESULT = "calibration.safetensors"
@@ -68,7 +68,6 @@ LORA_RESULT = "lora.safetensors"
 KINDS = ("tokens", "lora")
 TEACHERS = "teachers"  # the teacher's answers, kept for later runs in the same OUT
 CELLS = 18  # items of one context size per repeat of the QA design
-MAX_REPEATS = 100  # of the design in a train split (as `dataset --repeats` allows)
 
 
 def default_lr(kind: str) -> float:
@@ -355,16 +354,17 @@ def calibrate(
     items: list[dict[str, object]] | None = None,
 ) -> CalibrationReport:
     """Train link tokens or a LoRA adapter for `lm` under `config`; OUT gets the checkpoint
-    and the result. An adapter's layers sit in `lm.model` while it trains (taken out at the
-    end, whatever happens): nothing else may use `lm` meanwhile.
+    and the result (`resume`: from OUT's checkpoint, which must be this run's; without it, a
+    checkpoint of this run stopped short of `config.steps` is refused: a forgotten --resume).
+    An adapter's layers sit in `lm.model` while it trains (taken out at the end, whatever
+    happens): nothing else may use `lm` meanwhile.
 
     `items` (the QA sets' JSON form: "documents" [{"text"}], "question") replace the train
     split's, e.g. questions over a user's own documents; the first `config.items` are trained
     on, the next `config.held_out` measured. `progress(phase, done, total)` reports the
-    teacher pass and every step.
+    teacher pass, every step and ("resume") the step a resumed run goes on from.
     """
     strategy = Strategy.parse(config.strategy)
-    out.mkdir(parents=True, exist_ok=True)
     # the training chunks live in a scratch store of their own, never in the user's
     scratch = RagKVCache(EngineConfig(), lm=lm, store=MemoryStore())
     needed = config.items + config.held_out
@@ -391,16 +391,17 @@ def calibrate(
                 f"{checkpoint} is at step {at}, past --steps {config.steps}: resume with "
                 f"--steps {at} or more"
             )
-    elif checkpoint.exists():  # this run's, forgotten --resume: it trained afresh over it
+    elif checkpoint.exists():  # this run, stopped short: a forgotten --resume lost its steps
         try:
             at = _check_checkpoint(checkpoint, config, lm, trained_on)
         except CalibrationError:  # another run's (other settings): trained afresh, teachers
-            pass  # reused, as the docs say of further runs in the same OUT
-        else:
+            at = config.steps  # reused, as the docs say of further runs in the same OUT
+        if at < config.steps:
             raise CalibrationError(
-                f"{checkpoint} holds this run at step {at}: go on from it with --resume, or "
-                "delete it to train afresh"
+                f"{checkpoint} holds this run stopped at step {at} of {config.steps}: go on "
+                "from it with --resume, or delete it to train afresh"
             )
+    out.mkdir(parents=True, exist_ok=True)
     done = 0
 
     def ticked() -> None:
@@ -434,6 +435,8 @@ def calibrate(
         start_step, losses, earlier_s = 0, list[float](), 0.0
         if resume:
             start_step, losses, earlier_s = _load_checkpoint(checkpoint, params, optimizer)
+            if progress:
+                progress("resume", start_step, config.steps)
         began, trained_s = time.perf_counter(), earlier_s
         for step in range(start_step, config.steps):
             example = train[step_order(config.seed, step, len(train))]

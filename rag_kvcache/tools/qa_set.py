@@ -268,6 +268,11 @@ def make_item(
     }
 
 
+# repeats of the design a split holds at most: 100 (5,400 items a split) take ~300 MB and
+# seconds to build; a mistyped huge count ran until it was killed, having written nothing
+MAX_REPEATS = 100
+
+
 def make_split(split: str, repeats: int = 4) -> list[dict[str, object]]:
     """Every cell of the design `repeats` times (2 hops x 3 x 3 x 3 contexts: 54 per repeat)."""
     rng = random.Random(TRAIN_SEED if split == "train" else SPLIT_SEEDS[split])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from rich.console import Console
@@ -58,6 +59,8 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
 
     from rich.progress import Progress, TaskID
 
+    from rag_kvcache.config import STORED_LORA
+    from rag_kvcache.errors import CalibrationError
     from rag_kvcache.model.loading import RANDOM_PREFIX
     from rag_kvcache.model.lora import LinkLoRA
     from rag_kvcache.tools.calibrate import (
@@ -85,14 +88,22 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
         # (it trained, and kept in the store an adapter no answer could then load)
         console.print("[red]random-weight models take no LoRA adapter: train link tokens")
         return 2
-    engine = open_engine(args, console, in_memory=args.no_install)
-    if args.resume:  # (a missing or damaged checkpoint: refused here, before any work)
-        step = checkpoint_step(args.out / CHECKPOINT)
-        console.print(f"resuming from step {step} of {args.out / CHECKPOINT}", highlight=False)
+    # --no-install: no store is touched, but for the adapter it keeps (`--lora store`)
+    stored_lora = args.lora == STORED_LORA
+    engine = open_engine(
+        args,
+        console,
+        existing=args.no_install and stored_lora,
+        in_memory=args.no_install and not stored_lora,
+    )
     with Progress(console=console) as progress:
         tasks: dict[str, TaskID] = {}
 
         def report(phase: str, done: int, total: int) -> None:
+            if phase == "resume":  # (said once the checkpoint is checked to be this run's)
+                where = args.out / CHECKPOINT
+                console.print(f"resuming from step {done} of {where}", highlight=False)
+                return
             if phase not in tasks:
                 label = "teacher answers" if phase == "teacher" else "training steps"
                 tasks[phase] = progress.add_task(label, total=total)
@@ -104,11 +115,9 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
             result = calibrate(engine.lm, config, args.out, args.resume, report, items)
         except KeyboardInterrupt:  # what a --resume will go on from (steps after it are lost)
             checkpoint = args.out / CHECKPOINT
-            if checkpoint.is_file():
-                console.print(
-                    f"{checkpoint} holds step {checkpoint_step(checkpoint)}: go on with --resume",
-                    highlight=False,
-                )
+            with contextlib.suppress(CalibrationError):  # (none, or damaged: nothing to say)
+                step = checkpoint_step(checkpoint)
+                console.print(f"{checkpoint} holds step {step} (--resume)", highlight=False)
             raise
     console.print(
         f"KL to prefill on {config.held_out} held-out items: {result.kl_without:.4f} with "
@@ -119,7 +128,7 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> int:
     )
     if not result.kl_after < result.kl_without:  # (NaN too: nothing bought)
         console.print(
-            f"[yellow]the trained {result.trained} leave the answers farther from prefill's "
+            f"[yellow]the trained {result.trained} leave the answers no closer to prefill's "
             f"than {config.strategy} alone ({result.kl_after:.4f} against "
             f"{result.kl_without:.4f}): `+calibrated` will not help; train longer "
             "(--steps, --items) or with another --lr",

@@ -20,6 +20,7 @@ from rag_kvcache.tools.cli.common import (
     whole,
     wholes,
 )
+from rag_kvcache.tools.qa_set import MAX_REPEATS  # (light: for --help's bound)
 
 if TYPE_CHECKING:
     from rag_kvcache.tools.eval.floor import OtherRun
@@ -27,9 +28,6 @@ if TYPE_CHECKING:
 
 
 CHUNK = 256  # tokens in a chunk of `bench ttft` and `bench store`: a context holds one or more
-# `dataset` builds the splits in memory: 100 repeats (5,400 items a split) take ~300 MB and
-# seconds; a mistyped huge count ran until it was killed, having written nothing
-MAX_DATASET_REPEATS = 100
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -137,9 +135,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     dataset.add_argument("--out", type=Path, default=Path("qa-sets"), help="(default qa-sets)")
     dataset.add_argument(
         "--repeats",
-        type=whole(1, MAX_DATASET_REPEATS),
+        type=whole(1, MAX_REPEATS),
         default=4,
-        help=f"items per design cell, 54 cells (default 4, at most {MAX_DATASET_REPEATS})",
+        help=f"items per design cell, 54 cells (default 4, at most {MAX_REPEATS})",
     )
     dataset.set_defaults(run=dataset_command)
     evaluate = commands.add_parser(
