@@ -5,6 +5,7 @@ SmolLM2-135M. Answers are greedy, so exact equalities hold."""
 from __future__ import annotations
 
 import asyncio
+import copy as copying
 import math
 import re
 import threading
@@ -478,6 +479,8 @@ def test_the_retriever_pickles_as_its_engine_configuration(smol, tiny32, tmp_pat
     retriever = NamedRetriever(durable, similarity_top_k=2)
     copy = pickle.loads(pickle.dumps(retriever))
     assert type(copy) is NamedRetriever
+    shallow = copying.copy(retriever)  # over the same engine, not reopened
+    assert type(shallow) is NamedRetriever and shallow._engine is durable
     assert copy._engine is not durable and copy._engine.config == durable.config
     assert copy.similarity_top_k == 2
     hits, again = retriever.retrieve(QUESTION), copy.retrieve(QUESTION)

@@ -38,6 +38,11 @@ class KVCacheRetriever(BaseRetriever):
         verbosity and a subclass's own attributes are not carried."""
         return (_unpickled, (type(self), pickled(self._engine), self.similarity_top_k))
 
+    def __copy__(self) -> KVCacheRetriever:
+        """A copy over the same engine (`copy.copy` would otherwise go through `__reduce__`,
+        whose reference to the engine only pickling turns back into one)."""
+        return type(self)(self._engine, similarity_top_k=self.similarity_top_k)
+
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         # the bundle's embedding strings where they are not the query's own (HyDE's
         # hypothetical answer with the question), averaged as LlamaIndex's retrievers do; they
@@ -70,5 +75,6 @@ class KVCacheRetriever(BaseRetriever):
 def _unpickled(
     cls: type[KVCacheRetriever], engine: RagKVCache | PickledEngine, similarity_top_k: int
 ) -> KVCacheRetriever:
-    assert isinstance(engine, RagKVCache)  # a PickledEngine unpickles as the engine it names
+    if not isinstance(engine, RagKVCache):  # a PickledEngine unpickles as the engine it
+        raise TypeError(f"a retriever needs an engine, not {type(engine).__name__}")  # names
     return cls(engine, similarity_top_k=similarity_top_k)
