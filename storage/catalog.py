@@ -170,21 +170,18 @@ class Catalog(CatalogDatabase):
                 stmt = select(table.fingerprint, settings, table.data, table.checksum)
                 for fingerprint, encode, data, recorded in conn.execute(stmt):
                     intact = hashlib.sha256(bytes(data)).hexdigest() == recorded
-                    found.append(ModelFile(kind, fingerprint, encode, len(data), intact))
+                    found.append(ModelFile(kind, fingerprint, encode, len(data), recorded, intact))
         return found
 
     def drop_model_file(self, file: ModelFile) -> None:
-        """Delete a calibration or adapter row (a damaged one: verify --repair)."""
+        """Delete a calibration or adapter row (a damaged one: verify --repair), unless it was
+        kept anew since `file` was read (another checksum: a new calibration installed)."""
+        table = LinkCalibration if file.kind == "calibration" else LinkAdapter
+        same = (table.fingerprint == file.fingerprint) & (table.checksum == file.checksum)
+        if table is LinkCalibration:
+            same &= LinkCalibration.encode_settings == file.encode_settings
         with self._write() as conn:
-            if file.kind == "calibration":
-                conn.execute(
-                    delete(LinkCalibration).where(
-                        LinkCalibration.fingerprint == file.fingerprint,
-                        LinkCalibration.encode_settings == file.encode_settings,
-                    )
-                )
-            else:
-                conn.execute(delete(LinkAdapter).where(LinkAdapter.fingerprint == file.fingerprint))
+            conn.execute(delete(table).where(same))
 
     def _model_file(
         self, table: type[LinkCalibration] | type[LinkAdapter], key: dict[str, str]

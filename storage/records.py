@@ -97,11 +97,13 @@ class ModelFile:
     fingerprint: str
     encode_settings: str | None  # a calibration's chunk encoding; None for an adapter
     nbytes: int
-    intact: bool  # its bytes match the sha256 recorded when it was kept
+    checksum: str  # the sha256 recorded when it was kept
+    intact: bool  # its bytes match that sha256
 
     def __str__(self) -> str:
-        what = "link calibration" if self.kind == "calibration" else "LoRA adapter"
-        return f"the {what} of model {self.fingerprint}"
+        if self.kind == "adapter":
+            return f"the LoRA adapter of model {self.fingerprint}"
+        return f"the link calibration of model {self.fingerprint} ({self.encode_settings})"
 
 
 @dataclass(frozen=True)

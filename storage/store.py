@@ -701,10 +701,11 @@ class TieredStore:
                 corrupt.append(row.cache_id)  # its bytes, or the KV they hold (any encoding)
             else:
                 if not row.checksum.startswith(XXH3):
-                    self.catalog.commit_chunk(
-                        row.cache_id, len(data), checksum(data), self.durable.name
-                    )
-                    upgraded += 1
+                    with contextlib.suppress(UnknownCacheIdError):  # (its row gone meanwhile)
+                        self.catalog.commit_chunk(
+                            row.cache_id, len(data), checksum(data), self.durable.name
+                        )
+                        upgraded += 1
                 if on_checked:
                     on_checked()
                 continue
@@ -715,7 +716,8 @@ class TieredStore:
                     self._repair(row, "missing" if data is None else "corrupt")
                     repaired += 1
                 except UnknownCacheIdError:  # its row removed while it was re-encoded: the
-                    self.durable.remove(row.cache_id)  # blob just written is no one's
+                    self.durable.remove(row.cache_id)  # blob just written is no one's, and
+                    (missing if data is None else corrupt).remove(row.cache_id)  # no damage
                 except FingerprintMismatchError:  # the rest are still checked and repaired
                     other_model.append(row.cache_id)
                 except StoreFullError as err:  # the rest are still checked, and reported

@@ -1364,8 +1364,9 @@ def test_a_shared_chunk_another_worker_drops_meanwhile_is_cached_again(
     assert b.store.catalog.document_chunks("b.md") == list(done.cache_ids)
     assert all(a.store.contains(cid) for cid in done.cache_ids)
     assert b.generate("When does the bell ring?", list(done.cache_ids)).text is not None
-    with pytest.raises(CatalogError, match="never begun"):  # a chunk no one began: no retry
-        b.store.catalog.set_document("c.md", "0" * 64, ["f" * 32])
+    with pytest.raises(CatalogError, match="never begun") as refused:  # no one began it:
+        b.store.catalog.set_document("c.md", "0" * 64, ["f" * 32])  # the same error names it
+    assert refused.value.cache_ids == ["f" * 32]  # type: ignore[attr-defined]
     for engine in (a, b):
         engine.store.close()
 
@@ -1409,6 +1410,7 @@ def test_gc_keeps_a_row_that_changed_between_its_list_and_its_delete(
     store = TieredStore(tmp_path / "s", catalog=target.open())
     engine = _engine(store, tiny32)
     committed, lasting = engine.generate_context_cache(DOCS)
+    store.catalog.set_expiry(lasting, datetime.now(UTC) + timedelta(days=1))  # moved on
     # listed as a live writer's pending row, then committed by it before the delete
     monkeypatch.setattr(store.catalog, "pending_older_than", lambda seconds: [committed])
     # listed as expired, then its expiry moved on by a re-ingest before the delete
@@ -1455,7 +1457,7 @@ def test_verify_beside_a_worker_that_removes_chunks_finds_no_false_damage(
 
     store.reencode = removed_meanwhile
     report = store.verify(repair=True)
-    assert report.missing == [lost] and report.repaired == 0
+    assert (report.missing, report.repaired) == ([], 0)  # gone meanwhile: not damage either
     assert store.verify(repair=False).orphans == []  # the blob written for no one: gone
     assert store.contains(kept) and not store.contains(lost)
     for s in (store, other.store):
@@ -1486,8 +1488,8 @@ def test_verify_and_stats_name_a_damaged_calibration(tmp_path: Path, tiny32, cap
     assert "link calibrations 1 (1 damaged)" in rows
     assert main(["verify", "--store", str(root)]) == 1
     out = " ".join(capsys.readouterr().out.split())
-    assert f"the link calibration of model {tiny32.fingerprint} is damaged" in out
-    assert "`verify --repair` drops it, then train it again" in out
+    assert f"the link calibration of model {tiny32.fingerprint} (sinks=) is damaged" in out
+    assert "`verify --repair` drops it, then train it again (`rag-kvcache calibrate`)" in out
 
 
 def test_a_killed_writers_claim_is_waited_for_aloud_then_taken_over(
@@ -1516,3 +1518,26 @@ def test_a_killed_writers_claim_is_waited_for_aloud_then_taken_over(
     assert live.contains(kv.cache_id) and live.get([kv.cache_id])[0].num_tokens == kv.num_tokens
     for s in (dead, live):
         s.close()
+
+
+def test_a_chunk_cached_anew_meanwhile_survives_the_removal_of_its_old_document(
+    tmp_path: Path, tiny32, monkeypatch
+) -> None:
+    """A document removed drops its chunks' rows in one transaction, then their blobs: a
+    chunk another worker cached anew in between (the retry of a document sharing it) lost
+    its new row and blob to that second step."""
+    shared = "The tide bell rings at noon."
+    a, b = _two_workers(Target("sqlite", None, tmp_path / "c.db", None), tmp_path / "s", tiny32)
+    [cid] = a.ingest_document("a.md", [shared]).cache_ids
+    real = a.corpus.catalog.remove_document
+
+    def b_caches_it_anew(source: str) -> list[str]:
+        dropped = real(source)
+        assert dropped == [cid] and b.generate_context_cache([shared]) == [cid]
+        return dropped
+
+    monkeypatch.setattr(a.corpus.catalog, "remove_document", b_caches_it_anew)
+    a.remove_document("a.md")
+    assert b.store.contains(cid) and b.store.get([cid])[0].cache_id == cid  # row and blob
+    for engine in (a, b):
+        engine.store.close()

@@ -107,12 +107,13 @@ def store_command(args: argparse.Namespace, console: Console) -> int:
                 highlight=False,
             )
         for file in report.damaged_files:
+            train = "rag-kvcache calibrate" + (" --kind lora" if file.kind == "adapter" else "")
             console.print(
                 f"{file} is damaged (its sha256 does not match)"
                 + (
-                    ": dropped; train it again with `rag-kvcache calibrate`"
+                    f": dropped; train it again with `{train}`"
                     if args.repair
-                    else ": `verify --repair` drops it, then train it again"
+                    else f": `verify --repair` drops it, then train it again (`{train}`)"
                 ),
                 highlight=False,
                 markup=False,
