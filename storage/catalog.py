@@ -227,6 +227,14 @@ class Catalog(CatalogDatabase):
             with self._write() as conn:
                 row = self._upsert_document(conn, source, content_hash, len(cache_ids))
                 old = self._unlink(conn, row.id)
+                present = self._lock_chunks(conn, new.union(old))  # (see _lock_chunks)
+                if gone := sorted(new - present):  # (locked: none can go before the insert)
+                    raise ChunksGoneError(
+                        f"cannot record document {source!r}: {len(gone)} of its chunks are "
+                        "not in the catalog (another process removed them meanwhile, or they "
+                        f"were never begun), e.g. {shown_name(gone[0])}",
+                        gone,
+                    )
                 if cache_ids:
                     conn.execute(
                         sa.insert(DocumentChunk),
@@ -237,13 +245,6 @@ class Catalog(CatalogDatabase):
                     )
                 return row, self._drop_orphans(conn, [c for c in old if c not in new])
         except IntegrityError as e:
-            if gone := sorted(new - set(self.chunks(new))):
-                raise ChunksGoneError(
-                    f"cannot record document {source!r}: {len(gone)} of its chunks are not in "
-                    f"the catalog (another process removed them meanwhile, or they were never "
-                    f"begun), e.g. {shown_name(gone[0])}",
-                    gone,
-                ) from e
             raise CatalogError(f"cannot record document {source!r}: {e.orig}") from e
 
     def remove_document(self, source: str) -> list[str]:
@@ -334,9 +335,25 @@ class Catalog(CatalogDatabase):
         conn.execute(delete(DocumentChunk).where(DocumentChunk.document_id == document_id))
         return old
 
+    @staticmethod
+    def _lock_chunks(conn: Connection, cache_ids: Iterable[str]) -> set[str]:
+        """Lock these chunks' rows until the transaction ends (PostgreSQL; SQLite has one
+        writer at a time), in one order everywhere (no deadlock). A transaction listing a
+        chunk and one dropping it as no document's then go one after the other: dropped
+        first, the listing fails (ChunksGoneError: cached again); listed first, the drop
+        sees the listing. Otherwise the drop, not seeing the other's listing yet, deleted
+        the chunk once it committed, and the cascade silently took that listing too.
+        Returns those of `cache_ids` that are in the catalog."""
+        present: set[str] = set()
+        for batch in _batches(sorted(set(cache_ids))):
+            stmt = select(Chunk.cache_id).where(Chunk.cache_id.in_(batch))
+            present.update(conn.scalars(stmt.order_by(Chunk.cache_id).with_for_update()))
+        return present
+
     @classmethod
     def _drop_orphans(cls, conn: Connection, cache_ids: list[str]) -> list[str]:
         """Delete the rows of those of `cache_ids` that no document lists; returns them."""
+        cls._lock_chunks(conn, cache_ids)  # (held already where set_document took them)
         orphans = cls._orphans(conn, cache_ids)
         for batch in _batches(orphans):
             conn.execute(delete(Chunk).where(Chunk.cache_id.in_(batch)))

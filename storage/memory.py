@@ -71,6 +71,10 @@ class MemoryStore:
     def remove(self, cache_id: str) -> bool:
         return self._chunks.pop(checked_name("cache ID", cache_id), None) is not None
 
+    def forget_orphan(self, cache_id: str) -> None:
+        """`TieredStore.forget_orphan`: here, one process and no rows: `remove`."""
+        self.remove(cache_id)
+
     def set_pinned(self, cache_id: str, pinned: bool) -> None:
         """Nothing here is ever evicted, so a pin changes nothing; an unknown ID is an error."""
         if checked_name("cache ID", cache_id) not in self._chunks:

@@ -61,12 +61,13 @@ from rag_kvcache.storage.layout import (
     redis_prefix,
     write_marker,
 )
-from rag_kvcache.storage.records import ChunkRow, GcReport, VerifyReport
+from rag_kvcache.storage.records import ChunkRow, ChunksGoneError, GcReport, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier
 from rag_kvcache.storage.streaming import LayerReads, open_blob
 
 log = logging.getLogger(__name__)
 WAIT_SAID_S = 3.0  # a wait for another writer's chunk is logged once it lasts this long
+PUT_TRIES = 3  # claims of a chunk that another process keeps removing meanwhile
 
 if TYPE_CHECKING:
     from rag_kvcache.kv import KVStore
@@ -342,7 +343,8 @@ class TieredStore:
                 f"ttl_s must be > 0 and <= {MAX_TTL_S:.0f} (100 years), got {shown_name(ttl_s)}"
             )
         expires = datetime.now(UTC) + timedelta(seconds=ttl_s) if ttl_s else None
-        claimed = self.catalog.begin_chunk(
+        claim = partial(
+            self.catalog.begin_chunk,
             kv.cache_id,
             fingerprint=kv.fingerprint,
             text=text,
@@ -352,17 +354,32 @@ class TieredStore:
             pinned=pinned,
             expires_at=expires,
         )
-        if claimed:
-            self._keep_hot(self._write(kv), pinned)
+        # another process may remove the chunk at any step after its claim was refused (its
+        # writer withdrew it, or a document removal dropped the chunk): then claim it again
+        for _ in range(PUT_TRIES):
+            if claim():
+                self._keep_hot(self._write(kv), pinned)
+                return
+            try:
+                row = self.catalog.chunk(kv.cache_id)
+                if row is None:
+                    continue
+                if row.expires_at != expires or row.pinned != pinned:
+                    self.catalog.set_expiry(kv.cache_id, expires)  # re-ingesting: the TTL
+                    self.catalog.set_pinned(kv.cache_id, pinned or row.pinned)
+                if not self._wait_stored(kv.cache_id):
+                    if self.catalog.chunk(kv.cache_id) is None:
+                        continue
+                    self._write(kv)  # its writer died (its row stayed pending)
+            except UnknownCacheIdError:
+                continue
+            self._keep_hot(as_stored(kv, self.compress), pinned or row.pinned)
             return
-        row = self.catalog.chunk(kv.cache_id)
-        assert row is not None
-        if row.expires_at != expires or row.pinned != pinned:
-            self.catalog.set_expiry(kv.cache_id, expires)  # re-ingesting refreshes the TTL
-            self.catalog.set_pinned(kv.cache_id, pinned or row.pinned)
-        if not self._wait_stored(kv.cache_id):
-            self._write(kv)  # its writer died (its row stayed pending)
-        self._keep_hot(as_stored(kv, self.compress), pinned or row.pinned)
+        raise ChunksGoneError(
+            f"chunk {kv.cache_id} was removed by another process each of the {PUT_TRIES} "
+            "times it was stored here",
+            [kv.cache_id],
+        )
 
     def _wait_stored(self, cache_id: str) -> bool:
         """Another writer claimed this chunk: wait for its commit rather than write the blob
@@ -624,6 +641,17 @@ class TieredStore:
         removed = self.catalog.remove_chunk(cache_id)
         self.durable.remove(cache_id)
         return removed
+
+    def forget_orphan(self, cache_id: str) -> None:
+        """Drop the hot copies and the blob of a chunk whose row a document's removal (or
+        replacement) deleted in its transaction. Its row is not deleted again, and its blob
+        is kept if a row names it again: another worker cached the chunk anew meanwhile
+        (`remove` here deleted that worker's new row and blob)."""
+        checked_name("cache ID", cache_id)
+        for tier in self.hot:
+            tier.remove(cache_id)
+        if self.catalog.chunk(cache_id) is None:
+            self.durable.remove(cache_id)
 
     def _remove_if(self, cache_id: str, **still: datetime) -> bool:
         """Forget a chunk everywhere if its row still matches `still` (Catalog.remove_chunk)."""

@@ -636,3 +636,63 @@ def test_begin_chunk_across_processes_claims_each_id_once(target: Target) -> Non
         assert sorted(r.cache_id for r in cat.all_chunks()) == ids
         assert cat.stats().chunks == 50 and cat.stats().models == 1
         assert version_rows(cat) == [head_revision()]
+
+
+@pytest.mark.parametrize("target", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("listed_first", [True, False])
+def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangling(
+    target: Target, listed_first: bool, monkeypatch
+) -> None:
+    """Worker A lists chunk X for its document while worker B removes the only document that
+    listed X. B read "no document lists X" before A's listing committed, then deleted X once
+    A committed, and the cascade took A's listing with it: A's document silently lost a
+    chunk. Now the two go one after the other: A listed first, X stays listed; B first, A's
+    listing fails as ChunksGoneError (the engine caches X again)."""
+    from rag_kvcache.storage.records import ChunksGoneError
+
+    with target.open() as setup:
+        setup.register_model(FP, "tiny", "float32", 3, 2, 16)
+        stored(setup, "x" * 32)
+        setup.set_document("b.md", "b" * 64, ["x" * 32])
+    a, b = target.open(), target.open()
+    inside, go = threading.Event(), threading.Event()
+    first, second = (a, b) if listed_first else (b, a)
+    real = Catalog._drop_orphans
+
+    def held_open(conn, cache_ids):  # the first worker's transaction, held open
+        dropped = real(conn, cache_ids)
+        if threading.current_thread().name == "first":
+            inside.set()
+            go.wait(10)
+        return dropped
+
+    monkeypatch.setattr(first, "_drop_orphans", held_open)
+    listing = lambda: a.set_document("a.md", "a" * 64, ["x" * 32])  # noqa: E731
+    removal = lambda: b.remove_document("b.md")  # noqa: E731
+    outcome: dict[str, object] = {}
+
+    def run(name: str, call) -> None:
+        try:
+            outcome[name] = call()
+        except Exception as e:  # what the thread raised, checked below
+            outcome[name] = e
+
+    calls = (listing, removal) if listed_first else (removal, listing)
+    one = threading.Thread(target=run, args=("first", calls[0]), name="first")
+    one.start()
+    assert inside.wait(10)
+    two = threading.Thread(target=run, args=("second", calls[1]), name="second")
+    two.start()
+    time.sleep(0.5)  # the second is waiting on the first's locks now
+    go.set()
+    one.join(10)
+    two.join(10)
+    listed = a.document_chunks("a.md")
+    if listed_first:  # X stays, listed by A's document
+        assert listed == ["x" * 32] and a.chunk("x" * 32) is not None
+        assert outcome["second"] == []  # B dropped nothing
+    else:  # X went with B's document; A's listing was refused, not kept dangling
+        assert outcome["first"] == ["x" * 32] and a.chunk("x" * 32) is None
+        assert isinstance(outcome["second"], ChunksGoneError) and listed == []
+    for catalog in (a, b):
+        catalog.close()

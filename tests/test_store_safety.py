@@ -1541,3 +1541,30 @@ def test_a_chunk_cached_anew_meanwhile_survives_the_removal_of_its_old_document(
     assert b.store.contains(cid) and b.store.get([cid])[0].cache_id == cid  # row and blob
     for engine in (a, b):
         engine.store.close()
+
+
+def test_a_chunk_whose_other_writer_withdraws_its_claim_is_claimed_again(
+    tmp_path: Path, tiny32, monkeypatch
+) -> None:
+    """A worker found a chunk claimed by another and waited; the other withdrew its claim (or
+    its document's removal dropped the chunk) meanwhile, and the waiter then wrote a blob for
+    a row no longer there: UnknownCacheIdError (seen with two workers sharing a chunk on
+    PostgreSQL). It now claims the chunk again and stores it."""
+    [kv] = encode_chunks(tiny32, [tiny32.tokenizer.encode("The quay floods at spring tide.")])
+    other = _engine(TieredStore(tmp_path / "s"), tiny32).store
+    assert other.catalog.begin_chunk(
+        kv.cache_id, fingerprint=kv.fingerprint, text="t", token_ids=kv.token_ids,
+        encode_settings=kv.settings.key(), start=kv.start, pinned=False, expires_at=None,
+    )  # fmt: skip
+    live = TieredStore(tmp_path / "s")
+    real = live._wait_stored
+
+    def withdrawn_meanwhile(cache_id: str) -> bool:
+        other.catalog.remove_chunk(cache_id)  # the other writer's claim goes
+        return real(cache_id)
+
+    monkeypatch.setattr(live, "_wait_stored", withdrawn_meanwhile)
+    live.put(kv, "t")
+    assert live.contains(kv.cache_id) and live.get([kv.cache_id])[0].num_tokens == kv.num_tokens
+    for s in (other, live):
+        s.close()

@@ -95,12 +95,8 @@ class Corpus:
     def _changed(
         self, listed: list[str], orphans: list[str], ready: dict[str, np.ndarray] | None = None
     ) -> None:
-        # their rows went in the catalog's transaction; a chunk with a row again was cached
-        # anew meanwhile by another worker (whose document lists it): its row and blob stay
-        back = self.catalog.chunks(orphans) if orphans else {}
-        for cache_id in orphans:
-            if cache_id not in back:
-                self.store.remove(cache_id)
+        for cache_id in orphans:  # (their rows went in the catalog's transaction)
+            self.store.forget_orphan(cache_id)
         version = self._current_version()
         if version != self._version:
             self._sync()  # another process changed the corpus since we last looked
