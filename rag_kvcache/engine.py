@@ -322,12 +322,12 @@ class RagKVCache:
         checked_name("document source", source)  # before anything is encoded
         start, encoded = time.perf_counter(), 0
         for attempt in range(RECORD_TRIES):
-            ids, now = self._cache_texts(chunks, on_encoded, source)  # checks every text first
-            encoded += now
-            encode_s = time.perf_counter() - start
-            if content_hash is None:  # (hashed after: a bad character is named, not a codec one)
-                content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
             try:
+                ids, now = self._cache_texts(chunks, on_encoded, source)  # checks texts first
+                encoded += now
+                encode_s = time.perf_counter() - start
+                if content_hash is None:  # (hashed after: a bad character named, not a codec's)
+                    content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
                 removed = self.corpus.set_document(source, content_hash, ids)
             except ChunksGoneError:  # another process dropped chunks found stored: again
                 if attempt + 1 == RECORD_TRIES:

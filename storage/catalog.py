@@ -226,8 +226,7 @@ class Catalog(CatalogDatabase):
         try:
             with self._write() as conn:
                 row = self._upsert_document(conn, source, content_hash, len(cache_ids))
-                old = self._unlink(conn, row.id)
-                present = self._lock_chunks(conn, new.union(old))  # (see _lock_chunks)
+                old, present = self._unlink(conn, row.id, new)
                 if gone := sorted(new - present):  # (locked: none can go before the insert)
                     raise ChunksGoneError(
                         f"cannot record document {source!r}: {len(gone)} of its chunks are "
@@ -259,7 +258,7 @@ class Catalog(CatalogDatabase):
             )
             if doc_id is None:
                 return []
-            old = self._unlink(conn, doc_id)
+            old, _ = self._unlink(conn, doc_id)
             conn.execute(delete(Document).where(Document.id == doc_id))
             return self._drop_orphans(conn, old)
 
@@ -323,8 +322,12 @@ class Catalog(CatalogDatabase):
         return DocumentRow(**conn.execute(stmt).one()._mapping)
 
     @staticmethod
-    def _unlink(conn: Connection, document_id: int) -> list[str]:
-        """Drop a document's chunk list; returns it."""
+    def _unlink(
+        conn: Connection, document_id: int, listing: Iterable[str] = ()
+    ) -> tuple[list[str], set[str]]:
+        """Drop a (locked) document's chunk list; returns it, and which of it and of the
+        chunks about to be `listing` are in the catalog. Their rows are locked before the
+        list is dropped: chunk rows, then listings, as a chunk's delete (its cascade) goes."""
         old = list(
             conn.scalars(
                 select(DocumentChunk.cache_id)
@@ -332,8 +335,9 @@ class Catalog(CatalogDatabase):
                 .order_by(DocumentChunk.ordinal)
             )
         )
+        present = Catalog._lock_chunks(conn, set(listing).union(old))  # (see _lock_chunks)
         conn.execute(delete(DocumentChunk).where(DocumentChunk.document_id == document_id))
-        return old
+        return old, present
 
     @staticmethod
     def _lock_chunks(conn: Connection, cache_ids: Iterable[str]) -> set[str]:
@@ -556,6 +560,9 @@ class Catalog(CatalogDatabase):
         if pending_since is not None:
             still &= (Chunk.state == "pending") & (Chunk.created_at <= utc(pending_since))
         with self._write() as conn:
+            # locked before its listings are counted: one made meanwhile is then seen (the
+            # delete's cascade took it, uncounted, and no index dropped the chunk)
+            conn.execute(select(Chunk.cache_id).where(still).with_for_update()).all()
             listed = conn.scalar(select(func.count()).where(DocumentChunk.cache_id == cache_id))
             removed = conn.execute(delete(Chunk).where(still)).rowcount > 0
             if removed and listed:

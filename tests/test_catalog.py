@@ -696,3 +696,52 @@ def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangli
         assert isinstance(outcome["second"], ChunksGoneError) and listed == []
     for catalog in (a, b):
         catalog.close()
+
+
+@pytest.mark.parametrize("target", ["postgresql"], indirect=True)
+def test_a_document_removed_while_gc_removes_its_chunk_does_not_deadlock(
+    target: Target, monkeypatch
+) -> None:
+    """A document's removal dropped its chunk listings, then locked the chunks' rows; gc
+    (or expire_cache) deleting one of those chunks locks its row, then its listings (the
+    cascade): each waited for the other, and PostgreSQL aborted one ("did not answer").
+    Rows are now locked in one order everywhere: chunks, then listings."""
+    with target.open() as setup:
+        setup.register_model(FP, "tiny", "float32", 3, 2, 16)
+        stored(setup, "x" * 32)
+        setup.set_document("b.md", "b" * 64, ["x" * 32])
+    a, b = target.open(), target.open()
+    paused, go = threading.Event(), threading.Event()
+    real = Catalog._lock_chunks
+
+    def pausing(conn, cache_ids):  # the removal, stopped where it takes the chunks' locks
+        if threading.current_thread().name == "removal" and not paused.is_set():
+            paused.set()
+            go.wait(10)
+        return real(conn, cache_ids)
+
+    monkeypatch.setattr(Catalog, "_lock_chunks", staticmethod(pausing))
+    outcome: dict[str, object] = {}
+
+    def run(name: str, call) -> None:
+        try:
+            outcome[name] = call()
+        except Exception as e:  # what the thread raised, checked below
+            outcome[name] = e
+
+    removal = threading.Thread(
+        target=run, args=("removal", lambda: a.remove_document("b.md")), name="removal"
+    )
+    removal.start()
+    assert paused.wait(10)
+    gc = threading.Thread(target=run, args=("gc", lambda: b.remove_chunk("x" * 32)))
+    gc.start()
+    gc.join(3)  # it finishes (the removal holds no lock it needs) or waits on one
+    go.set()
+    removal.join(15)
+    gc.join(15)
+    assert not isinstance(outcome.get("removal"), Exception), outcome
+    assert not isinstance(outcome.get("gc"), Exception), outcome
+    assert a.document("b.md") is None and a.chunk("x" * 32) is None
+    for catalog in (a, b):
+        catalog.close()
