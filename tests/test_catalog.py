@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -638,6 +639,23 @@ def test_begin_chunk_across_processes_claims_each_id_once(target: Target) -> Non
         assert version_rows(cat) == [head_revision()]
 
 
+def _two_workers_and_chunk_x_of_b(target: Target) -> tuple[Catalog, Catalog]:
+    """Two catalogs on one database (two workers), which holds chunk X listed by b.md."""
+    with target.open() as setup:
+        setup.register_model(FP, "tiny", "float32", 3, 2, 16)
+        stored(setup, "x" * 32)
+        setup.set_document("b.md", "b" * 64, ["x" * 32])
+    return target.open(), target.open()
+
+
+def _outcome_of(outcome: dict[str, object], name: str, call: Any) -> None:
+    """What `call()` returned or raised (a thread's body), as outcome[name]."""
+    try:
+        outcome[name] = call()
+    except Exception as e:  # checked by the test
+        outcome[name] = e
+
+
 @pytest.mark.parametrize("target", ["postgresql"], indirect=True)
 @pytest.mark.parametrize("listed_first", [True, False])
 def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangling(
@@ -650,11 +668,7 @@ def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangli
     listing fails as ChunksGoneError (the engine caches X again)."""
     from rag_kvcache.storage.records import ChunksGoneError
 
-    with target.open() as setup:
-        setup.register_model(FP, "tiny", "float32", 3, 2, 16)
-        stored(setup, "x" * 32)
-        setup.set_document("b.md", "b" * 64, ["x" * 32])
-    a, b = target.open(), target.open()
+    a, b = _two_workers_and_chunk_x_of_b(target)
     inside, go = threading.Event(), threading.Event()
     first, second = (a, b) if listed_first else (b, a)
     real = Catalog._drop_orphans
@@ -670,12 +684,7 @@ def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangli
     listing = lambda: a.set_document("a.md", "a" * 64, ["x" * 32])  # noqa: E731
     removal = lambda: b.remove_document("b.md")  # noqa: E731
     outcome: dict[str, object] = {}
-
-    def run(name: str, call) -> None:
-        try:
-            outcome[name] = call()
-        except Exception as e:  # what the thread raised, checked below
-            outcome[name] = e
+    run = partial(_outcome_of, outcome)
 
     calls = (listing, removal) if listed_first else (removal, listing)
     one = threading.Thread(target=run, args=("first", calls[0]), name="first")
@@ -706,11 +715,7 @@ def test_a_document_removed_while_gc_removes_its_chunk_does_not_deadlock(
     (or expire_cache) deleting one of those chunks locks its row, then its listings (the
     cascade): each waited for the other, and PostgreSQL aborted one ("did not answer").
     Rows are now locked in one order everywhere: chunks, then listings."""
-    with target.open() as setup:
-        setup.register_model(FP, "tiny", "float32", 3, 2, 16)
-        stored(setup, "x" * 32)
-        setup.set_document("b.md", "b" * 64, ["x" * 32])
-    a, b = target.open(), target.open()
+    a, b = _two_workers_and_chunk_x_of_b(target)
     paused, go = threading.Event(), threading.Event()
     real = Catalog._lock_chunks
 
@@ -722,12 +727,7 @@ def test_a_document_removed_while_gc_removes_its_chunk_does_not_deadlock(
 
     monkeypatch.setattr(Catalog, "_lock_chunks", staticmethod(pausing))
     outcome: dict[str, object] = {}
-
-    def run(name: str, call) -> None:
-        try:
-            outcome[name] = call()
-        except Exception as e:  # what the thread raised, checked below
-            outcome[name] = e
+    run = partial(_outcome_of, outcome)
 
     removal = threading.Thread(
         target=run, args=("removal", lambda: a.remove_document("b.md")), name="removal"
