@@ -356,8 +356,8 @@ class Catalog(CatalogDatabase):
 
     @classmethod
     def _drop_orphans(cls, conn: Connection, cache_ids: list[str]) -> list[str]:
-        """Delete the rows of those of `cache_ids` that no document lists; returns them."""
-        cls._lock_chunks(conn, cache_ids)  # (held already where set_document took them)
+        """Delete the rows of those of `cache_ids` that no document lists; returns them.
+        Their rows are locked already (`_unlink`, which both callers ran first)."""
         orphans = cls._orphans(conn, cache_ids)
         for batch in _batches(orphans):
             conn.execute(delete(Chunk).where(Chunk.cache_id.in_(batch)))
