@@ -182,6 +182,11 @@ def _check_durable(root: Path, tier: str, catalog: Catalog) -> None:
         )
 
 
+def _reads_bad(row: ChunkRow, data: bytes | bytearray | None) -> bool:
+    """Is a blob read for `row` missing (None), unchecked, or not the KV its row describes?"""
+    return data is None or row.checksum is None or isinstance(_parsed(row, data), str)
+
+
 def _parsed(row: ChunkRow, data: bytes | bytearray) -> ChunkKV | str:
     """The chunk a blob holds, checked against its row (checksum, encoding, token count), or
     'corrupt'."""
@@ -718,7 +723,7 @@ class TieredStore:
         full: str | None = None  # why repairing stopped: each repair after would fail too
         for row in rows:
             data = self.durable.get(row.cache_id, row.nbytes)
-            bad = data is None or row.checksum is None or isinstance(_parsed(row, data), str)
+            bad = _reads_bad(row, data)
             if bad and self._changed_since(row):  # removed or rewritten since the rows were
                 if on_checked:  # listed (another process's document removal, gc, a re-encode,
                     on_checked()  # the chunk ingested again): not damage, nothing to repair
@@ -780,12 +785,7 @@ class TieredStore:
             row.nbytes,
         ):
             return True
-        data = self.durable.get(row.cache_id, row.nbytes)
-        return (
-            data is not None
-            and row.checksum is not None
-            and not isinstance(_parsed(row, data), str)
-        )
+        return not _reads_bad(row, self.durable.get(row.cache_id, row.nbytes))
 
     def _readable_rows(self, cache_ids: set[str]) -> tuple[list[ChunkRow], list[str]]:
         """The rows of these chunks, and the IDs of rows that cannot be read (damaged values)."""
