@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TypeVar
 
 import torch
 
@@ -150,9 +152,18 @@ def listed(items: object, what: str, *, strings: bool = True) -> list[str]:
     return items
 
 
-# a document is recorded this many times at most: each try caches its chunks again, since
-# another process may drop chunks this one found stored before it records them (ChunksGoneError)
-RECORD_TRIES = 3
+RECORD_TRIES = 3  # tries of `recorded_again`
+Recorded = TypeVar("Recorded")
+
+
+def recorded_again(record: Callable[[], Recorded]) -> Recorded:
+    """`record()` (cache a document's chunks, then record it), tried again while it raises
+    ChunksGoneError, RECORD_TRIES times in all: another process may drop chunks this one found
+    stored before it records them, and caching them again mends it."""
+    for _ in range(RECORD_TRIES - 1):
+        with contextlib.suppress(ChunksGoneError):
+            return record()
+    return record()
 
 
 class RagKVCache:
@@ -321,20 +332,19 @@ class RagKVCache:
         chunks already cached are not encoded again."""
         checked_name("document source", source)  # before anything is encoded
         start, encoded = time.perf_counter(), 0
-        for attempt in range(RECORD_TRIES):
-            try:
-                ids, now = self._cache_texts(chunks, on_encoded, source)  # checks texts first
-                encoded += now
-                encode_s = time.perf_counter() - start
-                if content_hash is None:  # (hashed after: a bad character named, not a codec's)
-                    content_hash = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
-                removed = self.corpus.set_document(source, content_hash, ids)
-            except ChunksGoneError:  # another process dropped chunks found stored: again
-                if attempt + 1 == RECORD_TRIES:
-                    raise
-                continue
+
+        def record() -> DocumentIngest:
+            nonlocal encoded  # (over every try)
+            ids, now = self._cache_texts(chunks, on_encoded, source)  # checks every text first
+            encoded += now
+            encode_s = time.perf_counter() - start
+            digest = content_hash  # (hashed after: a bad character is named, not a codec error)
+            if digest is None:
+                digest = hashlib.sha256("\x00".join(chunks).encode()).hexdigest()
+            removed = self.corpus.set_document(source, digest, ids)
             return DocumentIngest(source, tuple(ids), encoded, len(removed), encode_s)
-        raise AssertionError("unreachable: the last try returns or raises")
+
+        return recorded_again(record)
 
     def remove_document(self, source: str) -> int:
         """Forget a document; returns how many chunks (listed by no other document) went."""

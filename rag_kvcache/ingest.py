@@ -22,14 +22,14 @@ import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from rag_kvcache.config import printable_path
-from rag_kvcache.engine import RECORD_TRIES, DocumentIngest, RagKVCache
+from rag_kvcache.engine import DocumentIngest, RagKVCache, recorded_again
 from rag_kvcache.errors import StoreError
 from rag_kvcache.storage.layout import MAX_SOURCE_CHARS
-from rag_kvcache.storage.records import ChunksGoneError
 
 MAX_BYTES = 16 << 20  # larger files are reported and skipped (raise with --max-bytes)
 SEGMENT_CHARS = 1 << 20  # text split at a time (a file's chunks never span two segments)
@@ -322,7 +322,8 @@ def run_ingest(
     for document in plan.todo:
         share = PlannedShare(document.chunk_count, on_encoded, on_dropped)
         try:
-            done.append(_recorded(engine, plan, document, share))
+            # (tried again: the file read again, its chunks still stored not encoded again)
+            done.append(recorded_again(partial(_ingest_document, engine, plan, document, share)))
         except SkipFile as e:
             plan.skipped.append(Skipped(document.source, str(e)))
         except StoreError:  # a full disk fails every file after it too: stop, and say so
@@ -359,23 +360,6 @@ class PlannedShare:
             return
         self.drop(rest)
         self.reported += rest
-
-
-def _recorded(
-    engine: RagKVCache,
-    plan: IngestPlan,
-    document: PlannedDocument,
-    on_encoded: Callable[[int], None] | None,
-) -> DocumentIngest:
-    """`_ingest_document`, tried again (the file read again; its chunks still stored are not
-    encoded again) if another process dropped chunks it found stored before it recorded
-    them, as `engine.ingest_document` does."""
-    for _ in range(RECORD_TRIES - 1):
-        try:
-            return _ingest_document(engine, plan, document, on_encoded)
-        except ChunksGoneError:
-            continue
-    return _ingest_document(engine, plan, document, on_encoded)
 
 
 def _ingest_document(
