@@ -558,17 +558,12 @@ def items_digest(items: list[dict[str, object]]) -> str:
 
 def checkpoint_step(path: Path) -> int:
     """The step the checkpoint at `path` holds (what an interrupted run can resume from)."""
-    return _check_checkpoint(path)
+    return _checkpoint_header(path)[2]
 
 
-def _check_checkpoint(
-    path: Path,
-    config: CalibrateConfig | None = None,
-    lm: LoadedModel | None = None,
-    items: str | None = None,
-) -> int:
-    """The step of a checkpoint a run may resume from: the same settings, model and items
-    (those given). Read before the teacher pass, so a refusal comes at once."""
+def _checkpoint_header(path: Path) -> tuple[dict[str, str], dict[str, object], int]:
+    """A checkpoint's metadata, the settings of the run that wrote it, and its step; a
+    missing or damaged one is a CalibrationError."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -587,8 +582,13 @@ def _check_checkpoint(
         raise CalibrationError(
             f"{path} is damaged ({type(e).__name__}); train afresh in another folder"
         ) from None
-    if config is None or lm is None or items is None:
-        return step
+    return meta, settings, step
+
+
+def _check_checkpoint(path: Path, config: CalibrateConfig, lm: LoadedModel, items: str) -> int:
+    """The step of a checkpoint a run may resume from: the same settings, model and items.
+    Read before the teacher pass, so a refusal comes at once."""
+    meta, settings, step = _checkpoint_header(path)
     ours, theirs = _resumable(asdict(config)), _resumable(settings)
     if ours != theirs:
         differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
