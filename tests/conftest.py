@@ -20,6 +20,7 @@ from sqlalchemy.pool import NullPool
 from tiny_tokenizer import build_tokenizer
 
 from rag_kvcache.config import ModelConfig
+from rag_kvcache.model import cpu_linear
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.storage.catalog import Catalog
 
@@ -40,6 +41,13 @@ def tiny_tokenizer() -> object:
     """Byte-level BPE trained on the sample corpus, with SmolLM2's special tokens and chat
     template, its vocabulary padded to the tiny models' (tests/tiny_tokenizer.py)."""
     return build_tokenizer(TINY_VOCAB)
+
+
+@pytest.fixture
+def onednn_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN computes (where torch has it) whatever this CPU's maker: for the tests of its own
+    path, which the library takes on AMD processors only (`cpu_linear.CHOSEN`)."""
+    monkeypatch.setattr(cpu_linear, "CHOSEN", cpu_linear.AVAILABLE)
 
 
 @pytest.fixture(scope="session")

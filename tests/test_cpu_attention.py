@@ -20,6 +20,9 @@ from rag_kvcache.model.attention import _sdpa, additive_mask
 from rag_kvcache.serving.decoding import prefill
 from rag_kvcache.strategy import Strategy
 
+# oneDNN's path whatever this CPU's maker (the library takes it on AMD processors only)
+pytestmark = pytest.mark.usefixtures("onednn_chosen")
+
 MIN = torch.finfo(torch.float32).min
 FIRST_ROW = torch.tensor([0])
 

@@ -5,6 +5,10 @@ library loads use them."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ from helpers import build_tiny, needs_onednn, onednn_calls, tiny_config
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from rag_kvcache.model import cpu_linear
+from rag_kvcache.model import cpu_attention, cpu_linear
 from rag_kvcache.model.cpu_linear import (
     AVAILABLE,
     OneDNNLinear,
@@ -21,7 +25,9 @@ from rag_kvcache.model.cpu_linear import (
     onednn_serves,
     use_onednn_linears,
 )
-from rag_kvcache.model.loading import LoadedModel
+
+# oneDNN's path whatever this CPU's maker (the library takes it on AMD processors only)
+pytestmark = pytest.mark.usefixtures("onednn_chosen")
 
 
 @needs_onednn
@@ -174,7 +180,8 @@ def test_a_swapped_model_computes_what_the_plain_one_does() -> None:
 
 
 @needs_onednn
-def test_loaded_models_use_onednn_in_float32_only(tiny32: LoadedModel) -> None:
+def test_loaded_models_use_onednn_in_float32_only() -> None:
+    tiny32 = build_tiny(torch.float32)
     linears = [m for m in tiny32.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is OneDNNLinear for m in linears)
     ids = torch.randint(3, 1000, (1, 12))
@@ -203,3 +210,64 @@ def test_the_retrieval_encoder_uses_onednn_and_embeds_as_before() -> None:
     finally:
         use_onednn_linears(embedder.model)
     torch.testing.assert_close(torch.from_numpy(fast), torch.from_numpy(plain), atol=1e-5, rtol=0)
+
+
+def test_onednn_is_chosen_on_amd_processors_unless_set_by_hand() -> None:
+    """Measured faster than torch's own kernels on AMD processors, slower on Intel's: `auto`
+    takes it on AMD only; the environment variable chooses by hand, in any case."""
+    amd, intel = "AuthenticAMD", "GenuineIntel"
+    for setting in (None, "", "auto", " Auto "):
+        assert cpu_linear.chooses_onednn(setting, amd)
+        assert not cpu_linear.chooses_onednn(setting, intel)
+        assert not cpu_linear.chooses_onednn(setting, "")  # another architecture: unmeasured
+    for vendor in (amd, intel, ""):
+        assert cpu_linear.chooses_onednn("onednn", vendor)
+        assert cpu_linear.chooses_onednn("ONEDNN", vendor)
+        assert not cpu_linear.chooses_onednn("torch", vendor)
+    with pytest.raises(ValueError, match="RAG_KVCACHE_CPU_KERNELS='mkl'.*auto, onednn, torch"):
+        cpu_linear.chooses_onednn("mkl", amd)
+
+
+def test_the_cpu_vendor_is_the_one_the_cpu_names() -> None:
+    info = Path("/proc/cpuinfo")
+    named = [line for line in info.read_text().splitlines() if line.startswith("vendor_id")]
+    if not named:
+        pytest.skip("this machine's /proc/cpuinfo names no vendor")
+    vendor = named[0].split(":", 1)[1].strip()
+    assert cpu_linear.cpu_vendor() == (vendor if vendor in ("AuthenticAMD", "GenuineIntel") else "")
+
+
+def test_where_onednn_is_not_chosen_torch_computes_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU that does not choose oneDNN a loaded model keeps plain linears, and neither
+    they nor attention (served from one score up here) call the op; the answers are torch's."""
+    ids = torch.randint(3, 1000, (1, 40))
+    chosen = build_tiny(torch.float32)
+    monkeypatch.setattr(cpu_linear, "CHOSEN", False)
+    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 1)
+    plain = build_tiny(torch.float32)
+    assert all(type(m) is nn.Linear for m in plain.model.modules() if isinstance(m, nn.Linear))
+    assert use_onednn_linears(plain.model) == 0
+    with torch.no_grad():
+        assert onednn_calls(lambda: plain.model(ids)) == 0
+        assert onednn_calls(lambda: chosen.model(ids)) == 0  # swapped, yet not chosen: torch's
+        torch.testing.assert_close(chosen.model(ids).logits, plain.model(ids).logits)
+
+
+@pytest.mark.parametrize(("setting", "chosen"), [("torch", "False"), ("onednn", "AVAILABLE")])
+def test_the_environment_variable_is_read_when_the_library_loads(setting: str, chosen: str) -> None:
+    code = "from rag_kvcache.model import cpu_linear as c; print(c.CHOSEN, c.AVAILABLE)"
+    env = {**os.environ, cpu_linear.KERNELS_ENV: setting}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got, available = out.stdout.split()
+    assert got == (available if chosen == "AVAILABLE" else "False")
+
+
+def test_a_bad_setting_stops_the_library_loading_with_its_name() -> None:
+    env = {**os.environ, cpu_linear.KERNELS_ENV: "fastest"}
+    code = "import rag_kvcache.model.cpu_linear"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "RAG_KVCACHE_CPU_KERNELS='fastest': expected one of auto, onednn, torch" in out.stderr

@@ -478,7 +478,8 @@ def with_lora(lm: LoadedModel, data: bytes, where: str) -> LoadedModel:
 
 def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
     """Wrap an already loaded HF model (e.g. a tiny test model) as a LoadedModel. Its plain
-    linear layers compute float32 on the CPU with oneDNN from then on (`cpu_linear`)."""
+    linear layers compute float32 on the CPU with oneDNN from then on where this CPU takes it
+    (`cpu_linear.CHOSEN`)."""
     check_supported(model.config, model)
     use_onednn_linears(model)
     register_attention()
@@ -521,7 +522,7 @@ def default_embedding_path() -> Path:
 
 def load_encoder(path: Path) -> tuple[Any, Any]:
     """A sentence-embedding encoder (BERT-like) and its tokenizer, in float32 on the CPU, its
-    linear layers by oneDNN (`cpu_linear`)."""
+    linear layers by oneDNN where this CPU takes it (`cpu_linear.CHOSEN`)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     use_onednn_linears(model)
