@@ -24,8 +24,9 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from conftest import Target
-from sqlalchemy import inspect
+from sqlalchemy import create_engine, inspect
 from sqlalchemy import text as sql_text
+from sqlalchemy.pool import NullPool
 
 from rag_kvcache.errors import StoreUnavailableError, UnknownCacheIdError
 from rag_kvcache.storage import database
@@ -656,6 +657,32 @@ def _outcome_of(outcome: dict[str, object], name: str, call: Any) -> None:
         outcome[name] = e
 
 
+# a backend waiting on a lock it was not granted, which holds locks in the test's schema
+_WAITING = """
+SELECT count(DISTINCT waiting.pid) FROM pg_locks waiting
+JOIN pg_locks held ON held.pid = waiting.pid
+JOIN pg_class c ON c.oid = held.relation
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE NOT waiting.granted AND n.nspname = :schema
+"""
+
+
+def _waits_on_a_lock(target: Target, within_s: float = 10.0) -> bool:
+    """Does some transaction on the test's schema wait on a lock within `within_s` (asked of
+    PostgreSQL's pg_locks from a connection of its own)?"""
+    engine = create_engine(str(target.url), poolclass=NullPool)
+    try:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                if conn.execute(sql_text(_WAITING), {"schema": target.schema}).scalar():
+                    return True
+            time.sleep(0.02)
+        return False
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("target", ["postgresql"], indirect=True)
 @pytest.mark.parametrize("listed_first", [True, False])
 def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangling(
@@ -692,7 +719,7 @@ def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangli
     assert inside.wait(10)
     two = threading.Thread(target=run, args=("second", calls[1]), name="second")
     two.start()
-    time.sleep(0.5)  # the second is waiting on the first's locks now
+    assert _waits_on_a_lock(target)  # the second waits on the first's locks (not a race)
     go.set()
     one.join(10)
     two.join(10)
