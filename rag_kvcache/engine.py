@@ -49,6 +49,7 @@ from rag_kvcache.link.calibration import Calibration
 from rag_kvcache.link.encoder import encode_chunks
 from rag_kvcache.model.adapter import release_buffers
 from rag_kvcache.model.loading import LoadedModel, check_model_source, load_model
+from rag_kvcache.progress import PlannedShare
 from rag_kvcache.prompt import PromptTemplate, check_text
 from rag_kvcache.retrieval.corpus import Corpus
 from rag_kvcache.retrieval.embedding import Embedder
@@ -332,10 +333,11 @@ class RagKVCache:
         chunks already cached are not encoded again."""
         checked_name("document source", source)  # before anything is encoded
         start, encoded = time.perf_counter(), 0
+        share = PlannedShare(len(chunks), on_encoded)  # a try again reports no chunk twice
 
         def record() -> DocumentIngest:
             nonlocal encoded  # (over every try)
-            ids, now = self._cache_texts(chunks, on_encoded, source)  # checks every text first
+            ids, now = self._cache_texts(chunks, share, source)  # checks every text first
             encoded += now
             encode_s = time.perf_counter() - start
             digest = content_hash  # (hashed after: a bad character is named, not a codec error)

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 from rag_kvcache.config import printable_path
 from rag_kvcache.engine import DocumentIngest, RagKVCache, recorded_again
 from rag_kvcache.errors import StoreError
+from rag_kvcache.progress import PlannedShare
 from rag_kvcache.storage.layout import MAX_SOURCE_CHARS
 
 MAX_BYTES = 16 << 20  # larger files are reported and skipped (raise with --max-bytes)
@@ -332,34 +333,6 @@ def run_ingest(
             plan.skipped.append(Skipped(document.source, f"cannot read: {e.strerror or e}"))
         share.finish()
     return done
-
-
-@dataclass
-class PlannedShare:
-    """A document's chunks as progress, held to the count planned: a file edited between
-    planning and encoding (a progress bar ran past its total) or gone bad since (one stopped
-    short of it) still reports exactly what was planned."""
-
-    planned: int
-    report: Callable[[int], None] | None
-    drop: Callable[[int], None] | None = None  # told the rest at the end, if given
-    reported: int = 0
-
-    def __call__(self, chunks: int) -> None:
-        chunks = min(chunks, self.planned - self.reported)
-        if chunks > 0 and self.report is not None:
-            self.report(chunks)
-        self.reported += max(chunks, 0)
-
-    def finish(self) -> None:
-        """The document is done (ingested or skipped): the rest of its planned share, to
-        `drop` when given (those chunks never came), else as if done."""
-        rest = self.planned - self.reported
-        if rest <= 0 or self.drop is None:
-            self(rest)
-            return
-        self.drop(rest)
-        self.reported += rest
 
 
 def _ingest_document(

@@ -1359,8 +1359,10 @@ def test_a_shared_chunk_another_worker_drops_meanwhile_is_cached_again(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(b.corpus, "set_document", a_removes_first)
-    done = b.ingest_document("b.md", [shared, ours])
+    told: list[int] = []
+    done = b.ingest_document("b.md", [shared, ours], on_encoded=told.append)
     assert calls == ["b.md", "b.md"] and done.encoded == 2  # ours, then the shared one again
+    assert sum(told) == 2  # progress: each chunk once (the second try's were told again)
     assert b.store.catalog.document_chunks("b.md") == list(done.cache_ids)
     assert all(a.store.contains(cid) for cid in done.cache_ids)
     assert b.generate("When does the bell ring?", list(done.cache_ids)).text is not None
