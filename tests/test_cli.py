@@ -288,6 +288,17 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
         (["bench", "ttft", "--repeats", "0"], "--repeats: at least 1, not 0"),
         (["bench", "ttft", "--contexts", "abc"], "--contexts: a whole number, not 'abc'"),
         (["bench", "ttft", "--contexts", "100"], "--contexts: at least 256, not 100"),
+        # cut to whole chunks: 300 and 511 were two rows of 256 tokens, named 320
+        (["bench", "ttft", "--contexts", "300,511"], "--contexts: a multiple of 256 (its chunks)"),
+        (["bench", "store", "--contexts", "1000"], "--contexts: a multiple of 256 (its chunks)"),
+        (["bench", "prefix", "--prefixes", "100"], "--prefixes: at least 256, not 100"),
+        (["bench", "prefix", "--prefixes", "300"], "--prefixes: a multiple of 256"),
+        (["bench", "serve", "--context-tokens", "100"], "--context-tokens: at least 256"),
+        (["bench", "serve", "--context-tokens", "300"], "--context-tokens: a multiple of 256"),
+        # decoding speed is of the tokens after the first: one gave ZeroDivisionError
+        (["bench", "prefix", "--new-tokens", "1"], "--new-tokens: at least 2, not 1"),
+        # measured twice, then the stage plot failed and the run was lost
+        (["bench", "ttft", "--strategies", "naive,prefill"], "prefill is the baseline, always"),
         (["bench", "store", "--contexts", "4096,4096"], "--contexts: a value is given twice"),
         (["bench", "prefix", "--batches", "0"], "--batches: at least 1, not 0"),
         (["bench", "ingest", "--chunk-tokens", "0"], "--chunk-tokens: at least 1, not 0"),
@@ -1021,3 +1032,16 @@ def test_a_prompt_argument_is_a_file_or_the_prompt_itself(tmp_path: Path) -> Non
 )
 def test_chat_tells_unknown_commands_from_questions(line: str, unknown: bool) -> None:
     assert unknown_command(line, line.split()[0].lower()) is unknown
+
+
+def test_the_stage_plot_of_prefill_alone_is_no_plot(tmp_path: Path) -> None:
+    """A cell with prefill's row only (no link strategy to stack) failed with IndexError, and
+    the plot was drawn before the JSON: the run's measurements were lost."""
+    from rag_kvcache.tools.bench.ttft import StageRow, plot_stages
+
+    only = [StageRow("float32", 256, "prefill", 0.5, {"forward": 0.5})]
+    plot_stages(only, tmp_path / "stages.png")
+    assert not (tmp_path / "stages.png").exists()
+    linked = StageRow("float32", 256, "naive", 0.1, {"place": 0.02, "forward": 0.08})
+    plot_stages([*only, linked], tmp_path / "stages.png")
+    assert (tmp_path / "stages.png").stat().st_size > 10_000

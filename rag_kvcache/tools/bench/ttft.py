@@ -187,8 +187,7 @@ def run_ttft_bench(
     models: dict[str, dict[str, str]] = {}
 
     def save(complete: bool) -> dict[str, object]:
-        plot_stages(stage_rows, out_dir / "ttft_stages.png")
-        return save_report(
+        report = save_report(  # the JSON first: a plot that fails loses no measurement
             out_dir,
             "ttft",
             rows,
@@ -200,6 +199,8 @@ def run_ttft_bench(
             question_tokens=question_tokens,
             repeats=repeats,
         )
+        plot_stages(stage_rows, out_dir / "ttft_stages.png")
+        return report
 
     cells = len(dtypes) * len(contexts)  # left to measure
     report: dict[str, object] = {}
@@ -288,7 +289,7 @@ def plot_stages(rows: list[StageRow], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = list(dict.fromkeys((r.dtype, r.context_tokens) for r in rows))
-    if not cells:
+    if not any(r.strategy != str(PREFILL) for r in rows):  # no link strategy: no bars
         return
     fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4.5), squeeze=False)
     for ax, (dtype, context) in zip(axes[0], cells, strict=True):

@@ -30,6 +30,17 @@ if TYPE_CHECKING:
 CHUNK = 256  # tokens in a chunk of `bench ttft` and `bench store`: a context holds one or more
 
 
+def link_strategies(text: str) -> list[str]:
+    """`strategy_list` without `prefill`, the baseline `bench ttft` always measures (asked for,
+    it was measured twice and the stage plot failed, losing the run)."""
+    names = strategy_list(text)
+    if any(n.strip().lower() == "prefill" for n in names):
+        raise argparse.ArgumentTypeError(
+            "prefill is the baseline, always measured: name link strategies only"
+        )
+    return names
+
+
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks writing JSON and a PNG plot")
     kinds = bench.add_subparsers(dest="kind", required=True)
@@ -37,13 +48,16 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ttft.add_argument("--out", type=Path, default=Path("bench-results"))
     ttft.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     ttft.add_argument(
-        "--contexts", type=wholes(CHUNK), default=[1024, 2048, 4096], help="context tokens"
+        "--contexts",
+        type=wholes(CHUNK, CHUNK),
+        default=[1024, 2048, 4096],
+        help="context tokens, multiples of 256",
     )
     ttft.add_argument(
         "--strategies",
-        type=strategy_list,
+        type=link_strategies,
         default=["naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15"],
-        help="link strategies, comma-separated",
+        help="link strategies, comma-separated (prefill, the baseline, is always measured)",
     )
     ttft.add_argument("--repeats", type=whole(1), default=3)
     ttft.add_argument("--model", default=None, help=MODEL_HELP)
@@ -71,7 +85,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     store = kinds.add_parser("store", help="store latency per tier, TTFT from each tier")
     store.add_argument("--out", type=Path, default=Path("bench-results"))
     store.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
-    store.add_argument("--contexts", type=wholes(CHUNK), default=[4096], help="context tokens")
+    store.add_argument(
+        "--contexts",
+        type=wholes(CHUNK, CHUNK),
+        default=[4096],
+        help="context tokens, multiples of 256",
+    )
     store.add_argument("--model", default=None, help=MODEL_HELP)
     store.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     store.add_argument("--repeats", type=whole(1), default=3)
@@ -87,12 +106,20 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     prefix = kinds.add_parser("prefix", help="decode with a shared prefix vs duplicated KV")
     prefix.add_argument("--out", type=Path, default=Path("bench-results"))
     prefix.add_argument(
-        "--prefixes", type=wholes(1), default=[1024, 2048], help="shared prefix tokens"
+        "--prefixes",
+        type=wholes(CHUNK, CHUNK),
+        default=[1024, 2048],
+        help="shared prefix tokens, multiples of 256",
     )
     prefix.add_argument(
         "--batches", type=wholes(1), default=[1, 8, 32], help="requests decoded at once"
     )
-    prefix.add_argument("--new-tokens", type=whole(1), default=64)
+    prefix.add_argument(
+        "--new-tokens",
+        type=whole(2),
+        default=64,
+        help="per request, at least 2 (decoding speed counts those after the first)",
+    )
     prefix.add_argument(
         "--repeats",
         type=whole(1),
@@ -118,7 +145,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--out", type=Path, default=Path("bench-results"))
     serve.add_argument("--clients", type=whole(1), default=32, help="at once (default 32)")
     serve.add_argument("--requests", type=whole(1), default=32, help="per case (default 32)")
-    serve.add_argument("--context-tokens", type=whole(1), default=2048, help="shared context")
+    serve.add_argument(
+        "--context-tokens",
+        type=whole(CHUNK, step=CHUNK),
+        default=2048,
+        help="shared context, a multiple of 256",
+    )
     serve.add_argument("--new-tokens", type=whole(1), default=32)
     serve.add_argument("--model", default=None, help=MODEL_HELP)
     serve.add_argument("--dtype", default="float32")
