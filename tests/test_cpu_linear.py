@@ -17,6 +17,7 @@ from helpers import build_tiny, needs_onednn, onednn_calls, tiny_config
 from torch import nn
 from transformers import LlamaForCausalLM
 
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.model import cpu_attention, cpu_linear
 from rag_kvcache.model.cpu_linear import (
     AVAILABLE,
@@ -224,7 +225,7 @@ def test_onednn_is_chosen_on_amd_processors_unless_set_by_hand() -> None:
         assert cpu_linear.chooses_onednn("onednn", vendor)
         assert cpu_linear.chooses_onednn("ONEDNN", vendor)
         assert not cpu_linear.chooses_onednn("torch", vendor)
-    with pytest.raises(ValueError, match="RAG_KVCACHE_CPU_KERNELS='mkl'.*auto, onednn, torch"):
+    with pytest.raises(ConfigError, match="RAG_KVCACHE_CPU_KERNELS='mkl'.*auto, onednn, torch"):
         cpu_linear.chooses_onednn("mkl", amd)
 
 
@@ -265,9 +266,18 @@ def test_the_environment_variable_is_read_when_the_library_loads(setting: str, c
     assert got == (available if chosen == "AVAILABLE" else "False")
 
 
-def test_a_bad_setting_stops_the_library_loading_with_its_name() -> None:
+def test_a_bad_setting_is_refused_when_a_model_loads_with_its_name(tmp_path: Path) -> None:
+    """Not when the library is imported (a traceback from `import`), but as the CLI's one-line
+    error when a model would load, before anything does."""
     env = {**os.environ, cpu_linear.KERNELS_ENV: "fastest"}
-    code = "import rag_kvcache.model.cpu_linear"
+    code = "from rag_kvcache import RagKVCache; from rag_kvcache.model import cpu_linear as c; "
+    code += "print(c.CHOSEN)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode != 0
-    assert "RAG_KVCACHE_CPU_KERNELS='fastest': expected one of auto, onednn, torch" in out.stderr
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr
+    cli = [sys.executable, "-m", "rag_kvcache.tools.cli", "bench", "ttft", "--dtypes", "float32"]
+    cli += ["--contexts", "256", "--strategies", "naive", "--out", str(tmp_path)]
+    out = subprocess.run(cli, env=env, capture_output=True, text=True)
+    said = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in said, said
+    assert "RAG_KVCACHE_CPU_KERNELS='fastest': expected one of auto, onednn, torch" in said
+    assert not list(tmp_path.glob("*.json"))

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rag_kvcache.errors import ConfigError
+
 
 def _works() -> bool:
     """Is the private op there, taking the arguments it took when this was written, and
@@ -70,12 +72,27 @@ def chooses_onednn(setting: str | None, vendor: str) -> bool:
     where it was measured faster than torch's own kernels (see the module's docstring)."""
     choice = (setting or "auto").strip().lower()
     if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNELS_ENV}={setting!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+        raise ConfigError(f"{KERNELS_ENV}={setting!r}: expected one of {', '.join(KERNEL_CHOICES)}")
     return choice == "onednn" or (choice == "auto" and vendor == "AuthenticAMD")
 
 
-# oneDNN computes on this machine (where it also serves: `onednn_enabled`); asked once
-CHOSEN = AVAILABLE and chooses_onednn(os.environ.get(KERNELS_ENV), cpu_vendor())
+SETTING = os.environ.get(KERNELS_ENV)  # read once, as the library loads
+
+
+def check_setting() -> None:
+    """Raise ConfigError if `KERNELS_ENV` held no known choice as the library loaded (loading
+    a model asks: importing the library is no place to fail)."""
+    chooses_onednn(SETTING, "")
+
+
+def _chosen_here() -> bool:
+    try:
+        return AVAILABLE and chooses_onednn(SETTING, cpu_vendor())
+    except ConfigError:  # refused when a model loads (`check_setting`)
+        return False
+
+
+CHOSEN = _chosen_here()  # oneDNN computes here (where it also serves: `onednn_enabled`)
 
 
 def onednn_enabled() -> bool:

@@ -36,6 +36,7 @@ from rag_kvcache.errors import (
     RagKVCacheError,
     UnsupportedModelError,
 )
+from rag_kvcache.model import cpu_linear
 from rag_kvcache.model.adapter import ATTENTION, register_attention, rope_frequencies
 from rag_kvcache.model.cpu_linear import use_onednn_linears
 
@@ -402,6 +403,7 @@ def load_model(
     is `STORED_LORA`, `stored_adapter(base fingerprint)` gives the adapter's bytes (the
     engine's store: `KVStore.adapter`)."""
     config = config or ModelConfig()
+    cpu_linear.check_setting()  # a bad RAG_KVCACHE_CPU_KERNELS, before anything loads
     if config.threads:
         torch.set_num_threads(config.threads)
     path = check_model_source(config)
