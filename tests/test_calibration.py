@@ -4,6 +4,7 @@ the file format's refusals, and a training run that lowers the KL to prefill and
 import math
 import struct
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -326,3 +327,19 @@ def test_a_calibration_kept_in_the_catalog_reaches_every_engine_on_it(
     assert catalog.model_files() == [] and second.store.verify(repair=False).damaged_files == []
     with pytest.raises(CalibrationError, match="rag-kvcache calibrate"):  # none: train one
         second.generate("Who is the mayor?", ids, strategy="naive+calibrated")
+
+
+def test_a_failed_atomic_write_names_its_file_and_leaves_no_temporary(tmp_path: Path) -> None:
+    """A folder where the file goes (a report's `ttft.json`): the error was the temporary's,
+    `ttft.json.tmp`, which stayed beside it."""
+    from rag_kvcache.model.calibration_file import write_atomically
+
+    (tmp_path / "ttft.json").mkdir()
+    with pytest.raises(IsADirectoryError) as failed:
+        write_atomically(tmp_path / "ttft.json", b"{}")
+    assert failed.value.filename == str(tmp_path / "ttft.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ttft.json"]
+    assert (
+        write_atomically(tmp_path / "ok.json", b"{}")
+        and (tmp_path / "ok.json").read_bytes() == b"{}"
+    )

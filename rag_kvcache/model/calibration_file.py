@@ -11,10 +11,16 @@ from rag_kvcache.errors import CalibrationError
 
 
 def write_atomically(path: Path, data: bytes) -> str:
-    """Write `data` to `path` through a temporary beside it; returns its sha256."""
+    """Write `data` to `path` through a temporary beside it; returns its sha256. A write that
+    fails leaves no temporary, and its OSError names `path` (a folder of that name was
+    reported as the temporary's error, and the temporary stayed)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     return hashlib.sha256(data).hexdigest()
 
 
