@@ -14,6 +14,7 @@ from rag_kvcache.config import StoreConfig
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.model import cpu_linear
 from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.strategy import DEFAULT
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.cli import store as cli_store
 from rag_kvcache.tools.cli.documents import unknown_command
@@ -828,11 +829,12 @@ class Stopped(Exception):
 
 
 @pytest.mark.slow  # random:tiny carries SmolLM2's tokenizer
-@pytest.mark.parametrize("bench", ["ttft", "prefix", "store"])
+@pytest.mark.parametrize("bench", ["ttft", "prefix", "store", "serve", "ingest"])
 def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatch, bench) -> None:
-    """The long benches write their report after every context (ttft) or case (prefix),
-    marked incomplete until the last: a run stopped by a time limit or a crash at a size the
-    device cannot hold keeps what it measured before."""
+    """The benches write their report after every context (ttft, store), case (prefix,
+    serve) or dtype (ingest), marked incomplete until the last: a run stopped by a time limit,
+    Ctrl-C or a crash at a size the device cannot hold keeps what it measured before (serve
+    and ingest wrote nothing until the end)."""
     import importlib
 
     module = importlib.import_module(f"rag_kvcache.tools.bench.{bench}")
@@ -844,13 +846,20 @@ def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(module, "save_report", save_then_stop)
     model = ["--model", "random:tiny", "--out", str(tmp_path)]
+    once = ["--repeats", "1", *model]
+    (tmp_path / "doc.md").write_text("The tide bell of Velmora rings at noon.")
     args = {
-        "ttft": ["--dtypes", "float32", "--contexts", "256,512", "--strategies", "naive"],
-        "prefix": ["--prefixes", "256", "--batches", "1,2", "--new-tokens", "2"],
-        "store": ["--dtypes", "float32", "--contexts", "256,512", "--strategy", "naive"],
+        "ttft": ["--dtypes", "float32", "--contexts", "256,512", "--strategies", "naive", *once],
+        "prefix": ["--prefixes", "256", "--batches", "1,2", "--new-tokens", "2", *once],
+        "store": ["--dtypes", "float32", "--contexts", "256,512", "--strategy", "naive", *once],
+        "serve": ["--clients", "2", "--requests", "2", "--context-tokens", "256", *model],
+        # (SmolLM2: ingest measures the library's own model)
+        "ingest": ["--dtypes", "float32,bfloat16", "--repeats", "1", str(tmp_path / "doc.md")],
     }[bench]
+    if bench == "ingest":
+        args += ["--out", str(tmp_path)]
     with pytest.raises(Stopped):
-        main(["bench", bench, *args, "--repeats", "1", *model])
+        main(["bench", bench, *args])
     report = json.loads((tmp_path / f"{bench}.json").read_text())
     assert report["complete"] is False and (tmp_path / f"{bench}.png").stat().st_size > 10_000
     rows = report["rows"]
@@ -860,6 +869,11 @@ def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatc
     elif bench == "store":  # the first context's tiers, nothing of the second
         assert rows[0]["tier"] == "prefill" and {"disk", "memory"} <= {r["tier"] for r in rows}
         assert len({r["context_tokens"] for r in rows}) == 1
+    elif bench == "serve":  # the first case: the shared context, one client
+        assert [(r["context"], r["clients"]) for r in rows] == [("shared", 1)]
+        assert report["strategy"] == str(DEFAULT)  # what was served
+    elif bench == "ingest":  # the first dtype
+        assert [r["dtype"] for r in rows] == ["float32"]
     else:  # the first case: batch 1, both methods
         assert {(r["batch"], r["method"]) for r in rows} == {(1, "prefix tree"), (1, "duplicated")}
 
@@ -1045,3 +1059,17 @@ def test_the_stage_plot_of_prefill_alone_is_no_plot(tmp_path: Path) -> None:
     linked = StageRow("float32", 256, "naive", 0.1, {"place": 0.02, "forward": 0.08})
     plot_stages([*only, linked], tmp_path / "stages.png")
     assert (tmp_path / "stages.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow  # the ingest bench measures SmolLM2
+def test_the_ingest_bench_counts_a_repeated_chunk_as_it_comes(tmp_path: Path) -> None:
+    """Chunks counted every listing and tokens each stored chunk once (1627 chunks of 438
+    tokens), and the KV bytes per token came out negative for a corpus of few distinct
+    chunks (the system prefix's float32 bytes taken from the blobs' bfloat16 ones)."""
+    from rag_kvcache.tools.bench.ingest import bench_dtype
+
+    (tmp_path / "rep.md").write_text("The tide bell rings at noon. " * 40 + "\n\nThe harbor.")
+    row = bench_dtype("float32", [tmp_path / "rep.md"], 8, 1, tmp_path)
+    assert row.chunks > 30 and row.tokens > 7 * row.chunks  # chunks of 8 tokens, the last less
+    # SmolLM2's KV per token in bfloat16 (the durable tier's default), plus the blobs' headers
+    assert 23_040 <= row.kv_bytes_per_token < 1.05 * 23_040

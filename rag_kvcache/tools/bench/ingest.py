@@ -55,10 +55,16 @@ def bench_dtype(
         done = run_ingest(engine, plan)
         runs.append(time.perf_counter() - start)
         encode_runs.append(sum(d.encode_s for d in done))
-        chunks = sum(len(d.cache_ids) for d in done)
-        rows = engine.corpus.catalog.chunks([c for d in done for c in d.cache_ids])
-        tokens = sum(r.token_count for r in rows.values())
-        nbytes = engine.store.nbytes() - engine.store.get([engine.prefix_id])[0].nbytes
+        # chunks and tokens as the documents list them (a repeated chunk is cached once but
+        # counted as often as it comes: tokens had counted it once, so could be fewer than
+        # chunks); the KV bytes per token stored are of the chunks stored, each once, as
+        # their blobs hold them (the store's bytes less the system prefix's in memory went
+        # negative for a corpus of few distinct chunks)
+        listed = [c for d in done for c in d.cache_ids]
+        rows = engine.corpus.catalog.chunks(listed)
+        chunks, tokens = len(listed), sum(rows[c].token_count for c in listed)
+        stored_tokens = sum(r.token_count for r in rows.values())
+        nbytes = sum(r.nbytes for r in rows.values())
     if not chunks:  # nothing to divide by
         raise ConfigError(
             f"no text to ingest in {', '.join(map(str, paths))}: empty, binary or unreadable files"
@@ -74,7 +80,7 @@ def bench_dtype(
         chunks_per_s=chunks / seconds,
         tokens_per_s=tokens / seconds,
         encode_chunks_per_s=chunks / encode_seconds,
-        kv_bytes_per_token=nbytes / tokens,
+        kv_bytes_per_token=nbytes / stored_tokens,
     )
 
 
@@ -89,21 +95,24 @@ def run_ingest_bench(
     paths = paths or [sample_corpus_dir()]
     if missing := [str(p) for p in paths if not p.exists()]:  # before any model loads
         raise ConfigError(f"nothing at {', '.join(missing)}: give files or folders to ingest")
-    rows = []
+    rows: list[IngestRow] = []
+    report: dict[str, object] = {}
     with Progress() as progress, tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         task = progress.add_task("ingest bench", total=len(dtypes))
         for dtype in dtypes:
             rows.append(bench_dtype(dtype, paths, chunk_tokens, repeats, Path(tmp)))
+            report = save_report(  # after each dtype: a stopped run keeps what it measured
+                out_dir,
+                "ingest",
+                rows,
+                lambda path: plot_ingest(rows, path),
+                complete=len(rows) == len(dtypes),
+                corpus=[str(p) for p in paths],
+                chunk_tokens=chunk_tokens,
+                repeats=repeats,
+            )
             progress.advance(task)
-    return save_report(
-        out_dir,
-        "ingest",
-        rows,
-        lambda path: plot_ingest(rows, path),
-        corpus=[str(p) for p in paths],
-        chunk_tokens=chunk_tokens,
-        repeats=repeats,
-    )
+    return report
 
 
 def plot_ingest(rows: list[IngestRow], path: Path) -> None:

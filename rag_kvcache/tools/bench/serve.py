@@ -228,23 +228,33 @@ def run_serve_bench(
         "shared": [(q, popular) for q in questions],
         "distinct": [(q, rest[i * own : (i + 1) * own]) for i, q in enumerate(questions)],
     }
-    rows = []
-    with LocalServer(engine) as url, Progress() as progress:
-        task = progress.add_task("bench serve", total=2 * len(cases))
-        for context, work in cases.items():
-            for n in (1, clients):
-                rows.append(run_case(engine, url, context, work, n, new_tokens))
-                progress.advance(task)
-    engine.close()
-    return save_report(
-        out_dir,
-        "serve",
-        rows,
-        lambda path: plot_serve(rows, path),
-        model=lm.name,
-        dtype=dtype,
-        new_tokens=new_tokens,
-    )
+    rows: list[ServeRow] = []
+
+    def save() -> dict[str, object]:  # after each case: a stopped run keeps what it measured
+        return save_report(
+            out_dir,
+            "serve",
+            rows,
+            lambda path: plot_serve(rows, path),
+            complete=len(rows) == 2 * len(cases),
+            model=lm.name,
+            dtype=dtype,
+            strategy=str(engine.config.strategy),
+            new_tokens=new_tokens,
+        )
+
+    report: dict[str, object] = {}
+    try:
+        with LocalServer(engine) as url, Progress() as progress:
+            task = progress.add_task("bench serve", total=2 * len(cases))
+            for context, work in cases.items():
+                for n in (1, clients):
+                    rows.append(run_case(engine, url, context, work, n, new_tokens))
+                    report = save()
+                    progress.advance(task)
+    finally:
+        engine.close()
+    return report
 
 
 def plot_serve(rows: list[ServeRow], path: Path) -> None:
@@ -256,7 +266,7 @@ def plot_serve(rows: list[ServeRow], path: Path) -> None:
     fig, (speed, ttft) = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{r.context}\n{r.clients} at once" for r in rows]
     x = range(len(rows))
-    speed.bar(x, [r.tokens_per_s for r in rows], color=["C0", "C1"] * (len(rows) // 2))
+    speed.bar(x, [r.tokens_per_s for r in rows], color=[f"C{i % 2}" for i in x])
     speed.set_xticks(list(x), labels)
     speed.set_ylabel("generated tokens / s")
     speed.set_title("throughput")
