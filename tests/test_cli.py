@@ -94,7 +94,7 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys, monkeypat
 
 
 @pytest.mark.slow  # SmolLM2 (and Redis where it is reachable)
-def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
+def test_bench_store_covers_every_tier(tmp_path: Path, capsys) -> None:
     assert (
         main(
             [
@@ -114,6 +114,9 @@ def test_bench_store_covers_every_tier(tmp_path: Path) -> None:
         )
         == 0
     )
+    # printed into a pipe (here pytest's), its table was cut to 80 columns: "floa…", "disk…"
+    out = capsys.readouterr().out
+    assert "…" not in out and "disk (read whole)" in out and "float32" in out, out
     report = json.loads((tmp_path / "store.json").read_text())
     assert report["strategy"] == "naive+reversed+top:1+window:128"  # timed from every tier
     rows = report["rows"]

@@ -331,6 +331,8 @@ def plot_store(rows: list[TierRow], path: Path) -> None:
             ylabel="TTFT (s)",
             title=f"TTFT by where chunks come from, {dtype}, {mine[0].context_tokens} tokens",
         )
+        ax.tick_params(axis="x", rotation=30)  # "disk (read whole)" and its neighbours overlapped
+        plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 
 CHUNK = 256  # tokens in a chunk of `bench ttft` and `bench store`: a context holds one or more
+LOG_WIDTH = 200  # columns a bench's table may take when printed into a log or a pipe
 
 
 def link_strategies(text: str) -> list[str]:
@@ -692,8 +693,13 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
     table = Table(*columns)
     for row in report["rows"]:  # type: ignore[attr-defined]
         table.add_row(*(cell(row) for cell in columns.values()))
+    if not console.is_terminal:  # into a log or a pipe rich assumed 80 columns: "floa…" cells
+        console.width = max(console.width, LOG_WIDTH)
     console.print(table)
-    console.print(f"wrote {args.out / args.kind}.json and .png", markup=False, highlight=False)
+    wrote = f"{args.out / args.kind}.json and .png"
+    if args.kind == "ttft":
+        wrote += f" (and {args.out / 'ttft_stages.png'})"
+    console.print(f"wrote {wrote}", markup=False, highlight=False)
     return 0
 
 
