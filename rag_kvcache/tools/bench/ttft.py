@@ -304,7 +304,9 @@ def plot_stages(rows: list[StageRow], path: Path) -> None:
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.set(
             ylabel="ms",
-            title=f"TTFT by stage, {context} tokens, {dtype}\n(prefill: {1000 * prefill_s:.0f} ms)",
+            # one extra request per bar, the prefill's too (the table's are medians)
+            title=f"TTFT by stage, {context} tokens, {dtype}, one request each\n"
+            f"(prefill: {1000 * prefill_s:.0f} ms)",
         )
         ax.tick_params(axis="x", rotation=40)
         ax.grid(True, axis="y", alpha=0.3)
