@@ -343,3 +343,8 @@ def test_a_failed_atomic_write_names_its_file_and_leaves_no_temporary(tmp_path: 
         write_atomically(tmp_path / "ok.json", b"{}")
         and (tmp_path / "ok.json").read_bytes() == b"{}"
     )
+    (tmp_path / "x.json").mkdir()  # a folder where the temporary goes: still the file's error
+    (tmp_path / "x.json.tmp").mkdir()
+    with pytest.raises(IsADirectoryError) as failed:
+        write_atomically(tmp_path / "x.json", b"{}")
+    assert failed.value.filename == str(tmp_path / "x.json")

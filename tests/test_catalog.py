@@ -719,10 +719,12 @@ def test_a_chunk_listed_while_another_drops_it_is_neither_lost_nor_listed_dangli
     assert inside.wait(10)
     two = threading.Thread(target=run, args=("second", calls[1]), name="second")
     two.start()
-    assert _waits_on_a_lock(target)  # the second waits on the first's locks (not a race)
-    go.set()
-    one.join(10)
-    two.join(10)
+    try:
+        assert _waits_on_a_lock(target)  # the second waits on the first's locks (not a race)
+    finally:  # (a failed wait lets both finish and go, not hold their transactions)
+        go.set()
+        one.join(10)
+        two.join(10)
     listed = a.document_chunks("a.md")
     if listed_first:  # X stays, listed by A's document
         assert listed == ["x" * 32] and a.chunk("x" * 32) is not None

@@ -3,6 +3,7 @@ asserted: only that reports are complete and consistent)."""
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -303,6 +304,7 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
         (["bench", "prefix", "--new-tokens", "1"], "--new-tokens: at least 2, not 1"),
         # measured twice, then the stage plot failed and the run was lost
         (["bench", "ttft", "--strategies", "naive,prefill"], "prefill is the baseline, always"),
+        (["bench", "ttft", "--strategies", "prefill+top:0"], "prefill is the baseline, always"),
         (["bench", "store", "--contexts", "4096,4096"], "--contexts: a value is given twice"),
         (["bench", "prefix", "--batches", "0"], "--batches: at least 1, not 0"),
         (["bench", "ingest", "--chunk-tokens", "0"], "--chunk-tokens: at least 1, not 0"),
@@ -885,14 +887,14 @@ def test_a_bench_stopped_early_keeps_what_it_measured(tmp_path: Path, monkeypatc
 def test_bench_ttft_refuses_a_context_past_the_window_before_encoding(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    """`--contexts 1000000` encoded chunks up to the window (minutes) before it failed."""
+    """`--contexts 1000192` encoded chunks up to the window (minutes) before it failed."""
     import rag_kvcache.tools.bench.ttft as ttft
 
     def encoded(*args: object) -> None:
         raise AssertionError("a chunk was encoded")
 
     monkeypatch.setattr(ttft, "cache_chunks", encoded)
-    args = ["bench", "ttft", "--model", "random:tiny", "--contexts", "512,1000000"]
+    args = ["bench", "ttft", "--model", "random:tiny", "--contexts", "512,1000192"]
     assert main([*args, "--strategies", "naive", "--out", str(tmp_path)]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "past random-tiny's window of 32768 tokens" in out and "Traceback" not in out
@@ -1059,9 +1061,36 @@ def test_the_stage_plot_of_prefill_alone_is_no_plot(tmp_path: Path) -> None:
     only = [StageRow("float32", 256, "prefill", 0.5, {"forward": 0.5})]
     plot_stages(only, tmp_path / "stages.png")
     assert not (tmp_path / "stages.png").exists()
-    linked = StageRow("float32", 256, "naive", 0.1, {"place": 0.02, "forward": 0.08})
-    plot_stages([*only, linked], tmp_path / "stages.png")
+    linked = StageRow("float32", 512, "naive", 0.1, {"place": 0.02, "forward": 0.08})
+    plot_stages([*only, linked], tmp_path / "stages.png")  # a cell of prefill alone beside it
     assert (tmp_path / "stages.png").stat().st_size > 10_000
+
+
+def test_the_benches_python_functions_refuse_what_the_cli_refuses(tmp_path: Path) -> None:
+    """Called from Python (the GPU kit does), not only through the CLI's flags; each before
+    any model loads."""
+    from rag_kvcache.tools.bench.prefix import run_prefix_bench
+    from rag_kvcache.tools.bench.serve import run_serve_bench
+    from rag_kvcache.tools.bench.ttft import run_ttft_bench
+
+    out = tmp_path / "out"
+    refused = {
+        "prefill is the baseline": lambda: run_ttft_bench(
+            out, ["float32"], [256], ["prefill+top:0"]
+        ),
+        "contexts must be multiples of 256 tokens, not [300]": lambda: run_ttft_bench(
+            out, ["float32"], [256, 300], ["naive"]
+        ),
+        "prefixes must be multiples of 256 tokens, not [100]": lambda: run_prefix_bench(
+            out, [100], [1]
+        ),
+        "new_tokens must be at least 2, not 1": lambda: run_prefix_bench(out, [256], [1], 1),
+        "context_tokens must be multiples of 256": lambda: run_serve_bench(out, context_tokens=300),
+    }
+    for phrase, call in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(phrase)):
+            call()
+    assert not out.exists()
 
 
 @pytest.mark.slow  # the ingest bench measures SmolLM2

@@ -3,6 +3,7 @@ metadata, written atomically with their sha256 and read back with clear errors; 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -19,7 +20,10 @@ def write_atomically(path: Path, data: bytes) -> str:
         tmp.write_bytes(data)
         tmp.replace(path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a folder named as the temporary stays)
+            tmp.unlink(missing_ok=True)
+        if e.errno is None:
+            raise
         raise OSError(e.errno, e.strerror, str(path)) from e
     return hashlib.sha256(data).hexdigest()
 

@@ -70,13 +70,14 @@ def chooses_onednn(setting: str | None, vendor: str) -> bool:
     """Should float32 linears and attention compute by oneDNN, given `KERNELS_ENV`'s value
     (None: unset) and `cpu_vendor()`: by hand when set, else on AMD processors only, the CPUs
     where it was measured faster than torch's own kernels (see the module's docstring)."""
-    choice = (setting or "auto").strip().lower()
+    choice = (setting or "").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"{KERNELS_ENV}={setting!r}: expected one of {', '.join(KERNEL_CHOICES)}")
     return choice == "onednn" or (choice == "auto" and vendor == "AuthenticAMD")
 
 
-SETTING = os.environ.get(KERNELS_ENV)  # read once, as the library loads
+# read once, as the library loads: set the variable before importing it
+SETTING = os.environ.get(KERNELS_ENV)
 
 
 def check_setting() -> None:
@@ -100,7 +101,7 @@ def onednn_enabled() -> bool:
     (`CHOSEN`), oneDNN is not switched off (`torch.backends.mkldnn.enabled`) and no CPU
     autocast is on (which torch's own ops obey and the op would not). The linears and
     attention (`cpu_attention`) both ask."""
-    on = CHOSEN and bool(torch.backends.mkldnn.enabled)
+    on = AVAILABLE and CHOSEN and bool(torch.backends.mkldnn.enabled)
     return on and not torch.is_autocast_enabled("cpu")
 
 

@@ -483,6 +483,7 @@ def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
     linear layers compute float32 on the CPU with oneDNN from then on where this CPU takes it
     (`cpu_linear.CHOSEN`)."""
     check_supported(model.config, model)
+    cpu_linear.check_setting()
     use_onednn_linears(model)
     register_attention()
     if model.config._attn_implementation in ("sdpa", ATTENTION):

@@ -1,3 +1,16 @@
 """Benchmarks (`rag-kvcache bench ...`): each writes JSON and a PNG plot, measuring ratios side
 by side in one run.
 """
+
+from __future__ import annotations
+
+from rag_kvcache.errors import ConfigError
+
+CHUNK_TOKENS = 256  # tokens in a chunk of every bench's contexts (as `ingest` cuts them)
+
+
+def check_whole_chunks(what: str, tokens: list[int], chunk: int = CHUNK_TOKENS) -> None:
+    """Each count of tokens is one or more whole chunks: a context of 300 was cut to one chunk
+    (two rows named 320), a prefix of 100 to none (the system prompt alone)."""
+    if bad := [t for t in tokens if t < chunk or t % chunk]:
+        raise ConfigError(f"{what} must be multiples of {chunk} tokens, not {bad}")

@@ -20,13 +20,13 @@ from rich.progress import Progress
 
 from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig
 from rag_kvcache.engine import RagKVCache
+from rag_kvcache.errors import ConfigError
 from rag_kvcache.model.adapter import build_cache, forward, unpack_cache
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.serving.batch import BatchRequest
+from rag_kvcache.tools.bench import CHUNK_TOKENS, check_whole_chunks
 from rag_kvcache.tools.bench.profile import write_profile
 from rag_kvcache.tools.bench.report import cache_chunks, corpus_tokens, save_report
-
-CHUNK_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,9 @@ def run_prefix_bench(
     """`bench prefix`: every (prefix, batch) case shared, then unshared at the first prefix,
     the report written after each; with `profile`, an operator table of each method per case
     under `out_dir/profiles/`."""
+    check_whole_chunks("prefixes", prefixes)
+    if new_tokens < 2:  # decoding speed counts the tokens after the first
+        raise ConfigError(f"new_tokens must be at least 2, not {new_tokens}")
     out_dir.mkdir(parents=True, exist_ok=True)
     lm = load_model(ModelConfig(path=model_path, dtype=dtype, device=device))
     rows: list[PrefixRow] = []

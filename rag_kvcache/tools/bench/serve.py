@@ -35,12 +35,11 @@ from rich.progress import Progress
 from rag_kvcache.config import EngineConfig, GenerationConfig, ModelConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.model.loading import load_model
+from rag_kvcache.tools.bench import CHUNK_TOKENS, check_whole_chunks
 from rag_kvcache.tools.bench.report import cache_chunks, corpus_tokens, save_report
 
 if TYPE_CHECKING:
     import httpx
-
-CHUNK_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -208,6 +207,7 @@ def run_serve_bench(
     model_path: str | None = None,
     dtype: str = "float32",
 ) -> dict[str, object]:
+    check_whole_chunks("context_tokens", [context_tokens])
     out_dir.mkdir(parents=True, exist_ok=True)
     lm = load_model(ModelConfig(path=model_path, dtype=dtype))
     engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=new_tokens)), lm=lm)

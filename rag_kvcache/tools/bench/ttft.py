@@ -30,6 +30,7 @@ from rag_kvcache.model.graphs import paused
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.strategy import DEFAULT, PREFILL, Strategy
 from rag_kvcache.timing import stage_seconds
+from rag_kvcache.tools.bench import CHUNK_TOKENS, check_whole_chunks
 from rag_kvcache.tools.bench.profile import file_name, write_profile
 from rag_kvcache.tools.bench.report import (
     bench_engines,
@@ -167,7 +168,7 @@ def run_ttft_bench(
     dtypes: list[str],
     contexts: list[int],
     strategies: list[str] | list[Strategy],
-    chunk_tokens: int = 256,
+    chunk_tokens: int = CHUNK_TOKENS,
     question_tokens: int = 32,
     repeats: int = 3,
     model_path: str | None = None,
@@ -181,6 +182,9 @@ def run_ttft_bench(
     `out_dir/profiles/`."""
     modes = GRAPH_MODES[cuda_graphs] if device.startswith("cuda") else (False,)
     parsed = [Strategy.parse(s) for s in strategies]  # a bad name fails before any load
+    if PREFILL in parsed:  # (measured twice; the baseline is always measured)
+        raise ConfigError("prefill is the baseline, always measured: name link strategies only")
+    check_whole_chunks("contexts", contexts, chunk_tokens)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[TTFTRow] = []
     stage_rows: list[StageRow] = []
@@ -288,14 +292,15 @@ def plot_stages(rows: list[StageRow], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = list(dict.fromkeys((r.dtype, r.context_tokens) for r in rows))
-    if not any(r.strategy != str(PREFILL) for r in rows):  # no link strategy: no bars
+    linked = [r for r in rows if r.strategy != str(PREFILL)]
+    cells = list(dict.fromkeys((r.dtype, r.context_tokens) for r in linked))
+    if not cells:  # no link strategy measured: no bars to stack
         return
     fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4.5), squeeze=False)
     for ax, (dtype, context) in zip(axes[0], cells, strict=True):
         cell = [r for r in rows if (r.dtype, r.context_tokens) == (dtype, context)]
         prefill_s = next((r.ttft_s for r in cell if r.strategy == str(PREFILL)), float("nan"))
-        mine = [r for r in cell if r.strategy != str(PREFILL)]
+        mine = [r for r in cell if r.strategy != str(PREFILL)]  # one or more (`cells`)
         names = [r.strategy for r in mine]
         bottom = [0.0] * len(mine)
         for stage in mine[0].stages:

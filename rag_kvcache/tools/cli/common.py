@@ -29,7 +29,7 @@ def csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def whole(least: int, most: int | None = None, step: int = 1) -> Callable[[str], int]:
+def whole(least: int, most: int | None = None, *, step: int = 1) -> Callable[[str], int]:
     """A flag's whole number of at least `least` (and at most `most`; a multiple of `step`):
     argparse names the flag in the error (a zero count hung `bench serve`, and others failed
     with a traceback after loading the model; a context of 300 tokens was cut to one chunk)."""
@@ -50,7 +50,7 @@ def whole(least: int, most: int | None = None, step: int = 1) -> Callable[[str],
     return parse
 
 
-def wholes(least: int, step: int = 1) -> Callable[[str], list[int]]:
+def wholes(least: int, *, step: int = 1) -> Callable[[str], list[int]]:
     """Comma-separated whole numbers of at least `least` (multiples of `step`), each once."""
     one = whole(least, step=step)
     return lambda text: _distinct(text, [one(t) for t in csv_list(text)])

@@ -4,6 +4,7 @@ departs from prefill's, and the benchmarks (JSON + plots)."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from rag_kvcache.tools.bench import CHUNK_TOKENS
 from rag_kvcache.tools.cli.common import (
     MODEL_HELP,
     dtype_list,
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from rag_kvcache.tools.eval.results import ItemResult
 
 
-CHUNK = 256  # tokens in a chunk of `bench ttft` and `bench store`: a context holds one or more
+CHUNK = CHUNK_TOKENS  # a bench's contexts and prefixes hold one or more whole chunks
 LOG_WIDTH = 200  # columns a bench's table may take when printed into a log or a pipe
 
 
@@ -35,11 +37,22 @@ def link_strategies(text: str) -> list[str]:
     """`strategy_list` without `prefill`, the baseline `bench ttft` always measures (asked for,
     it was measured twice and the stage plot failed, losing the run)."""
     names = strategy_list(text)
-    if any(n.strip().lower() == "prefill" for n in names):
+    if any(_is_prefill(n) for n in names):
         raise argparse.ArgumentTypeError(
             "prefill is the baseline, always measured: name link strategies only"
         )
     return names
+
+
+def _is_prefill(name: str) -> bool:
+    """Does a strategy's name parse to plain prefill (`prefill+top:0` does too)? A name that
+    does not parse is refused later, with the grammar."""
+    from rag_kvcache.strategy import PREFILL, Strategy
+
+    try:
+        return Strategy.parse(name) == PREFILL
+    except Exception:  # any parse failure: the bench's own check names it
+        return False
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -50,7 +63,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ttft.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     ttft.add_argument(
         "--contexts",
-        type=wholes(CHUNK, CHUNK),
+        type=wholes(CHUNK, step=CHUNK),
         default=[1024, 2048, 4096],
         help="context tokens, multiples of 256",
     )
@@ -88,7 +101,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     store.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     store.add_argument(
         "--contexts",
-        type=wholes(CHUNK, CHUNK),
+        type=wholes(CHUNK, step=CHUNK),
         default=[4096],
         help="context tokens, multiples of 256",
     )
@@ -108,7 +121,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     prefix.add_argument("--out", type=Path, default=Path("bench-results"))
     prefix.add_argument(
         "--prefixes",
-        type=wholes(CHUNK, CHUNK),
+        type=wholes(CHUNK, step=CHUNK),
         default=[1024, 2048],
         help="shared prefix tokens, multiples of 256",
     )
@@ -693,8 +706,8 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
     table = Table(*columns)
     for row in report["rows"]:  # type: ignore[attr-defined]
         table.add_row(*(cell(row) for cell in columns.values()))
-    if not console.is_terminal:  # into a log or a pipe rich assumed 80 columns: "floa…" cells
-        console.width = max(console.width, LOG_WIDTH)
+    if not console.is_terminal and "COLUMNS" not in os.environ:  # a log or a pipe: rich
+        console.width = max(console.width, LOG_WIDTH)  # took 80 columns, cut cells to "floa…"
     console.print(table)
     wrote = f"{args.out / args.kind}.json and .png"
     if args.kind == "ttft":
