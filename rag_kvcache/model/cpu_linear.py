@@ -15,8 +15,8 @@ layers, so every path gains (prefill a little more than the cache's short forwar
 
 On Intel processors MKL takes its fast path, and torch's own kernels are the faster ones:
 on a 2-core Xeon with AVX-512 (SmolLM2-135M, 4K tokens, alternated in one process) a prefill
-took 6.6 s with them against 7.7 s by oneDNN, `legolink:16` 0.62 s against 0.72 s, a decode
-step's linears 0.28 ms a layer against 0.62 (`demos/results/cpu/ttft-kernels-intel/`). So
+took 6.6 s with them against 7.7 s by oneDNN, `legolink:16` 0.62 s against 0.72 s, and decoding
+ran at 19.2 tokens/s against 14.1 (`demos/results/cpu/ttft-kernels-intel/`). So
 oneDNN computes only where it was measured faster, on AMD processors (`CHOSEN`);
 `RAG_KVCACHE_CPU_KERNELS=onednn` or `torch` chooses by hand, to measure another CPU both ways.
 """
