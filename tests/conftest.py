@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 from tiny_tokenizer import build_tokenizer
 
 from rag_kvcache.config import ModelConfig
-from rag_kvcache.model import cpu_linear
+from rag_kvcache.model import cpu_kernels
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.storage.catalog import Catalog
 
@@ -46,8 +46,8 @@ def tiny_tokenizer() -> object:
 @pytest.fixture
 def onednn_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN computes (where torch has it) whatever this CPU's maker: for the tests of its own
-    path, which the library takes on AMD processors only (`cpu_linear.CHOSEN`)."""
-    monkeypatch.setattr(cpu_linear, "CHOSEN", cpu_linear.AVAILABLE)
+    path, which the library takes on AMD processors only (`cpu_kernels.CHOSEN`)."""
+    monkeypatch.setattr(cpu_kernels, "CHOSEN", True)  # (computing only where AVAILABLE)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from rag_kvcache.errors import ConfigError
-from rag_kvcache.model import cpu_attention, cpu_linear
+from rag_kvcache.model import cpu_attention, cpu_kernels, cpu_linear
 from rag_kvcache.model.cpu_linear import (
     AVAILABLE,
     OneDNNLinear,
@@ -218,15 +218,15 @@ def test_onednn_is_chosen_on_amd_processors_unless_set_by_hand() -> None:
     takes it on AMD only; the environment variable chooses by hand, in any case."""
     amd, intel = "AuthenticAMD", "GenuineIntel"
     for setting in (None, "", "  ", "auto", " Auto "):
-        assert cpu_linear.chooses_onednn(setting, amd)
-        assert not cpu_linear.chooses_onednn(setting, intel)
-        assert not cpu_linear.chooses_onednn(setting, "")  # another architecture: unmeasured
+        assert cpu_kernels.chooses_onednn(setting, amd)
+        assert not cpu_kernels.chooses_onednn(setting, intel)
+        assert not cpu_kernels.chooses_onednn(setting, "")  # another architecture: unmeasured
     for vendor in (amd, intel, ""):
-        assert cpu_linear.chooses_onednn("onednn", vendor)
-        assert cpu_linear.chooses_onednn("ONEDNN", vendor)
-        assert not cpu_linear.chooses_onednn("torch", vendor)
+        assert cpu_kernels.chooses_onednn("onednn", vendor)
+        assert cpu_kernels.chooses_onednn("ONEDNN", vendor)
+        assert not cpu_kernels.chooses_onednn("torch", vendor)
     with pytest.raises(ConfigError, match="RAG_KVCACHE_CPU_KERNELS='mkl'.*auto, onednn, torch"):
-        cpu_linear.chooses_onednn("mkl", amd)
+        cpu_kernels.chooses_onednn("mkl", amd)
 
 
 def test_the_cpu_vendor_is_the_one_the_cpu_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,7 +236,7 @@ def test_the_cpu_vendor_is_the_one_the_cpu_names(monkeypatch: pytest.MonkeyPatch
     if named:
         vendor = named[0].split(":", 1)[1].strip()
         expected = vendor if vendor in ("AuthenticAMD", "GenuineIntel") else ""
-        assert cpu_linear.cpu_vendor() == expected
+        assert cpu_kernels.cpu_vendor() == expected
     # without /proc/cpuinfo (Windows, macOS): the processor string, which Windows names it in
 
     def unreadable(self: Path, *args: object, **kwargs: object) -> str:
@@ -245,8 +245,8 @@ def test_the_cpu_vendor_is_the_one_the_cpu_names(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(Path, "read_text", unreadable)
     windows = "AMD64 Family 25 Model 33 Stepping 0, AuthenticAMD"
     for processor, vendor in ((windows, "AuthenticAMD"), ("arm", ""), ("i386", "")):
-        monkeypatch.setattr(cpu_linear.platform, "processor", lambda p=processor: p)
-        assert cpu_linear.cpu_vendor() == vendor
+        monkeypatch.setattr(cpu_kernels.platform, "processor", lambda p=processor: p)
+        assert cpu_kernels.cpu_vendor() == vendor
 
 
 def test_where_onednn_is_not_chosen_torch_computes_everything(
@@ -256,7 +256,7 @@ def test_where_onednn_is_not_chosen_torch_computes_everything(
     they nor attention (served from one score up here) call the op; the answers are torch's."""
     ids = torch.randint(3, 1000, (1, 40))
     chosen = build_tiny(torch.float32)
-    monkeypatch.setattr(cpu_linear, "CHOSEN", False)
+    monkeypatch.setattr(cpu_kernels, "CHOSEN", False)
     monkeypatch.setattr(cpu_attention, "MIN_SCORES", 1)
     plain = build_tiny(torch.float32)
     assert all(type(m) is nn.Linear for m in plain.model.modules() if isinstance(m, nn.Linear))
@@ -267,23 +267,22 @@ def test_where_onednn_is_not_chosen_torch_computes_everything(
         torch.testing.assert_close(chosen.model(ids).logits, plain.model(ids).logits)
 
 
-@pytest.mark.parametrize(("setting", "chosen"), [("torch", "False"), ("onednn", "AVAILABLE")])
+@pytest.mark.parametrize(("setting", "chosen"), [("torch", "False"), ("onednn", "True")])
 def test_the_environment_variable_is_read_when_the_library_loads(setting: str, chosen: str) -> None:
-    code = "from rag_kvcache.model import cpu_linear as c; print(c.CHOSEN, c.AVAILABLE)"
-    env = {**os.environ, cpu_linear.KERNELS_ENV: setting}
+    code = "from rag_kvcache.model import cpu_kernels as c; print(c.CHOSEN)"
+    env = {**os.environ, cpu_kernels.KERNELS_ENV: setting}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    got, available = out.stdout.split()
-    assert got == (available if chosen == "AVAILABLE" else "False")
+    assert out.stdout.split() == [chosen]
 
 
 def test_a_bad_setting_is_refused_when_a_model_loads_with_its_name(tmp_path: Path) -> None:
     """Not when the library is imported (a traceback from `import`), but as the CLI's one-line
     error when a model would load, before anything does."""
-    env = {**os.environ, cpu_linear.KERNELS_ENV: "fastest"}
-    code = "from rag_kvcache import RagKVCache; from rag_kvcache.model import cpu_linear as c; "
+    env = {**os.environ, cpu_kernels.KERNELS_ENV: "fastest"}
+    code = "from rag_kvcache import RagKVCache; from rag_kvcache.model import cpu_kernels as c; "
     code += "print(c.CHOSEN)"
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120

@@ -1,7 +1,7 @@
 """Float32 attention on the CPU by two oneDNN matmuls per KV head instead of torch's fused kernel.
 
 torch's CPU flash attention computes its float32 blocks with MKL's sgemm, which takes a slow
-code path on AMD processors (as `F.linear` does: see `cpu_linear`, whose `CHOSEN` keeps both
+code path on AMD processors (as `F.linear` does: see `cpu_linear`; `cpu_kernels` keeps both
 paths to AMD processors; on Intel's the fused kernel is the faster). Here each KV head's query
 heads are stacked as the rows of one matrix and attend by `scores = rows @ keys.T` (the cached
 keys are the matmul's weight, read where they lie), an additive mask, a softmax and

@@ -13,26 +13,19 @@ training), a torch built without oneDNN. Attention's two matmuls take the same o
 (`cpu_attention`). Prefill, encoding and linking all go through the same
 layers, so every path gains (prefill a little more than the cache's short forwards).
 
-On Intel processors MKL takes its fast path, and torch's own kernels are the faster ones:
-on a 2-core Xeon with AVX-512 (SmolLM2-135M, 4K tokens, alternated in one process) a prefill
-took 6.6 s with them against 7.7 s by oneDNN, `legolink:16` 0.62 s against 0.72 s, and decoding
-ran at 19.2 tokens/s against 14.1 (`demos/results/cpu/ttft-kernels-intel/`). So
-oneDNN computes only where it was measured faster, on AMD processors (`CHOSEN`);
-`RAG_KVCACHE_CPU_KERNELS=onednn` or `torch` chooses by hand, to measure another CPU both ways.
+On Intel processors MKL takes its fast path and torch's own kernels are the faster ones, so
+the op computes only where `cpu_kernels` chooses oneDNN (AMD processors, or by hand).
 """
 
 from __future__ import annotations
 
-import os
-import platform
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rag_kvcache.errors import ConfigError
+from rag_kvcache.model import cpu_kernels
 
 
 def _works() -> bool:
@@ -52,56 +45,13 @@ def _works() -> bool:
 
 AVAILABLE = _works()
 
-KERNELS_ENV = "RAG_KVCACHE_CPU_KERNELS"  # auto (the default), onednn or torch
-KERNEL_CHOICES = ("auto", "onednn", "torch")
-
-
-def cpu_vendor() -> str:
-    """The processor's maker as the CPU names itself ("AuthenticAMD", "GenuineIntel"), or ""
-    where it says neither (other architectures, or nothing to read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:  # not Linux: Windows names the vendor in the processor string
-        text = platform.processor()
-    return next((v for v in ("AuthenticAMD", "GenuineIntel") if v in text), "")
-
-
-def chooses_onednn(setting: str | None, vendor: str) -> bool:
-    """Should float32 linears and attention compute by oneDNN, given `KERNELS_ENV`'s value
-    (None: unset) and `cpu_vendor()`: by hand when set, else on AMD processors only, the CPUs
-    where it was measured faster than torch's own kernels (see the module's docstring)."""
-    choice = (setting or "").strip().lower() or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ConfigError(f"{KERNELS_ENV}={setting!r}: expected one of {', '.join(KERNEL_CHOICES)}")
-    return choice == "onednn" or (choice == "auto" and vendor == "AuthenticAMD")
-
-
-# read once, as the library loads: set the variable before importing it
-SETTING = os.environ.get(KERNELS_ENV)
-
-
-def check_setting() -> None:
-    """Raise ConfigError if `KERNELS_ENV` held no known choice as the library loaded (loading
-    a model asks: importing the library is no place to fail)."""
-    chooses_onednn(SETTING, "")
-
-
-def _chosen_here() -> bool:
-    try:
-        return AVAILABLE and chooses_onednn(SETTING, cpu_vendor())
-    except ConfigError:  # refused when a model loads (`check_setting`)
-        return False
-
-
-CHOSEN = _chosen_here()  # oneDNN computes here (where it also serves: `onednn_enabled`)
-
 
 def onednn_enabled() -> bool:
     """May the op compute here at all: it works (`AVAILABLE`), this CPU computes by it
-    (`CHOSEN`), oneDNN is not switched off (`torch.backends.mkldnn.enabled`) and no CPU
-    autocast is on (which torch's own ops obey and the op would not). The linears and
+    (`cpu_kernels.CHOSEN`), oneDNN is not switched off (`torch.backends.mkldnn.enabled`) and
+    no CPU autocast is on (which torch's own ops obey and the op would not). The linears and
     attention (`cpu_attention`) both ask."""
-    on = AVAILABLE and CHOSEN and bool(torch.backends.mkldnn.enabled)
+    on = AVAILABLE and cpu_kernels.CHOSEN and bool(torch.backends.mkldnn.enabled)
     return on and not torch.is_autocast_enabled("cpu")
 
 
@@ -152,9 +102,11 @@ class OneDNNLinear(nn.Linear):
 def use_onednn_linears(model: Any) -> int:
     """Make every plain `nn.Linear` of a model on the CPU a `OneDNNLinear`, in place; returns
     how many. Subclasses (quantized layers, adapters' wrappers) keep their own forward; a model
-    on a GPU, or on a CPU that computes by torch's kernels (`CHOSEN`), is left as it is (its
-    linears would only pay the checks)."""
-    if not CHOSEN or any(p.device.type != "cpu" for p in model.parameters()):
+    on a GPU, or on a CPU that computes by torch's kernels (`cpu_kernels.CHOSEN`, as it was
+    when the model loaded), is left as it is (its linears would only pay the checks)."""
+    if not (AVAILABLE and cpu_kernels.CHOSEN) or any(
+        p.device.type != "cpu" for p in model.parameters()
+    ):
         return 0
     swapped = 0
     for module in model.modules():

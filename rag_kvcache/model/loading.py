@@ -36,7 +36,7 @@ from rag_kvcache.errors import (
     RagKVCacheError,
     UnsupportedModelError,
 )
-from rag_kvcache.model import cpu_linear
+from rag_kvcache.model import cpu_kernels
 from rag_kvcache.model.adapter import ATTENTION, register_attention, rope_frequencies
 from rag_kvcache.model.cpu_linear import use_onednn_linears
 
@@ -403,7 +403,7 @@ def load_model(
     is `STORED_LORA`, `stored_adapter(base fingerprint)` gives the adapter's bytes (the
     engine's store: `KVStore.adapter`)."""
     config = config or ModelConfig()
-    cpu_linear.check_setting()  # a bad RAG_KVCACHE_CPU_KERNELS, before anything loads
+    cpu_kernels.check_setting()  # a bad RAG_KVCACHE_CPU_KERNELS, before anything loads
     if config.threads:
         torch.set_num_threads(config.threads)
     path = check_model_source(config)
@@ -481,9 +481,9 @@ def with_lora(lm: LoadedModel, data: bytes, where: str) -> LoadedModel:
 def describe(model: Any, tokenizer: Any, name: str) -> LoadedModel:
     """Wrap an already loaded HF model (e.g. a tiny test model) as a LoadedModel. Its plain
     linear layers compute float32 on the CPU with oneDNN from then on where this CPU takes it
-    (`cpu_linear.CHOSEN`)."""
+    (`cpu_kernels.CHOSEN`)."""
     check_supported(model.config, model)
-    cpu_linear.check_setting()
+    cpu_kernels.check_setting()
     use_onednn_linears(model)
     register_attention()
     if model.config._attn_implementation in ("sdpa", ATTENTION):
@@ -525,7 +525,7 @@ def default_embedding_path() -> Path:
 
 def load_encoder(path: Path) -> tuple[Any, Any]:
     """A sentence-embedding encoder (BERT-like) and its tokenizer, in float32 on the CPU, its
-    linear layers by oneDNN where this CPU takes it (`cpu_linear.CHOSEN`)."""
+    linear layers by oneDNN where this CPU takes it (`cpu_kernels.CHOSEN`)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     use_onednn_linears(model)

@@ -7,7 +7,7 @@ import statistics
 import sys
 
 from rag_kvcache.config import ModelConfig
-from rag_kvcache.model import cpu_linear
+from rag_kvcache.model import cpu_kernels, cpu_linear
 from rag_kvcache.model.loading import load_model
 from rag_kvcache.strategy import DEFAULT
 from rag_kvcache.tools.bench.report import (
@@ -19,7 +19,7 @@ from rag_kvcache.tools.bench.report import (
 )
 
 CHUNK, CHUNKS, QUESTION, DECODED = 256, 16, 32, 32
-cpu_linear.CHOSEN = cpu_linear.AVAILABLE  # loaded with oneDNN's linears; each request chooses
+cpu_kernels.CHOSEN = True  # loaded with oneDNN's linears; each request chooses
 lm = load_model(ModelConfig(dtype="float32"))
 engine, _ = bench_engines(lm)
 pool = corpus_tokens(lm, CHUNK * CHUNKS + QUESTION)
@@ -30,7 +30,7 @@ ARMS = ("torch", "onednn")
 
 
 def answer(strategy: str, kernels: str, tokens: int = 1):  # type: ignore[no-untyped-def]
-    cpu_linear.CHOSEN = kernels == "onednn" and cpu_linear.AVAILABLE
+    cpu_kernels.CHOSEN = kernels == "onednn" and cpu_linear.AVAILABLE
     return engine.generate(question, ids, strategy=strategy, max_new_tokens=tokens)
 
 
