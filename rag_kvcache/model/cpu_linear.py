@@ -46,12 +46,17 @@ def _works() -> bool:
 AVAILABLE = _works()
 
 
+def computes_by_onednn() -> bool:
+    """The op works here (`AVAILABLE`) and this CPU takes it (`cpu_kernels.CHOSEN`)."""
+    return AVAILABLE and cpu_kernels.CHOSEN
+
+
 def onednn_enabled() -> bool:
     """May the op compute here at all: it works (`AVAILABLE`), this CPU computes by it
     (`cpu_kernels.CHOSEN`), oneDNN is not switched off (`torch.backends.mkldnn.enabled`) and
     no CPU autocast is on (which torch's own ops obey and the op would not). The linears and
     attention (`cpu_attention`) both ask."""
-    on = AVAILABLE and cpu_kernels.CHOSEN and bool(torch.backends.mkldnn.enabled)
+    on = computes_by_onednn() and bool(torch.backends.mkldnn.enabled)
     return on and not torch.is_autocast_enabled("cpu")
 
 
@@ -104,9 +109,7 @@ def use_onednn_linears(model: Any) -> int:
     how many. Subclasses (quantized layers, adapters' wrappers) keep their own forward; a model
     on a GPU, or on a CPU that computes by torch's kernels (`cpu_kernels.CHOSEN`, as it was
     when the model loaded), is left as it is (its linears would only pay the checks)."""
-    if not (AVAILABLE and cpu_kernels.CHOSEN) or any(
-        p.device.type != "cpu" for p in model.parameters()
-    ):
+    if not computes_by_onednn() or any(p.device.type != "cpu" for p in model.parameters()):
         return 0
     swapped = 0
     for module in model.modules():

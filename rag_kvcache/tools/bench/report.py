@@ -15,7 +15,7 @@ import torch
 from rag_kvcache.config import LEGOLINK0_SINKS, EncodeConfig, EngineConfig
 from rag_kvcache.engine import RagKVCache
 from rag_kvcache.kv import KVStore
-from rag_kvcache.model import cpu_kernels, cpu_linear
+from rag_kvcache.model import cpu_linear
 from rag_kvcache.model.calibration_file import write_atomically
 from rag_kvcache.model.loading import LoadedModel
 from rag_kvcache.samples import sample_corpus_dir
@@ -38,7 +38,7 @@ def machine_facts() -> dict[str, object]:
         "cpu": cpu,
         "cores": torch.get_num_threads(),
         # float32 CPU kernels: oneDNN's or torch's own (`model.cpu_linear`)
-        "cpu_kernels": "onednn" if cpu_linear.AVAILABLE and cpu_kernels.CHOSEN else "torch",
+        "cpu_kernels": "onednn" if cpu_linear.computes_by_onednn() else "torch",
         "platform": platform.platform(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

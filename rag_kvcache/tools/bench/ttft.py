@@ -30,7 +30,7 @@ from rag_kvcache.model.graphs import paused
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.strategy import DEFAULT, PREFILL, Strategy
 from rag_kvcache.timing import stage_seconds
-from rag_kvcache.tools.bench import CHUNK_TOKENS, check_whole_chunks
+from rag_kvcache.tools.bench import BASELINE_ALWAYS, CHUNK_TOKENS, check_whole_chunks
 from rag_kvcache.tools.bench.profile import file_name, write_profile
 from rag_kvcache.tools.bench.report import (
     bench_engines,
@@ -183,7 +183,7 @@ def run_ttft_bench(
     modes = GRAPH_MODES[cuda_graphs] if device.startswith("cuda") else (False,)
     parsed = [Strategy.parse(s) for s in strategies]  # a bad name fails before any load
     if PREFILL in parsed:  # (measured twice; the baseline is always measured)
-        raise ConfigError("prefill is the baseline, always measured: name link strategies only")
+        raise ConfigError(BASELINE_ALWAYS)
     check_whole_chunks("contexts", contexts, chunk_tokens)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[TTFTRow] = []

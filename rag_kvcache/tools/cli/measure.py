@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from rag_kvcache.tools.bench import CHUNK_TOKENS
+from rag_kvcache.tools.bench import BASELINE_ALWAYS, CHUNK_TOKENS
 from rag_kvcache.tools.cli.common import (
     MODEL_HELP,
     dtype_list,
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from rag_kvcache.tools.eval.results import ItemResult
 
 
-CHUNK = CHUNK_TOKENS  # a bench's contexts and prefixes hold one or more whole chunks
 LOG_WIDTH = 200  # columns a bench's table may take when printed into a log or a pipe
 
 
@@ -38,9 +37,7 @@ def link_strategies(text: str) -> list[str]:
     it was measured twice and the stage plot failed, losing the run)."""
     names = strategy_list(text)
     if any(_is_prefill(n) for n in names):
-        raise argparse.ArgumentTypeError(
-            "prefill is the baseline, always measured: name link strategies only"
-        )
+        raise argparse.ArgumentTypeError(BASELINE_ALWAYS)
     return names
 
 
@@ -63,7 +60,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ttft.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     ttft.add_argument(
         "--contexts",
-        type=wholes(CHUNK, step=CHUNK),
+        type=wholes(CHUNK_TOKENS, step=CHUNK_TOKENS),
         default=[1024, 2048, 4096],
         help="context tokens, multiples of 256",
     )
@@ -101,7 +98,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     store.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"])
     store.add_argument(
         "--contexts",
-        type=wholes(CHUNK, step=CHUNK),
+        type=wholes(CHUNK_TOKENS, step=CHUNK_TOKENS),
         default=[4096],
         help="context tokens, multiples of 256",
     )
@@ -121,7 +118,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     prefix.add_argument("--out", type=Path, default=Path("bench-results"))
     prefix.add_argument(
         "--prefixes",
-        type=wholes(CHUNK, step=CHUNK),
+        type=wholes(CHUNK_TOKENS, step=CHUNK_TOKENS),
         default=[1024, 2048],
         help="shared prefix tokens, multiples of 256",
     )
@@ -161,7 +158,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--requests", type=whole(1), default=32, help="per case (default 32)")
     serve.add_argument(
         "--context-tokens",
-        type=whole(CHUNK, step=CHUNK),
+        type=whole(CHUNK_TOKENS, step=CHUNK_TOKENS),
         default=2048,
         help="shared context, a multiple of 256",
     )
