@@ -80,6 +80,12 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys, monkeypat
             if r["strategy"] == "prefill" and r["context_tokens"] == row["context_tokens"]
         )
         assert row["speedup"] == pytest.approx(base["ttft_s"] / row["ttft_s"])
+        # the arithmetic ceiling: prefill's FLOPs over the row's (more recomputed, more FLOPs)
+        assert row["ceiling"] == pytest.approx(base["gflop"] / row["gflop"])
+    assert [r["ceiling"] for r in rows if r["strategy"] == "prefill"] == [1.0, 1.0]
+    for context in {r["context_tokens"] for r in rows}:
+        gflop = [r["gflop"] for r in rows if r["context_tokens"] == context]
+        assert gflop[0] > gflop[2] > gflop[1] > 0  # prefill, legolink:2, naive
     assert report["machine"]["torch"] and "wrote" in capsys.readouterr().out
     onednn = cpu_linear.AVAILABLE and cpu_kernels.CHOSEN
     assert report["machine"]["cpu_kernels"] == ("onednn" if onednn else "torch")

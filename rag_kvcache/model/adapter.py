@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rag_kvcache.errors import UnsupportedModelError
+from rag_kvcache.model.arithmetic import count_attention
 from rag_kvcache.model.attention import (
     QueryBlock,
     _sdpa,
@@ -78,6 +79,7 @@ def gqa_sdpa_attention(
     hook = kwargs.get("kv_attention_hook")
     if hook is not None:
         return hook(module.layer_idx, query, kwargs.get("scaling")), None
+    count_attention(query, key, value, attention_mask)  # for `arithmetic.counted` only
     bias = kwargs.pop("key_bias", None)
     if bias is not None and not kwargs.pop("mask_has_key_bias", False):
         attention_mask = with_key_bias(attention_mask, bias, query.shape[2], key.shape[2])

@@ -8,7 +8,10 @@ and the rows give the decoding speed. Everything is measured side by side in one
 the speedups are ratios on the same machine at the same moment. Writes JSON and a PNG plot, and
 a breakdown of each request's TTFT into its stages (`rag_kvcache.timing`: store fetch,
 selection, placement with RoPE re-rotation, the forward, choosing the token; "other" is the
-rest: Python between them), from one extra request per cell with its stages timed.
+rest: Python between them), from one extra request per cell with its stages timed. Each row
+also gives the arithmetic of its first token (`rag_kvcache.model.arithmetic`, counted in one
+more, untimed request) and the ceiling it puts on the speedup: prefill's arithmetic over the
+strategy's, the speedup at equal FLOP rates.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rich.progress import Progress
 from rag_kvcache.answer import Answer
 from rag_kvcache.config import ModelConfig
 from rag_kvcache.errors import ConfigError
+from rag_kvcache.model.arithmetic import counted
 from rag_kvcache.model.graphs import paused
 from rag_kvcache.model.loading import LoadedModel, load_model
 from rag_kvcache.strategy import DEFAULT, PREFILL, Strategy
@@ -65,6 +69,8 @@ class TTFTRow:
     ttft_runs: list[float]
     recomputed_tokens: int
     speedup: float  # prefill ttft / this ttft, same dtype and context
+    gflop: float  # the first token's arithmetic (`model.arithmetic`): matrix products, GFLOP
+    ceiling: float  # prefill's arithmetic / this one's: the speedup at equal FLOP rates
     cuda_graphs: bool = False  # short forwards replayed as CUDA graphs (else eager)
     decode_tokens_per_s: float | None = None  # median, where requests decoded past one token
 
@@ -141,6 +147,11 @@ def bench_dtype(
             answer, stages = stage_seconds(lambda: first_token(run, n, 1), sync)  # noqa: B023
             stages["other"] = max(0.0, answer.ttft_s - sum(stages.values()))
             stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
+        work: dict[Strategy, int] = {}  # one more request each, eager and untimed: its FLOPs
+        for strategy in dict.fromkeys(run[0] for run in runs):
+            with counted(lm.model) as arithmetic:
+                first_token((strategy, False), n, 1)
+            work[strategy] = arithmetic.total
         base = statistics.median(a.ttft_s for a in answers[(PREFILL, False)])
         rows: list[TTFTRow] = []
         for run, done in answers.items():
@@ -156,6 +167,8 @@ def bench_dtype(
                     times,
                     warm[run].recomputed_tokens,
                     base / ttft,
+                    work[run[0]] / 1e9,
+                    work[PREFILL] / work[run[0]],
                     cuda_graphs=run[1] and lm.device.type == "cuda",
                     decode_tokens_per_s=speed if decode_tokens > 1 else None,
                 )
@@ -263,9 +276,16 @@ def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
         largest = max(r.context_tokens for r in mine)
         top = [r for r in mine if r.context_tokens == largest and r.strategy != str(PREFILL)]
         ax = axes[1][col]
-        bars = ax.bar([label(r, mine) for r in top], [r.speedup for r in top], color="tab:green")
-        ax.bar_label(bars, fmt="%.1fx", fontsize=8)
-        ax.set(ylabel="speedup vs full prefill", title=f"speedup at {largest} tokens, {dtype}")
+        names = [label(r, mine) for r in top]
+        # the arithmetic ceiling behind each measured bar: the speedup at prefill's FLOP rate
+        ceilings = ax.bar(names, [r.ceiling for r in top], color="none", edgecolor="grey")
+        ax.bar_label(ceilings, fmt="%.0fx", fontsize=7, color="grey")
+        bars = ax.bar(names, [r.speedup for r in top], color=[colours[r.strategy] for r in top])
+        ax.bar_label(bars, fmt="%.1fx", fontsize=8, label_type="center")
+        ax.set(
+            ylabel="speedup vs full prefill",
+            title=f"speedup at {largest} tokens, {dtype}\n(outlined: its arithmetic ceiling)",
+        )
         ax.tick_params(axis="x", rotation=35)
         for tick in ax.get_xticklabels():
             tick.set_horizontalalignment("right")

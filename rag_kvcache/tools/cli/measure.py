@@ -697,6 +697,8 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "strategy": lambda r: r["strategy"] + (" (graphs)" if r["cuda_graphs"] else ""),
             "TTFT s": lambda r: f"{r['ttft_s']:.3f}",
             "speedup": lambda r: f"{r['speedup']:.1f}x",
+            "ceiling": lambda r: f"{r['ceiling']:.1f}x",
+            "GFLOP": lambda r: f"{r['gflop']:.1f}",
             "recomputed": lambda r: str(r["recomputed_tokens"]),
             "decode tok/s": lambda r: _maybe(r["decode_tokens_per_s"], ".1f"),
         }
