@@ -238,3 +238,16 @@ def test_batched_generation_on_smollm2_equals_each_request_alone(smol) -> None:
     assert "Mara Quell" in result.answers[0].text  # a real answer, not just equal noise
     longest = max(len(a.token_ids) for a in result.answers)
     assert result.stats.steps >= longest - 1  # every token after the first is a batched step
+
+
+def test_a_batch_of_one_token_answers_counts_the_kv_it_held(tiny64) -> None:
+    """A request that ends at its first token is never packed into rows, where the peak was
+    counted: `bench serve --new-tokens 1` reported a peak of 0 bytes."""
+    engine = RagKVCache(EngineConfig(generation=GenerationConfig(max_new_tokens=1)), lm=tiny64)
+    ids = engine.generate_context_cache(DOCS)
+    request = BatchRequest("Who designed the lighthouse?", (ids[0], ids[1], ids[2]))
+    result = engine.generate_batch([request])
+    (answer,) = result.answers
+    assert len(answer.token_ids) == 1
+    per_token = tiny64.num_layers * 2 * 2 * 16 * tiny64.dtype.itemsize  # K and V, 2 heads of 16
+    assert result.stats.peak_kv_bytes >= answer.context_tokens * per_token > 0

@@ -331,6 +331,9 @@ class BatchDecoder:
             self.waiting.popleft()
             self.waiting_ids.discard(waiting.request_id)
             self.active[admitted.request_id] = admitted
+            # its chunks are in the tree now: a request that ends at its first token is never
+            # packed into rows, and a peak counted at packing alone said 0 bytes
+            self.peak_bytes = max(self.peak_bytes, self.tree_nbytes() + self.kv.nbytes)
             if admitted.question:  # nothing linked: its question is computed below
                 if not fit_together([len(r.question) for r in (*asking, admitted)]):
                     self.answer_questions(asking, out)
