@@ -317,9 +317,10 @@ def test_stats_verify_gc_on_a_real_store(tmp_path: Path, tiny64, capsys) -> None
         (["bench", "store", "--contexts", "4096,4096"], "--contexts: a value is given twice"),
         (["bench", "prefix", "--batches", "0"], "--batches: at least 1, not 0"),
         (["bench", "ingest", "--chunk-tokens", "0"], "--chunk-tokens: at least 1, not 0"),
-        (["bench", "memory", "--sizes-mb", "nan"], "--sizes-mb: above 0 and finite, not nan"),
-        (["bench", "memory", "--sizes-mb", "-1"], "--sizes-mb: above 0 and finite, not -1"),
-        (["bench", "memory", "--sizes-mb", "inf"], "--sizes-mb: above 0 and finite, not inf"),
+        (["bench", "memory", "--sizes-mb", "nan"], "--sizes-mb: from 0.001 and finite, not nan"),
+        (["bench", "memory", "--sizes-mb", "1e-9"], "--sizes-mb: from 0.001 and finite, not 1e-9"),
+        (["bench", "memory", "--sizes-mb", "-1"], "--sizes-mb: from 0.001 and finite, not -1"),
+        (["bench", "memory", "--sizes-mb", "inf"], "--sizes-mb: from 0.001 and finite, not inf"),
         (["bench", "ttft", "--dtypes", ","], "--dtypes: no values in ','"),
         (["eval", "x.jsonl", "--limit", "0"], "--limit: at least 1, not 0"),
         (["eval", "--needle", "--depths", "2"], "--depths: from 0 to 1, not 2"),
@@ -377,6 +378,26 @@ def test_an_out_folder_that_cannot_be_is_one_line_and_paths_print_as_text(
             == f"error: cannot write the --out folder {locked / 'run'}: {locked} is not writable"
         )
     monkeypatch.setattr(os, "access", real_access)
+    # a folder where none can be made though the one above says it is writable (as /proc
+    # is to root: "No such file or directory", said bare): the system's answer stood in for
+    real_mkdir = Path.mkdir
+
+    def refused(self: Path, *args: object, **kwargs: object) -> None:
+        if self.parent == locked:
+            raise OSError(30, "Read-only file system", str(self))
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    assert main(["bench", "ttft", "--out", str(locked / "run" / "deeper")]) == 1
+    err = " ".join(capsys.readouterr().out.split())
+    assert err == (
+        f"error: cannot make the --out folder {locked / 'run' / 'deeper'}: Read-only file system"
+    )
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    assert main(["bench", "ttft", "--out", "/proc/nope/run"]) == 1  # the real one, root or not
+    err = " ".join(capsys.readouterr().out.split())
+    assert err.startswith("error: cannot ") and "--out folder /proc/nope/run: " in err
+    assert not Path("/proc/nope").exists() and list(locked.iterdir()) == []
     odd = tmp_path / "sets[/x][bold]"
     assert main(["dataset", "--out", str(odd), "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -1114,3 +1135,12 @@ def test_the_ingest_bench_counts_a_repeated_chunk_as_it_comes(tmp_path: Path) ->
     assert row.chunks > 30 and row.tokens > 7 * row.chunks  # chunks of 8 tokens, the last less
     # SmolLM2's KV per token in bfloat16 (the durable tier's default), plus the blobs' headers
     assert 23_040 <= row.kv_bytes_per_token < 1.05 * 23_040
+
+
+def test_bench_memory_refuses_a_file_too_small_for_a_chunk(tmp_path: Path) -> None:
+    from rag_kvcache.tools.bench.memory import run_memory_bench
+
+    # 1e-9 MB wrote an empty file, and the measured ingest failed with "1 skipped"
+    with pytest.raises(ConfigError, match=r"at least 0.001 MB \(a chunk\), not \[1e-09\]"):
+        run_memory_bench(tmp_path / "out", [0.1, 1e-9])
+    assert not (tmp_path / "out").exists()  # refused before anything was written

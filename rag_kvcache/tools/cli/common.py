@@ -70,9 +70,10 @@ def fractions(text: str) -> list[float]:
     return values
 
 
-def sizes(text: str) -> list[float]:
-    """Comma-separated finite numbers above 0 (file sizes in MB), each once."""
-    return _distinct(text, [_number(t, 0.0, math.inf, above=True) for t in csv_list(text)])
+def sizes(text: str, low: float = 0.0) -> list[float]:
+    """Comma-separated finite numbers (file sizes in MB), each once: above 0, or from `low`."""
+    numbers = [_number(t, max(low, 0.0), math.inf, above=low <= 0) for t in csv_list(text)]
+    return _distinct(text, numbers)
 
 
 def _number(text: str, low: float, high: float, above: bool = False) -> float:
@@ -102,6 +103,7 @@ def output_folder(folder: Path) -> None:
     loaded and answered."""
     from rag_kvcache.errors import ConfigError
 
+    missing = None  # the first folder still to make, under `place`
     for place in (folder, *folder.parents):
         if place.exists():
             if not place.is_dir():
@@ -110,7 +112,15 @@ def output_folder(folder: Path) -> None:
                 raise ConfigError(
                     f"cannot write the --out folder {folder}: {place} is not writable"
                 )
-            return
+            break
+        missing = place
+    if missing is not None:  # tried, and taken back: folders such as /proc's refuse anything
+        try:
+            missing.mkdir()
+            missing.rmdir()
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise ConfigError(f"cannot make the --out folder {folder}: {reason}") from None
 
 
 def strategy_list(text: str) -> list[str]:

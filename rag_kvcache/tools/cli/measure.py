@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from rag_kvcache.tools.bench import BASELINE_ALWAYS, CHUNK_TOKENS
+from rag_kvcache.tools.bench import BASELINE_ALWAYS, CHUNK_TOKENS, MIN_FILE_MB
 from rag_kvcache.tools.cli.common import (
     MODEL_HELP,
     dtype_list,
@@ -167,7 +168,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--dtype", default="float32")
     memory = kinds.add_parser("memory", help="peak memory of `ingest` against the file's size")
     memory.add_argument("--out", type=Path, default=Path("bench-results"))
-    memory.add_argument("--sizes-mb", type=sizes, default=[0.1, 0.5], help="(default 0.1,0.5)")
+    memory.add_argument(
+        "--sizes-mb",
+        type=partial(sizes, low=MIN_FILE_MB),
+        default=[0.1, 0.5],
+        help=f"each from {MIN_FILE_MB} (default 0.1,0.5)",
+    )
     memory.add_argument("--model", default="default", help=MODEL_HELP)
     memory.add_argument("--dtype", default="float32")
 
