@@ -48,6 +48,9 @@ def test_a_link_counts_only_its_new_rows_each_over_the_positions_it_sees(tiny64)
         attention=PER_PAIR * sum(p + 1 for p in new),
         head=_head(tiny64),
     )
+    with counted(tiny64.model) as ape:  # APE's tempering biases scores, hides no key
+        link(tiny64, chunks, query, Strategy.parse("legolink:2+ape:0.7,0.5"))
+    assert ape == work
     with counted(tiny64.model) as naive:
         link(tiny64, chunks, query, Strategy.parse("naive"))
     assert naive.attention == PER_PAIR * sum(p + 1 for p in range(30, 35))
@@ -71,6 +74,16 @@ def test_masks_count_what_they_let_each_row_see_in_every_head_and_batch() -> Non
         count_attention(query, key, value, None)  # causal: 3 new rows after 2 cached keys
         assert visible_causal(3, 5) == 3 + 4 + 5
         assert work.attention == 2 * (2 * 4 * 9 * 2 * (8 + 6)) + 2 * 4 * 12 * 2 * (8 + 6)
+        per_head = torch.zeros(1, 4, 3, 5, dtype=torch.bool)
+        per_head[:, 1, 0, :2] = True  # one head's first row sees two keys
+        count_attention(query, key, value, per_head)
+        assert work.attention == 2 * (2 * 4 * 9 * 2 * (8 + 6)) + 2 * 4 * 12 * 2 * (8 + 6) + (
+            2 * 2 * 2 * (8 + 6)
+        )
+        rows_alike = allowed[2:, :][None, None]  # [1, 1, 1, 5]: every row sees every key
+        before = work.attention
+        count_attention(query, key, value, rows_alike)
+        assert work.attention - before == 2 * 4 * 3 * 5 * 2 * (8 + 6)
     count_attention(query, key, value, None)  # no count active: nothing to add to
     assert work.total == work.attention
 

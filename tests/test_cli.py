@@ -380,24 +380,32 @@ def test_an_out_folder_that_cannot_be_is_one_line_and_paths_print_as_text(
     monkeypatch.setattr(os, "access", real_access)
     # a folder where none can be made though the one above says it is writable (as /proc
     # is to root: "No such file or directory", said bare): the system's answer stood in for
-    real_mkdir = Path.mkdir
+    import tempfile
 
-    def refused(self: Path, *args: object, **kwargs: object) -> None:
-        if self.parent == locked:
-            raise OSError(30, "Read-only file system", str(self))
-        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+    real_mkdtemp = tempfile.mkdtemp
 
-    monkeypatch.setattr(Path, "mkdir", refused)
+    def refused(*args: object, dir: Path, **kwargs: object) -> str:
+        if Path(dir) == locked:
+            raise OSError(30, "Read-only file system", str(dir))
+        return real_mkdtemp(*args, dir=dir, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
     assert main(["bench", "ttft", "--out", str(locked / "run" / "deeper")]) == 1
     err = " ".join(capsys.readouterr().out.split())
     assert err == (
         f"error: cannot make the --out folder {locked / 'run' / 'deeper'}: Read-only file system"
     )
-    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    monkeypatch.setattr(tempfile, "mkdtemp", real_mkdtemp)
     assert main(["bench", "ttft", "--out", "/proc/nope/run"]) == 1  # the real one, root or not
     err = " ".join(capsys.readouterr().out.split())
     assert err.startswith("error: cannot ") and "--out folder /proc/nope/run: " in err
     assert not Path("/proc/nope").exists() and list(locked.iterdir()) == []
+    # a probe that succeeds leaves nothing behind (the command then fails on its own input)
+    assert (
+        main(["eval", str(tmp_path / "no.jsonl"), "--out", str(tmp_path / "new" / "deeper")]) == 1
+    )
+    assert "no.jsonl" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".probe-*"))
     odd = tmp_path / "sets[/x][bold]"
     assert main(["dataset", "--out", str(odd), "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -1141,6 +1149,6 @@ def test_bench_memory_refuses_a_file_too_small_for_a_chunk(tmp_path: Path) -> No
     from rag_kvcache.tools.bench.memory import run_memory_bench
 
     # 1e-9 MB wrote an empty file, and the measured ingest failed with "1 skipped"
-    with pytest.raises(ConfigError, match=r"at least 0.001 MB \(a chunk\), not \[1e-09\]"):
-        run_memory_bench(tmp_path / "out", [0.1, 1e-9])
+    with pytest.raises(ConfigError, match=r"finite, from 0.001 MB, not \[1e-09, inf\]"):
+        run_memory_bench(tmp_path / "out", [0.1, 1e-9, float("inf")])
     assert not (tmp_path / "out").exists()  # refused before anything was written

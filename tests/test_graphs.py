@@ -27,6 +27,7 @@ from rag_kvcache.model.adapter import (
     release_buffers,
     unpack_cache,
 )
+from rag_kvcache.model.arithmetic import Arithmetic, counted
 from rag_kvcache.model.attention import grouped_sdpa
 from rag_kvcache.serving.decoding import decode, prefill
 from rag_kvcache.strategy import DEFAULT, Strategy
@@ -197,6 +198,23 @@ def test_diagnosis_reads_queries_from_the_eager_forward(tiny64, static_forward) 
     release_buffers(prepared.cache)
     assert [layer for layer, *_ in captured] == list(range(tiny64.num_layers))
     assert all(q.shape[2] == len(QUERY) for _, q, *_ in captured)  # no padded rows
+
+
+def test_arithmetic_is_counted_in_the_eager_forward(tiny64, static_forward) -> None:
+    """A replayed forward runs no Python per layer, so a count would see only the linear
+    layers' hooks of a capture, and none of a replay: counting forwards run eagerly."""
+    chunks = encode_chunks(tiny64, random_chunks(LENGTHS, seed=3))
+
+    def counted_answer() -> Arithmetic:
+        with counted(tiny64.model) as work:
+            prepared = prepare(tiny64, chunks, QUERY, Strategy.parse("legolink:1"))
+        release_buffers(prepared.cache)
+        return work
+
+    replayed = counted_answer()
+    with graphs.paused(tiny64.model, tiny64.device):
+        assert counted_answer() == replayed
+    assert replayed.attention > 0 and replayed.linear > 0
 
 
 def test_placing_no_chunks_places_nothing(tiny64) -> None:

@@ -50,9 +50,9 @@ from rag_kvcache.storage.layout import (
     redis_prefix,
     schema_path,
 )
-from rag_kvcache.storage.records import CatalogError, VerifyReport
+from rag_kvcache.storage.records import CatalogError, ChunksGoneError, VerifyReport
 from rag_kvcache.storage.redis_tier import RedisTier, StoreUnavailableError
-from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.storage.store import PUT_TRIES, TieredStore
 from rag_kvcache.tools.cli import main
 from rag_kvcache.tools.cli.store import index_problem, rebuild_index
 
@@ -1220,7 +1220,7 @@ import torch
 from helpers import TINY_VOCAB, build_tiny
 from tiny_tokenizer import build_tokenizer
 from rag_kvcache import EngineConfig, RagKVCache
-from rag_kvcache.storage.store import TieredStore
+from rag_kvcache.storage.store import PUT_TRIES, TieredStore
 
 store = TieredStore(Path(sys.argv[1]))
 lm = build_tiny(torch.float32, tokenizer=build_tokenizer(TINY_VOCAB))
@@ -1570,3 +1570,32 @@ def test_a_chunk_whose_other_writer_withdraws_its_claim_is_claimed_again(
     assert live.contains(kv.cache_id) and live.get([kv.cache_id])[0].num_tokens == kv.num_tokens
     for s in (other, live):
         s.close()
+
+
+def test_a_chunk_removed_each_time_it_is_claimed_fails_clearly_after_every_try(
+    tmp_path: Path, tiny32, monkeypatch
+) -> None:
+    """Another process holds the chunk at each of our claims and removes it before we read
+    its row, PUT_TRIES times over: the put gives up with ChunksGoneError naming the chunk, and
+    leaves nothing of its own behind (no row, no blob, no hot copy)."""
+    [kv] = encode_chunks(tiny32, [tiny32.tokenizer.encode("The quay floods at spring tide.")])
+    live = TieredStore(tmp_path / "s")
+    claims: list[str] = []
+
+    def held_by_another(cache_id: str, **_: object) -> bool:
+        claims.append(cache_id)
+        return False  # refused: another writer claimed it
+
+    monkeypatch.setattr(live.catalog, "begin_chunk", held_by_another)
+    monkeypatch.setattr(live.catalog, "chunk", lambda cache_id: None)  # then removed it
+    with pytest.raises(
+        ChunksGoneError,
+        match=f"chunk {kv.cache_id} was removed by another "
+        f"process each of the {PUT_TRIES} times it was stored here",
+    ) as caught:
+        live.put(kv, "t")
+    assert caught.value.cache_ids == [kv.cache_id] and claims == [kv.cache_id] * PUT_TRIES
+    monkeypatch.undo()
+    assert not live.contains(kv.cache_id) and live.catalog.chunk(kv.cache_id) is None
+    assert not [p for p in (tmp_path / "s").rglob("*") if kv.cache_id in p.name]
+    live.close()

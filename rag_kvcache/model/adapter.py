@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rag_kvcache.errors import UnsupportedModelError
+from rag_kvcache.model.arithmetic import active as counting_arithmetic
 from rag_kvcache.model.arithmetic import count_attention
 from rag_kvcache.model.attention import (
     QueryBlock,
@@ -481,8 +482,8 @@ def replayed_forward(
     first = cache.layers[0] if cache.layers else None
     if not isinstance(first, BufferedLayer) or first.slab is None or input_ids.shape[0] != 1:
         return None
-    if first.released or _captured_queries is not None:  # queries are read in Python then
-        return None
+    if first.released or _captured_queries is not None or counting_arithmetic():
+        return None  # queries, or the arithmetic, are read in Python in the eager forward
     if first.write_at is not None and (positions is None or mask is None):
         return None  # not a link's forward: left to the eager path's own positions and mask
     graphs = graphs_of(lm.model, lm.device)

@@ -16,6 +16,7 @@ attention mask once, so a counted forward is a little slower: count an extra, un
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ _counting: Arithmetic | None = None
 @contextmanager
 def counted(model: nn.Module) -> Iterator[Arithmetic]:
     """While active, the forwards of `model` add their arithmetic to the record yielded
-    (attention through `count_attention`, which the model's attention function calls); a count
-    nested in it takes the forwards run inside it. Not thread-safe: count one request at a
-    time, with no other model running."""
+    (attention through `count_attention`, which the model's attention function calls; forwards
+    are not replayed as captured graphs meanwhile, see `adapter.replayed_forward`); a count
+    nested in it takes the forwards run inside it. Count one request at a time, with no other
+    model running: forwards on other threads meanwhile are counted too."""
     global _counting
     record = Arithmetic()
     get_head = getattr(model, "get_output_embeddings", None)
@@ -77,20 +79,28 @@ def count_attention(
     query: torch.Tensor,  # [B, heads, Q, d_k]
     key: torch.Tensor,  # [B, kv_heads, K, d_k]
     value: torch.Tensor,  # [B, kv_heads, K, d_v]
-    mask: torch.Tensor | None,  # [B or 1, 1 or heads, Q, K] boolean or additive; None: causal
+    mask: torch.Tensor | None,  # boolean or additive, broadcast to [B, heads, Q, K]
 ) -> None:
-    """Add one attention call's arithmetic to the active count (nothing when none is)."""
-    if _counting is None:
+    """Add one attention call's arithmetic to the active count (nothing when none is). No
+    mask is read as the causal one, as this library's attention reads it (the new rows after
+    the cached keys)."""
+    record = _counting  # read once: another thread may end its count meanwhile
+    if record is None:
         return
     batch, heads, rows, _ = query.shape
     keys = key.shape[2]
-    if mask is None:  # causal: the new rows come after keys - rows cached ones
+    if mask is None:
         pairs = batch * heads * visible_causal(rows, keys)
     else:
         visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        spread = (batch // visible.shape[0]) * (heads // visible.shape[1])  # broadcast dims
-        pairs = spread * int(visible.sum())
-    _counting.attention += 2 * pairs * (query.shape[-1] + value.shape[-1])
+        full = torch.broadcast_shapes(visible.shape, (batch, heads, rows, keys))
+        pairs = int(visible.sum()) * (math.prod(full) // visible.numel())  # broadcast dims
+    record.attention += 2 * pairs * (query.shape[-1] + value.shape[-1])
+
+
+def active() -> bool:
+    """Is a count running (a replayed forward, whose layers run no Python, would miss it)."""
+    return _counting is not None
 
 
 def visible_causal(rows: int, keys: int) -> int:

@@ -9,7 +9,7 @@ from rag_kvcache.errors import ConfigError
 CHUNK_TOKENS = 256  # tokens in a chunk of every bench's contexts (as `ingest` cuts them)
 # why `bench ttft` refuses prefill as a strategy (it was measured twice, and the run lost)
 BASELINE_ALWAYS = "prefill is the baseline, always measured: name link strategies only"
-MIN_FILE_MB = 0.001  # `bench memory`'s smallest file: ~1 KB of words, a chunk (less: an empty file)
+MIN_FILE_MB = 0.001  # `bench memory`'s smallest file, ~1 KB: most of a chunk (1e-9 wrote none)
 
 
 def check_whole_chunks(what: str, tokens: list[int], chunk: int = CHUNK_TOKENS) -> None:

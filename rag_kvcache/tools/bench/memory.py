@@ -142,8 +142,8 @@ def check_room(folder: Path, size_mb: float, rows: list[MemoryRow], model: str, 
 def run_memory_bench(
     out_dir: Path, sizes_mb: list[float], model: str = "default", dtype: str = "float32"
 ) -> dict[str, object]:
-    if small := [s for s in sizes_mb if not s >= MIN_FILE_MB]:  # (NaN too)
-        raise ConfigError(f"file sizes must be at least {MIN_FILE_MB} MB (a chunk), not {small}")
+    if bad := [s for s in sizes_mb if not MIN_FILE_MB <= s < math.inf]:  # (NaN too)
+        raise ConfigError(f"file sizes must be finite, from {MIN_FILE_MB} MB, not {bad}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = load_rows(out_dir / "memory.json")
     report: dict[str, object] = {}

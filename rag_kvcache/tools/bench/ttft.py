@@ -69,8 +69,10 @@ class TTFTRow:
     ttft_runs: list[float]
     recomputed_tokens: int
     speedup: float  # prefill ttft / this ttft, same dtype and context
-    gflop: float  # the first token's arithmetic (`model.arithmetic`): matrix products, GFLOP
-    ceiling: float  # prefill's arithmetic / this one's: the speedup at equal FLOP rates
+    # the first token's arithmetic (`model.arithmetic`: its matrix products), GFLOP; None
+    # where the count missed the linear layers or attention (a model computing them otherwise)
+    gflop: float | None
+    ceiling: float | None  # prefill's arithmetic / this one's: the speedup at equal FLOP rates
     cuda_graphs: bool = False  # short forwards replayed as CUDA graphs (else eager)
     decode_tokens_per_s: float | None = None  # median, where requests decoded past one token
 
@@ -147,11 +149,13 @@ def bench_dtype(
             answer, stages = stage_seconds(lambda: first_token(run, n, 1), sync)  # noqa: B023
             stages["other"] = max(0.0, answer.ttft_s - sum(stages.values()))
             stage_rows.append(StageRow(dtype, answer.prompt_tokens, name, answer.ttft_s, stages))
-        work: dict[Strategy, int] = {}  # one more request each, eager and untimed: its FLOPs
+        work: dict[Strategy, int | None] = {}  # one more request each, eager, untimed: FLOPs
         for strategy in dict.fromkeys(run[0] for run in runs):
             with counted(lm.model) as arithmetic:
                 first_token((strategy, False), n, 1)
-            work[strategy] = arithmetic.total
+            whole = arithmetic.linear > 0 and arithmetic.attention > 0
+            work[strategy] = arithmetic.total if whole else None
+        base_work = work[PREFILL]
         base = statistics.median(a.ttft_s for a in answers[(PREFILL, False)])
         rows: list[TTFTRow] = []
         for run, done in answers.items():
@@ -167,8 +171,8 @@ def bench_dtype(
                     times,
                     warm[run].recomputed_tokens,
                     base / ttft,
-                    work[run[0]] / 1e9,
-                    work[PREFILL] / work[run[0]],
+                    None if (mine := work[run[0]]) is None else mine / 1e9,
+                    None if mine is None or base_work is None else base_work / mine,
                     cuda_graphs=run[1] and lm.device.type == "cuda",
                     decode_tokens_per_s=speed if decode_tokens > 1 else None,
                 )
@@ -278,10 +282,11 @@ def plot_ttft(rows: list[TTFTRow], path: Path) -> None:
         ax = axes[1][col]
         names = [label(r, mine) for r in top]
         # the arithmetic ceiling behind each measured bar: the speedup at prefill's FLOP rate
-        ceilings = ax.bar(names, [r.ceiling for r in top], color="none", edgecolor="grey")
-        ax.bar_label(ceilings, fmt="%.0fx", fontsize=7, color="grey")
         bars = ax.bar(names, [r.speedup for r in top], color=[colours[r.strategy] for r in top])
         ax.bar_label(bars, fmt="%.1fx", fontsize=8, label_type="center")
+        ceiling = [r.ceiling or 0.0 for r in top]  # (0: not counted)
+        outlines = ax.bar(names, ceiling, color="none", edgecolor="grey", zorder=3)
+        ax.bar_label(outlines, labels=[f"{c:.1f}x" if c else "" for c in ceiling], fontsize=7)
         ax.set(
             ylabel="speedup vs full prefill",
             title=f"speedup at {largest} tokens, {dtype}\n(outlined: its arithmetic ceiling)",

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -70,10 +71,13 @@ def fractions(text: str) -> list[float]:
     return values
 
 
-def sizes(text: str, low: float = 0.0) -> list[float]:
-    """Comma-separated finite numbers (file sizes in MB), each once: above 0, or from `low`."""
-    numbers = [_number(t, max(low, 0.0), math.inf, above=low <= 0) for t in csv_list(text)]
-    return _distinct(text, numbers)
+def sizes(least: float) -> Callable[[str], list[float]]:
+    """Comma-separated finite numbers from `least` (file sizes in MB), each once."""
+
+    def parse(text: str) -> list[float]:
+        return _distinct(text, [_number(t, least, math.inf) for t in csv_list(text)])
+
+    return parse
 
 
 def _number(text: str, low: float, high: float, above: bool = False) -> float:
@@ -99,11 +103,10 @@ def _distinct(text: str, values: list[Any]) -> list[Any]:
 
 def output_folder(folder: Path) -> None:
     """Check --out before any work (made by the command, when it has something to write): a
-    file in its place or above it is one error line, not a traceback after the model has
-    loaded and answered."""
+    file in its place or above it, or a folder where none can be made, is one error line, not
+    a traceback after the model has loaded and answered."""
     from rag_kvcache.errors import ConfigError
 
-    missing = None  # the first folder still to make, under `place`
     for place in (folder, *folder.parents):
         if place.exists():
             if not place.is_dir():
@@ -112,15 +115,13 @@ def output_folder(folder: Path) -> None:
                 raise ConfigError(
                     f"cannot write the --out folder {folder}: {place} is not writable"
                 )
-            break
-        missing = place
-    if missing is not None:  # tried, and taken back: folders such as /proc's refuse anything
-        try:
-            missing.mkdir()
-            missing.rmdir()
-        except OSError as e:
-            reason = e.strerror or str(e)
-            raise ConfigError(f"cannot make the --out folder {folder}: {reason}") from None
+            if place != folder:  # a folder made there and taken back: /proc says writable
+                try:  # to root, and refuses anything (a name of its own: runs may race)
+                    os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=place))
+                except OSError as e:
+                    reason = e.strerror or str(e)
+                    raise ConfigError(f"cannot make the --out folder {folder}: {reason}") from None
+            return
 
 
 def strategy_list(text: str) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,7 +169,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     memory.add_argument("--out", type=Path, default=Path("bench-results"))
     memory.add_argument(
         "--sizes-mb",
-        type=partial(sizes, low=MIN_FILE_MB),
+        type=sizes(MIN_FILE_MB),
         default=[0.1, 0.5],
         help=f"each from {MIN_FILE_MB} (default 0.1,0.5)",
     )
@@ -703,8 +702,8 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
             "strategy": lambda r: r["strategy"] + (" (graphs)" if r["cuda_graphs"] else ""),
             "TTFT s": lambda r: f"{r['ttft_s']:.3f}",
             "speedup": lambda r: f"{r['speedup']:.1f}x",
-            "ceiling": lambda r: f"{r['ceiling']:.1f}x",
-            "GFLOP": lambda r: f"{r['gflop']:.1f}",
+            "ceiling": lambda r: _maybe(r["ceiling"], ".1f") + ("x" if r["ceiling"] else ""),
+            "GFLOP": lambda r: _maybe(r["gflop"], ".1f"),
             "recomputed": lambda r: str(r["recomputed_tokens"]),
             "decode tok/s": lambda r: _maybe(r["decode_tokens_per_s"], ".1f"),
         }
