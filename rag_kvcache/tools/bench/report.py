@@ -17,7 +17,7 @@ from rag_kvcache.engine import RagKVCache
 from rag_kvcache.kv import KVStore
 from rag_kvcache.model import cpu_linear
 from rag_kvcache.model.calibration_file import write_atomically
-from rag_kvcache.model.loading import LoadedModel
+from rag_kvcache.model.loading import LoadedModel, native_on_cpu
 from rag_kvcache.samples import sample_corpus_dir
 from rag_kvcache.storage.memory import MemoryStore
 from rag_kvcache.tools import report_json
@@ -39,6 +39,10 @@ def machine_facts() -> dict[str, object]:
         "cores": torch.get_num_threads(),
         # float32 CPU kernels: oneDNN's or torch's own (`model.cpu_linear`)
         "cpu_kernels": "onednn" if cpu_linear.computes_by_onednn() else "torch",
+        # the vector instructions torch's CPU kernels use, and bfloat16 in hardware (AVX-512
+        # BF16 or AMX): what a figure's machine could do, beyond its name
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bfloat16": native_on_cpu(torch.bfloat16),
         "platform": platform.platform(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
