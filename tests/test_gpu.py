@@ -2,8 +2,8 @@
 and pinned CPU tiers, the cascade's Triton kernel, the engine and batched decoding on the
 device.
 
-Skipped where there is no GPU (CI, the 2-core box); run them on the device machine as
-demos/gpu/README.md says, which is also where they are reported."""
+Skipped where there is no GPU (CI, a CPU-only machine); run them on a machine with an NVIDIA
+GPU as demos/gpu/README.md says, which is also where they are reported."""
 
 import importlib.util
 from dataclasses import replace

@@ -39,10 +39,12 @@ def machine_facts() -> dict[str, object]:
         "cores": torch.get_num_threads(),
         # float32 CPU kernels: oneDNN's or torch's own (`model.cpu_linear`)
         "cpu_kernels": "onednn" if cpu_linear.computes_by_onednn() else "torch",
-        # the vector instructions torch's CPU kernels use, and bfloat16 in hardware (AVX-512
-        # BF16 or AMX): what a figure's machine could do, beyond its name
+        # the vector instructions torch's CPU kernels use, bfloat16 in hardware (AVX-512 BF16
+        # or AMX) and AMX itself (a bfloat16 prefill 3-4x a float32 one, not ~1.7x): what a
+        # figure's machine could do, beyond its name
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bfloat16": native_on_cpu(torch.bfloat16),
+        "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
         "platform": platform.platform(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
