@@ -192,6 +192,17 @@ def test_store_compress_flag_reaches_the_store_config() -> None:
     assert store_compress(argparse.Namespace()) == "bfloat16"  # a command without the flag
 
 
+def test_bench_ttft_times_the_default_strategy_unless_told_otherwise() -> None:
+    """`make bench` (bench ttft with its defaults) did not time the strategy answers use."""
+    from rag_kvcache.strategy import Strategy
+    from rag_kvcache.tools.cli.main import build_parser
+
+    parser = build_parser()
+    named = parser.parse_args(["bench", "ttft"]).strategies
+    assert [Strategy.parse(s) for s in named][-1] == DEFAULT and len(set(named)) == len(named)
+    assert parser.parse_args(["bench", "ttft", "--strategies", "naive"]).strategies == ["naive"]
+
+
 def test_serve_kv_cache_flag_reaches_the_engine_config() -> None:
     from rag_kvcache.tools.cli.common import engine_config
     from rag_kvcache.tools.cli.main import build_parser

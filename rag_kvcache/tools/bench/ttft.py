@@ -44,7 +44,6 @@ from rag_kvcache.tools.bench.report import (
     save_report,
 )
 
-DEFAULT_STRATEGIES = ("naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15")
 GRAPH_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 
 

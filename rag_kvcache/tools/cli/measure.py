@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from rag_kvcache.tools.bench import BASELINE_ALWAYS, CHUNK_TOKENS, MIN_FILE_MB
+from rag_kvcache.tools.bench import BASELINE_ALWAYS, CHUNK_TOKENS, MIN_FILE_MB, TTFT_STRATEGIES
 from rag_kvcache.tools.cli.common import (
     MODEL_HELP,
     dtype_list,
@@ -67,8 +67,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     ttft.add_argument(
         "--strategies",
         type=link_strategies,
-        default=["naive", "legolink:2", "legolink:16", "legolink0", "cacheblend:0.15"],
-        help="link strategies, comma-separated (prefill, the baseline, is always measured)",
+        default=list(TTFT_STRATEGIES),
+        help="link strategies, comma-separated (prefill, the baseline, is always measured; "
+        "default: naive, legolink:2, legolink:16, legolink0, cacheblend:0.15 and the default "
+        "strategy)",
     )
     ttft.add_argument("--repeats", type=whole(1), default=3)
     ttft.add_argument("--model", default=None, help=MODEL_HELP)
