@@ -68,9 +68,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--strategies",
         type=link_strategies,
         default=list(TTFT_STRATEGIES),
-        help="link strategies, comma-separated (prefill, the baseline, is always measured; "
-        "default: naive, legolink:2, legolink:16, legolink0, cacheblend:0.15 and the default "
-        "strategy)",
+        help="link strategies, comma-separated (prefill, the baseline, is always measured)",
     )
     ttft.add_argument("--repeats", type=whole(1), default=3)
     ttft.add_argument("--model", default=None, help=MODEL_HELP)
