@@ -1220,7 +1220,7 @@ import torch
 from helpers import TINY_VOCAB, build_tiny
 from tiny_tokenizer import build_tokenizer
 from rag_kvcache import EngineConfig, RagKVCache
-from rag_kvcache.storage.store import PUT_TRIES, TieredStore
+from rag_kvcache.storage.store import TieredStore
 
 store = TieredStore(Path(sys.argv[1]))
 lm = build_tiny(torch.float32, tokenizer=build_tokenizer(TINY_VOCAB))
