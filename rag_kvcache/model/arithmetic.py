@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rag_kvcache.model.attention import allowed_by
+
 
 @dataclass
 class Arithmetic:
@@ -92,7 +94,7 @@ def count_attention(
     if mask is None:
         pairs = batch * heads * visible_causal(rows, keys)
     else:
-        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        visible = allowed_by(mask)
         full = torch.broadcast_shapes(visible.shape, (batch, heads, rows, keys))
         pairs = int(visible.sum()) * (math.prod(full) // visible.numel())  # broadcast dims
     record.attention += 2 * pairs * (query.shape[-1] + value.shape[-1])

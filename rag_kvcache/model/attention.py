@@ -96,6 +96,12 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask if mask.dim() == 4 else mask[None, None]
 
 
+def allowed_by(mask: torch.Tensor) -> torch.Tensor:
+    """`additive_mask` undone: True where a boolean or additive mask lets a row see a key (an
+    additive one's masked entries are near the dtype's minimum, a bias or two added)."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 @dataclass(frozen=True)
 class QueryBlock:
     """Query rows attended together and the keys they read: `keys[:count]` (sorted key
@@ -122,7 +128,7 @@ def query_blocks(mask: torch.Tensor) -> list[QueryBlock] | None:
     call costing its rows' keys and a fixed overhead (CALL_ROWS)."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[2] <= QUERY_BLOCK:
         return None
-    visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2  # [Q, K]
+    visible = allowed_by(mask[0, 0])  # [Q, K]
     Q, K = visible.shape
     at = torch.arange(K, dtype=torch.int32, device=visible.device)
     rises = visible & ~F.pad(visible, (1, 0))[:, :-1]  # where each run of visible keys starts
